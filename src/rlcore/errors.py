@@ -1,0 +1,81 @@
+"""The error tree. Every error rlcore raises on purpose is an :class:`RLCoreError`.
+
+Backend errors are translated at the edge (the Megatron backend, the SGLang client) and re-raised
+``from`` the original, so a user can catch one root and still read the cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+__all__ = [
+    "BackendUnavailableError",
+    "CheckpointError",
+    "ConfigError",
+    "ConfigProblem",
+    "DataError",
+    "PlanError",
+    "RLCoreError",
+    "RewardError",
+    "RolloutError",
+]
+
+
+class RLCoreError(Exception):
+    """Root of every error rlcore raises on purpose."""
+
+
+@attrs.frozen
+class ConfigProblem:
+    """One invalid setting: where it is (``optim.lr_warmup_iters``), what is wrong, what to do."""
+
+    path: str
+    message: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.path}: {self.message}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+class ConfigError(RLCoreError):
+    """A configuration that cannot run. Lists *all* problems found, each with its field path."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], source: str = "") -> None:
+        self.problems: tuple[ConfigProblem, ...] = tuple(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(self.problems)} configuration problem(s){where}:"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The field paths of all problems, in the order found."""
+        return tuple(p.path for p in self.problems)
+
+
+class PlanError(RLCoreError):
+    """A valid configuration that cannot be turned into a plan (for example an unresolved count)."""
+
+
+class BackendUnavailableError(RLCoreError):
+    """A backend or engine was asked for by name but its packages are not installed."""
+
+
+class RolloutError(RLCoreError):
+    """The rollout engine failed: a server died, timed out or rejected a request."""
+
+
+class CheckpointError(RLCoreError):
+    """A checkpoint is missing, corrupt, or its parts disagree. The message names the path."""
+
+
+class DataError(RLCoreError):
+    """Malformed prompt data. The message names the file and line."""
+
+
+class RewardError(RLCoreError):
+    """A reward function raised. The message names the sample."""

@@ -1,0 +1,164 @@
+"""What a backend is asked to build: model specs, the LR schedule, loss and optimizer settings.
+
+These are the values a :class:`~rlcore.plan.TrainPlan` or :class:`~rlcore.plan.EvalPlan` holds.
+Each one's invariants hold by construction: an :class:`LRSchedule` with zero decay steps cannot
+exist, so Megatron's scheduler asserts cannot be reached from a plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+__all__ = [
+    "AdvantageEstimator",
+    "DecayStyle",
+    "EvalSpec",
+    "KLType",
+    "LRSchedule",
+    "LossSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "ParallelSpec",
+    "Role",
+    "TrainSpec",
+]
+
+Role = Literal["actor", "critic", "reference"]
+DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+AdvantageEstimator = Literal["grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+@attrs.frozen
+class ParallelSpec:
+    """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel across."""
+
+    tensor_model_parallel_size: int = 1
+    world_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1 or self.world_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if self.world_size % self.tensor_model_parallel_size:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of "
+                f"tensor_model_parallel_size {self.tensor_model_parallel_size}"
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_model_parallel_size
+
+
+@attrs.frozen
+class ModelSpec:
+    """Which model a stack holds and where its first weights come from.
+
+    ``hf_checkpoint`` is a Hugging Face folder (``config.json`` + safetensors); a backend builds the
+    architecture from it and loads its weights. ``role`` says which head the model has: a policy
+    (``actor``, ``reference``) gives token log-probs, a ``critic`` a scalar value per token.
+    """
+
+    role: Role
+    hf_checkpoint: Path | None
+    seed: int = 1234
+    parallel: ParallelSpec = ParallelSpec()
+
+
+@attrs.frozen
+class LRSchedule:
+    """A learning-rate schedule in optimizer steps, valid by construction.
+
+    Refuses ``decay_steps < 1`` and ``warmup_steps >= decay_steps``: the two conditions under which
+    Megatron's ``OptimizerParamScheduler`` asserts (slime's ``--num-rollout 0`` crash).
+    """
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    decay_style: DecayStyle = "constant"
+
+    def __attrs_post_init__(self) -> None:
+        if self.decay_steps < 1:
+            raise ValueError(f"LRSchedule.decay_steps must be >= 1, got {self.decay_steps}")
+        if not 0 <= self.warmup_steps < self.decay_steps:
+            raise ValueError(
+                f"LRSchedule.warmup_steps must be in [0, decay_steps={self.decay_steps}), "
+                f"got {self.warmup_steps}"
+            )
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"LRSchedule needs lr > 0 and 0 <= min_lr <= lr, got {self.lr}, {self.min_lr}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate before optimizer step ``step`` (0-based), as Megatron computes it."""
+        import math
+
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.lr
+        if step > self.decay_steps:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            warmup = max(self.warmup_steps, 1)
+            return max(self.min_lr, self.lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
+        ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+
+@attrs.frozen
+class OptimizerSpec:
+    """AdamW settings. ``clip_grad`` is the global L2 norm limit (0 disables clipping)."""
+
+    schedule: LRSchedule
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@attrs.frozen
+class LossSpec:
+    """The loss a training stack minimises. For the actor: clipped policy loss (PPO/GRPO), optional
+    KL loss against the reference and entropy bonus. For the critic: clipped value loss."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    value_clip: float = 0.2
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: KLType = "low_var_kl"
+    sft_coef: float = 0.0
+
+
+@attrs.frozen
+class EvalSpec:
+    """An eval-only model: weights and a forward pass, nothing to train."""
+
+    model: ModelSpec
+
+
+@attrs.frozen
+class TrainSpec:
+    """A model to train: the model, its optimizer and schedule, its loss and batch split.
+
+    One ``train_step`` receives a rollout's samples and takes ``steps_per_rollout`` optimizer steps
+    of ``global_batch_size`` samples each, in micro-batches of ``micro_batch_size`` per rank.
+    """
+
+    model: ModelSpec
+    optimizer: OptimizerSpec
+    loss: LossSpec
+    global_batch_size: int
+    micro_batch_size: int = 1
+    steps_per_rollout: int = 1
