@@ -14,6 +14,7 @@ import attrs
 
 __all__ = [
     "AdvantageEstimator",
+    "AdvantageSpec",
     "DecayStyle",
     "EvalSpec",
     "KLType",
@@ -139,6 +140,25 @@ class LossSpec:
     kl_loss_coef: float = 0.0
     kl_loss_type: KLType = "low_var_kl"
     sft_coef: float = 0.0
+
+
+@attrs.frozen
+class AdvantageSpec:
+    """How rewards become per-token advantages (and, with a critic, returns).
+
+    ``group_size`` is ``n_samples_per_prompt``: consecutive samples of one prompt form a group
+    (GRPO, REINFORCE++-baseline). ``kl_coef`` > 0 subtracts ``kl_coef * KL_t`` (estimator
+    ``kl_type``, against the reference model) from the per-token reward. ``normalize_std = False``
+    is Dr. GRPO (no division by the group's std).
+    """
+
+    estimator: AdvantageEstimator
+    group_size: int
+    gamma: float = 1.0
+    lambd: float = 1.0
+    kl_coef: float = 0.0
+    kl_type: KLType = "k1"
+    normalize_std: bool = True
 
 
 @attrs.frozen
