@@ -1,0 +1,58 @@
+"""Torch maths for RL post-training: batching, KL estimators, advantage estimators and losses.
+
+Imported on demand (``import rlcore`` does not import torch). Shapes are stated in each
+function's docstring: ``B`` sequences, ``S`` the padded sequence length, ``T`` the longest
+response, ``V`` the vocabulary.
+"""
+
+from __future__ import annotations
+
+from rlcore.algorithms.advantages import (
+    Advantages,
+    estimate_advantages,
+    gae,
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+)
+from rlcore.algorithms.batching import (
+    TensorBatch,
+    entropy_from_logits,
+    gather_response,
+    tensorize,
+    tensorize_samples,
+    token_log_probs,
+    unpad,
+)
+from rlcore.algorithms.kl import kl_estimate
+from rlcore.algorithms.losses import (
+    LossOut,
+    PolicyLossOut,
+    actor_loss,
+    critic_loss,
+    policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "Advantages",
+    "LossOut",
+    "PolicyLossOut",
+    "TensorBatch",
+    "actor_loss",
+    "critic_loss",
+    "entropy_from_logits",
+    "estimate_advantages",
+    "gae",
+    "gather_response",
+    "grpo_advantages",
+    "kl_estimate",
+    "policy_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "tensorize",
+    "tensorize_samples",
+    "token_log_probs",
+    "unpad",
+    "value_loss",
+]

@@ -1,0 +1,272 @@
+"""Advantage estimators: rewards (and a critic's values) to per-token advantages and returns.
+
+Tensor functions, each citing what it implements:
+
+- :func:`grpo_advantages` — group-normalised rewards (Shao et al. 2024, DeepSeekMath,
+  arXiv:2402.03300); ``normalize_std=False`` is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783).
+- :func:`reinforce_plus_plus_advantages` — discounted returns, whitened over the batch
+  (Hu 2025, REINFORCE++, arXiv:2501.03262; OpenRLHF's ``reinforce`` estimator).
+- :func:`reinforce_plus_plus_baseline_advantages` — group-mean baseline, then whitening (the
+  same paper's "REINFORCE++-baseline"; OpenRLHF's ``reinforce_baseline``).
+- :func:`gae` — generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
+
+and :func:`estimate_advantages`, the entry point the RL loop calls with ragged Python rows.
+
+Shapes: ``B`` sequences, ``T`` the longest response; ``mask: BoolTensor[B, T]`` is True on real
+response tokens and must be right-padded (each row a prefix of Trues).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import attrs
+import torch
+
+from rlcore.algorithms.kl import kl_estimate
+from rlcore.samples import Sample
+from rlcore.specs import AdvantageSpec
+
+__all__ = [
+    "Advantages",
+    "estimate_advantages",
+    "gae",
+    "grpo_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+]
+
+_WHITEN_MIN_VAR = 1e-8
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages ``(r - mean_g) / (std_g + eps)``: ``rewards: Tensor[B] -> Tensor[B]``.
+
+    Groups are ``group_size`` consecutive entries; ``std_g`` is the unbiased (Bessel, ``n - 1``)
+    standard deviation, as in DeepSeekMath (arXiv:2402.03300) and TRL's ``GRPOTrainer``. A group of
+    one has advantage 0. ``normalize_std=False`` gives Dr. GRPO's ``r - mean_g`` (arXiv:2503.20783:
+    dividing by the std over-weights groups whose rewards barely differ).
+    """
+    _check_groups(int(rewards.shape[0]), group_size)
+    grouped = rewards.reshape(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        if group_size > 1:
+            std = grouped.std(dim=1, correction=1, keepdim=True)
+        else:
+            std = torch.zeros_like(centered)
+        centered = centered / (std + eps)
+    return centered.reshape(rewards.shape)
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """REINFORCE++ advantages: ``token_rewards: Tensor[B, T] -> Tensor[B, T]``, 0 on padding.
+
+    The discounted return ``G_t = sum_{k >= t} gamma^(k - t) r_k`` of each valid token, then
+    whitened over all valid tokens of the batch (mean 0, variance 1 with the biased variance, as
+    OpenRLHF's ``masked_normalize``). Hu 2025, arXiv:2501.03262.
+    """
+    returns = _discounted_returns(token_rewards * mask, gamma)
+    return _masked_whiten(returns, mask)
+
+
+def reinforce_plus_plus_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, mask: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE++-baseline: ``rewards: Tensor[B]`` (one score per sequence) -> ``Tensor[B, T]``.
+
+    Subtracts each group's mean reward (``group_size`` consecutive sequences), broadcasts the
+    result to every valid token of the sequence and whitens over all valid tokens of the batch.
+    Hu 2025, arXiv:2501.03262, section on REINFORCE++-baseline.
+    """
+    centered = grpo_advantages(rewards, group_size, normalize_std=False)
+    return _masked_whiten(centered.unsqueeze(1) * mask, mask)
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lambd: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
+
+    ``token_rewards``, ``values``: ``Tensor[B, T]``; ``values[:, t]`` is ``V(s_t)``, the critic's
+    estimate before response token ``t`` is emitted. With ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``,
+    ``A_t = sum_k (gamma lambd)^k delta_{t+k}`` and ``returns_t = A_t + V(s_t)``; the value after a
+    sequence's last valid token is 0 (the episode ends). Returns ``(advantages, returns)``, both
+    ``Tensor[B, T]`` and 0 on padding. Not whitened.
+    """
+    rewards = token_rewards * mask
+    vals = values * mask  # right padding: V after the last valid token reads as 0
+    advantages = torch.zeros_like(rewards)
+    last = rewards.new_zeros(rewards.shape[0])
+    t_len = int(rewards.shape[1])
+    for t in reversed(range(t_len)):
+        next_value = vals[:, t + 1] if t + 1 < t_len else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        last = delta + gamma * lambd * last
+        advantages[:, t] = last
+    advantages = advantages * mask
+    return advantages, (advantages + vals) * mask
+
+
+@final
+@attrs.frozen
+class Advantages:
+    """What :func:`estimate_advantages` returns, one row per sample, each as long as its response.
+
+    ``returns`` are the critic's targets; for estimators without a critic (``grpo``,
+    ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) they equal ``advantages``.
+    ``kl`` is the mean per-token KL estimate against the reference (before ``kl_coef``) over all
+    response tokens, 0.0 when ``kl_coef == 0``.
+    """
+
+    advantages: tuple[tuple[float, ...], ...]
+    returns: tuple[tuple[float, ...], ...]
+    kl: float = 0.0
+
+
+def estimate_advantages(
+    samples: Sequence[Sample],
+    spec: AdvantageSpec,
+    *,
+    values: Sequence[tuple[float, ...]] = (),
+    log_probs: Sequence[tuple[float, ...]] = (),
+    ref_log_probs: Sequence[tuple[float, ...]] = (),
+) -> Advantages:
+    """Per-token advantages (and returns) for ``samples`` under ``spec``.
+
+    The per-token reward is ``sample.reward`` on the last response token, minus
+    ``spec.kl_coef * kl_estimate(log_probs, ref_log_probs, spec.kl_type)`` on every token when
+    ``kl_coef > 0`` (then ``log_probs`` and ``ref_log_probs`` are required). ``values`` (the
+    critic's ``V(s_t)`` per response token) are required by ``ppo``. Every given row sequence has
+    one row per sample, each as long as the sample's response.
+
+    - ``grpo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed token rewards:
+      the reward minus ``kl_coef`` times the summed KL) is normalised within its group of
+      ``spec.group_size`` consecutive samples and broadcast to every response token.
+    - ``reinforce_plus_plus``: discounted token returns (``spec.gamma``), whitened.
+    - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
+
+    Samples with empty responses get empty rows (a grouped estimator still counts their reward in
+    their group's statistics). Raises ``ValueError`` for a missing input, rows of the wrong length,
+    or (grouped estimators) a sample count that is not a multiple of ``group_size`` or a group of
+    consecutive samples whose ``group`` ids differ.
+    """
+    lengths = [len(s.response.token_ids) for s in samples]
+    _check_rows("values", values, lengths)
+    _check_rows("log_probs", log_probs, lengths)
+    _check_rows("ref_log_probs", ref_log_probs, lengths)
+    grouped = spec.estimator in ("grpo", "reinforce_plus_plus_baseline")
+    if grouped:
+        _check_groups(len(samples), spec.group_size)
+        _check_group_ids(samples, spec.group_size)
+    if spec.estimator == "ppo" and not values:
+        raise ValueError("estimator 'ppo' needs the critic's values: pass values=...")
+
+    width = max(lengths, default=0)
+    dtype = torch.float64  # cheap at this size, and keeps the whitening exact-ish
+    mask = torch.tensor([[j < n for j in range(width)] for n in lengths], dtype=torch.bool)
+    mask = mask.reshape(len(samples), width)
+    rewards = torch.tensor([s.reward for s in samples], dtype=dtype)
+    token_rewards = torch.zeros(len(samples), width, dtype=dtype)
+    for i, n in enumerate(lengths):
+        if n:
+            token_rewards[i, n - 1] = samples[i].reward
+
+    kl_mean = 0.0
+    scores = rewards
+    if spec.kl_coef > 0:
+        for name, rows in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
+            if not rows:
+                raise ValueError(f"kl_coef = {spec.kl_coef} > 0 needs {name}: pass {name}=...")
+        kl = kl_estimate(_pad(log_probs, width, dtype), _pad(ref_log_probs, width, dtype), spec.kl_type)
+        kl = kl * mask
+        token_rewards = token_rewards - spec.kl_coef * kl
+        scores = rewards - spec.kl_coef * kl.sum(dim=1)
+        n_tokens = int(mask.sum())
+        kl_mean = float(kl.sum()) / n_tokens if n_tokens else 0.0
+
+    if spec.estimator == "grpo":
+        per_seq = grpo_advantages(scores, spec.group_size, spec.normalize_std)
+        adv = per_seq.unsqueeze(1) * mask
+        ret = adv
+    elif spec.estimator == "reinforce_plus_plus_baseline":
+        adv = reinforce_plus_plus_baseline_advantages(scores, spec.group_size, mask)
+        ret = adv
+    elif spec.estimator == "reinforce_plus_plus":
+        adv = reinforce_plus_plus_advantages(token_rewards, mask, spec.gamma)
+        ret = adv
+    elif spec.estimator == "ppo":
+        adv, ret = gae(token_rewards, _pad(values, width, dtype), mask, spec.gamma, spec.lambd)
+    else:
+        raise ValueError(f"unknown advantage estimator {spec.estimator!r}")
+    return Advantages(advantages=_rows(adv, lengths), returns=_rows(ret, lengths), kl=kl_mean)
+
+
+def _discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma G_{t+1}`` along dim 1 of ``rewards: Tensor[B, T]`` (0 beyond ``T``)."""
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(int(rewards.shape[1]))):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns
+
+
+def _masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / sqrt(max(var, 1e-8))`` with mean and biased variance over ``mask``'s True
+    entries; 0 where ``mask`` is False, and all 0 when nothing is valid (OpenRLHF's whitening)."""
+    n = mask.sum()
+    if int(n) == 0:
+        return torch.zeros_like(x)
+    mean = (x * mask).sum() / n
+    var = ((x - mean).square() * mask).sum() / n
+    return ((x - mean) * var.clamp_min(_WHITEN_MIN_VAR).rsqrt()) * mask
+
+
+def _check_groups(count: int, group_size: int) -> None:
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if count % group_size:
+        raise ValueError(
+            f"{count} samples do not split into groups of {group_size}: a grouped advantage "
+            "estimator needs every prompt's n_samples_per_prompt samples, consecutively"
+        )
+
+
+def _check_group_ids(samples: Sequence[Sample], group_size: int) -> None:
+    for start in range(0, len(samples), group_size):
+        ids = {s.group for s in samples[start : start + group_size]}
+        if len(ids) > 1:
+            raise ValueError(
+                f"samples {start}..{start + group_size - 1} should form one group but carry "
+                f"group ids {sorted(ids)}: keep each prompt's samples consecutive"
+            )
+
+
+def _check_rows(name: str, rows: Sequence[tuple[float, ...]], lengths: list[int]) -> None:
+    if not rows:
+        return
+    if len(rows) != len(lengths):
+        raise ValueError(f"{name} has {len(rows)} rows for {len(lengths)} samples")
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        if len(row) != n:
+            raise ValueError(f"{name}[{i}] has {len(row)} entries but sample {i} has {n} response tokens")
+
+
+def _pad(rows: Sequence[tuple[float, ...]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    padded = [list(r) + [0.0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=dtype).reshape(len(rows), width)
+
+
+def _rows(x: torch.Tensor, lengths: list[int]) -> tuple[tuple[float, ...], ...]:
+    data = x.tolist()
+    return tuple(tuple(row[:n]) for row, n in zip(data, lengths, strict=True))

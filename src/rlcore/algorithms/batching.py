@@ -1,0 +1,223 @@
+"""Samples as right-padded tensors, and the per-token quantities read off a model's output.
+
+A :class:`~rlcore.samples.TrainBatch` holds ragged tuples; a torch backend needs rectangles. Each
+sample's prompt and response are concatenated and right-padded to the longest sequence ``S``;
+per-response-token quantities (advantages, log-probs, ...) are right-padded to the longest
+response ``T``. Shapes used throughout (``B`` sequences)::
+
+    tokens          LongTensor[B, S]    prompt + response, then pad_id
+    attention_mask  BoolTensor[B, S]    True on prompt and response tokens
+    response_index  LongTensor[B, T]    position of the logits that predict each response token
+    response_mask   BoolTensor[B, T]    True on real response tokens
+    advantages ...  Tensor[B, T]        float, 0 on padding
+
+A causal LM's logits at position ``p`` predict the token at ``p + 1``, so response token ``j`` of a
+sample with a ``P``-token prompt (sequence position ``P + j``) is predicted by the logits at
+``P + j - 1``; ``response_index[i, j] = P_i + j - 1``. This is the shift OpenRLHF and slime apply
+with ``logits[:, -num_actions - 1:-1]``; holding it as an index makes it correct for every row of
+a batch with prompts of different lengths. Padding entries of ``response_index`` are clamped into
+``[0, S - 1]`` so that a gather with them is always valid; their results are zeroed by
+``response_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import attrs
+import torch
+
+from rlcore.samples import Sample, TrainBatch
+
+__all__ = [
+    "TensorBatch",
+    "entropy_from_logits",
+    "gather_response",
+    "tensorize",
+    "tensorize_samples",
+    "token_log_probs",
+    "unpad",
+]
+
+
+@final
+@attrs.frozen
+class TensorBatch:
+    """A batch of samples as right-padded tensors (shapes in the module docstring).
+
+    ``returns``, ``old_log_probs``, ``ref_log_probs`` and ``old_values`` are ``None`` when the
+    :class:`~rlcore.samples.TrainBatch` field they come from is empty. Build one with
+    :func:`tensorize` or :func:`tensorize_samples`.
+    """
+
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    response_index: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        """``B``, the number of sequences."""
+        return int(self.tokens.shape[0])
+
+    def select(self, index: slice | torch.Tensor) -> TensorBatch:
+        """The sequences picked by ``index`` along the batch dimension (a slice, an index tensor or
+        a boolean mask), for micro-batching. ``S`` and ``T`` are kept, so a micro-batch's tensors
+        line up with the full batch's."""
+
+        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[index]
+
+        return attrs.evolve(
+            self,
+            tokens=self.tokens[index],
+            attention_mask=self.attention_mask[index],
+            response_index=self.response_index[index],
+            response_mask=self.response_mask[index],
+            advantages=self.advantages[index],
+            returns=pick(self.returns),
+            old_log_probs=pick(self.old_log_probs),
+            ref_log_probs=pick(self.ref_log_probs),
+            old_values=pick(self.old_values),
+        )
+
+
+def tensorize(batch: TrainBatch, pad_id: int, device: torch.device | str = "cpu") -> TensorBatch:
+    """``batch`` as a :class:`TensorBatch` on ``device``; per-token floats become ``float32``.
+
+    Raises ``ValueError`` when a sample with a non-empty response has an empty prompt (its first
+    response token would have no logits to predict it).
+    """
+    base = tensorize_samples(batch.samples, pad_id, device)
+    t = base.response_mask.shape[1]
+
+    def floats(rows: tuple[tuple[float, ...], ...]) -> torch.Tensor | None:
+        if not rows:
+            return None
+        return _pad_floats(rows, t, device)
+
+    advantages = floats(batch.advantages)
+    return attrs.evolve(
+        base,
+        advantages=base.advantages if advantages is None else advantages,
+        returns=floats(batch.returns),
+        old_log_probs=floats(batch.old_log_probs),
+        ref_log_probs=floats(batch.ref_log_probs),
+        old_values=floats(batch.old_values),
+    )
+
+
+def tensorize_samples(
+    samples: Sequence[Sample], pad_id: int, device: torch.device | str = "cpu"
+) -> TensorBatch:
+    """``samples`` as a :class:`TensorBatch` with zero advantages and no optional fields, for
+    forward-only passes (reference log-probs, critic values)."""
+    prompts = [s.prompt.token_ids for s in samples]
+    responses = [s.response.token_ids for s in samples]
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if r and not p:
+            raise ValueError(
+                f"sample {i} has an empty prompt: no logits predict its first response token "
+                "(prompts need at least one token, e.g. <bos>)"
+            )
+    seq_len = max((len(p) + len(r) for p, r in zip(prompts, responses, strict=True)), default=0)
+    resp_len = max((len(r) for r in responses), default=0)
+
+    pairs = list(zip(prompts, responses, strict=True))
+    tokens = [[*p, *r] + [pad_id] * (seq_len - len(p) - len(r)) for p, r in pairs]
+    attention = [[k < len(p) + len(r) for k in range(seq_len)] for p, r in pairs]
+    last = max(seq_len - 1, 0)
+    index = [[min(max(len(p) + j - 1, 0), last) for j in range(resp_len)] for p in prompts]
+    mask = [[j < len(r) for j in range(resp_len)] for r in responses]
+
+    b = len(samples)
+    return TensorBatch(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device).reshape(b, seq_len),
+        attention_mask=torch.tensor(attention, dtype=torch.bool, device=device).reshape(b, seq_len),
+        response_index=torch.tensor(index, dtype=torch.long, device=device).reshape(b, resp_len),
+        response_mask=torch.tensor(mask, dtype=torch.bool, device=device).reshape(b, resp_len),
+        advantages=torch.zeros(b, resp_len, dtype=torch.float32, device=device),
+    )
+
+
+def _pad_floats(rows: Sequence[Sequence[float]], width: int, device: torch.device | str) -> torch.Tensor:
+    """Ragged float rows as a ``float32`` ``[len(rows), width]`` tensor, zero-padded on the right."""
+    padded = [list(r) + [0.0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.float32, device=device).reshape(len(rows), width)
+
+
+def _response_rows(x: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """The rows of ``x[B, S, ...]`` at ``batch.response_index``: ``[B, T, ...]``."""
+    index = batch.response_index
+    if x.dim() == 2:
+        return x.gather(1, index)
+    expanded = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(
+        *index.shape, *x.shape[2:]
+    )
+    return x.gather(1, expanded)
+
+
+def _response_targets(batch: TensorBatch) -> torch.Tensor:
+    """The response token ids, ``LongTensor[B, T]`` (clamped positions on padding)."""
+    last = max(batch.tokens.shape[1] - 1, 0)
+    return batch.tokens.gather(1, (batch.response_index + 1).clamp(max=last))
+
+
+def token_log_probs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """``log softmax(logits)`` at temperature 1, at each response token: ``Tensor[B, T]``, 0 on padding.
+
+    ``logits`` is ``Tensor[B, S, V]`` from a causal LM over ``batch.tokens``. Only the ``B * T``
+    rows that predict response tokens are gathered, and the log-probability is computed as
+    ``logit[target] - logsumexp(logits)`` over those rows, so no ``[B, S, V]`` log-softmax is ever
+    materialised. Half-precision logits are upcast to ``float32`` (only the gathered rows).
+    Differentiable with respect to ``logits``.
+    """
+    rows = _upcast(_response_rows(logits, batch))  # [B, T, V]
+    targets = _response_targets(batch).unsqueeze(-1)  # [B, T, 1]
+    picked = rows.gather(-1, targets).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+    return picked.masked_fill(~batch.response_mask, 0.0)
+
+
+def entropy_from_logits(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """Entropy of the next-token distribution that samples each response token: ``Tensor[B, T]``.
+
+    ``logits`` is ``Tensor[B, S, V]``. ``H = logsumexp(z) - sum softmax(z) * z`` over the gathered
+    rows (as verl's ``entropy_from_logits``); 0 on padding. Differentiable.
+    """
+    rows = _upcast(_response_rows(logits, batch))  # [B, T, V]
+    log_z = torch.logsumexp(rows, dim=-1)
+    probs = torch.softmax(rows, dim=-1)
+    entropy = log_z - (probs * rows).sum(dim=-1)
+    return entropy.masked_fill(~batch.response_mask, 0.0)
+
+
+def gather_response(values: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """A critic's per-position values ``Tensor[B, S]`` at the response tokens: ``Tensor[B, T]``.
+
+    Reads the *predicting* position ``P_i + j - 1`` (``batch.response_index``), i.e. the value of
+    the state after the prompt and the first ``j`` response tokens, before response token ``j`` is
+    emitted: ``V(s_j)`` as GAE needs it. This is the same shift as OpenRLHF's critic
+    (``values[:, -num_actions - 1:-1]``). 0 on padding.
+    """
+    return _response_rows(values, batch).masked_fill(~batch.response_mask, 0.0)
+
+
+def unpad(x: torch.Tensor, batch: TensorBatch) -> list[tuple[float, ...]]:
+    """``x: Tensor[B, T]`` as ragged rows of Python floats, one per sample, each as long as its
+    response (the inverse of the padding :func:`tensorize` applies)."""
+    lengths = batch.response_mask.sum(dim=1).tolist()
+    rows = x.detach().cpu().tolist()
+    return [tuple(row[:n]) for row, n in zip(rows, lengths, strict=True)]
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least ``float32``: log-softmax over a vocabulary in bf16/fp16 loses digits."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
