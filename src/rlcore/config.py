@@ -1,0 +1,522 @@
+"""The run configuration: frozen attrs classes behind one cattrs converter.
+
+Two sources, one result: command-line flags with slime's names and a TOML file
+(``--config run.toml``, sections named like the classes' fields below; flags override the file).
+A :class:`RunConfig` that exists is valid: its constructor checks every invariant that would
+otherwise fail later inside Megatron or mid-run and raises one :class:`~rlcore.errors.ConfigError`
+listing *all* problems with their field paths (and flags) and what to do.
+
+Every field's metadata carries its flag and a one-line help text; the CLI is generated from them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.specs import AdvantageEstimator, DecayStyle, KLType
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "EvalDataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "check",
+    "converter",
+    "structure_config",
+]
+
+RolloutEngineName = Literal["embedded", "sglang"]
+WeightSyncMode = Literal["tensor", "distributed", "disk"]
+
+_T = TypeVar("_T")
+
+
+def _opt(default: _T, flag: str, help: str, **metadata: Any) -> _T:
+    """An attrs field with its command-line flag and help text in the metadata."""
+    result: _T = attrs.field(default=default, metadata={"flag": flag, "help": help, **metadata})
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+@attrs.frozen
+class RolloutConfig:
+    """How many rollouts, how big, and how the engine samples."""
+
+    num_rollout: int | None = _opt(
+        None, "--num-rollout", "rollouts to train; 0 = evaluate only (default: from --num-epoch)"
+    )
+    num_epoch: int | None = _opt(
+        None, "--num-epoch", "passes over --prompt-data, used when --num-rollout is not given"
+    )
+    rollout_batch_size: int = _opt(8, "--rollout-batch-size", "prompts per rollout")
+    n_samples_per_prompt: int = _opt(4, "--n-samples-per-prompt", "responses sampled per prompt")
+    max_response_len: int = _opt(16, "--rollout-max-response-len", "max new tokens per response")
+    temperature: float = _opt(1.0, "--rollout-temperature", "sampling temperature")
+    top_p: float = _opt(1.0, "--rollout-top-p", "nucleus sampling threshold (1.0 = off)")
+    top_k: int = _opt(0, "--rollout-top-k", "top-k sampling (0 = off)")
+    engine: RolloutEngineName = _opt("embedded", "--rollout-engine", "embedded (HF, in process) or sglang")
+    sglang_urls: tuple[str, ...] = _opt(
+        (), "--sglang-url", "connect to a running SGLang server (repeatable); none = launch one", repeat=True
+    )
+    weight_sync: WeightSyncMode = _opt("tensor", "--weight-sync", "how weights reach SGLang")
+
+
+@attrs.frozen
+class AlgorithmConfig:
+    """Advantage estimation, policy loss, KL."""
+
+    advantage_estimator: AdvantageEstimator = _opt(
+        "grpo", "--advantage-estimator", "grpo, reinforce_plus_plus, reinforce_plus_plus_baseline or ppo"
+    )
+    use_critic: bool = _opt(False, "--use-critic", "train a critic (implied by --advantage-estimator ppo)")
+    gamma: float = _opt(1.0, "--gamma", "discount factor (PPO/GAE, REINFORCE++)")
+    lambd: float = _opt(1.0, "--lambd", "GAE lambda")
+    normalize_std: bool = _opt(
+        True, "--disable-grpo-std-normalization", "Dr. GRPO: do not divide by the group std", invert=True
+    )
+    kl_coef: float = _opt(0.0, "--kl-coef", "KL penalty on the reward (needs a reference model)")
+    kl_penalty_type: KLType = _opt("k1", "--kl-penalty-type", "KL estimator for --kl-coef")
+    use_kl_loss: bool = _opt(False, "--use-kl-loss", "add a KL loss against the reference model")
+    kl_loss_coef: float = _opt(0.0, "--kl-loss-coef", "weight of the KL loss")
+    kl_loss_type: KLType = _opt("low_var_kl", "--kl-loss-type", "k1, k2, k3 or low_var_kl")
+    eps_clip: float = _opt(0.2, "--eps-clip", "PPO clip range below 1")
+    eps_clip_high: float | None = _opt(None, "--eps-clip-high", "PPO clip range above 1 (default: --eps-clip)")
+    value_clip: float = _opt(0.2, "--value-clip", "critic value clip range")
+    entropy_coef: float = _opt(0.0, "--entropy-coef", "entropy bonus weight")
+
+    @property
+    def critic(self) -> bool:
+        """Whether a critic is trained: asked for, or implied by PPO (as in slime)."""
+        return self.use_critic or self.advantage_estimator == "ppo"
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether a reference model is needed: a KL reward penalty or a KL loss."""
+        return self.kl_coef != 0.0 or self.use_kl_loss
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (in optimizer steps)."""
+
+    lr: float = _opt(1e-6, "--lr", "peak learning rate")
+    critic_lr: float | None = _opt(None, "--critic-lr", "critic learning rate (default: --lr)")
+    min_lr: float = _opt(0.0, "--min-lr", "learning rate at the end of decay")
+    lr_warmup_iters: int = _opt(0, "--lr-warmup-iters", "linear warmup steps")
+    lr_decay_iters: int | None = _opt(
+        None, "--lr-decay-iters", "decay steps (default: all optimizer steps of the run)"
+    )
+    lr_decay_style: DecayStyle = _opt("constant", "--lr-decay-style", "constant, linear, cosine, inverse-square-root")
+    clip_grad: float = _opt(1.0, "--clip-grad", "global gradient-norm clip (0 = off)")
+    weight_decay: float = _opt(0.0, "--weight-decay", "AdamW weight decay")
+    adam_beta1: float = _opt(0.9, "--adam-beta1", "AdamW beta1")
+    adam_beta2: float = _opt(0.999, "--adam-beta2", "AdamW beta2")
+
+
+@attrs.frozen
+class TrainConfig:
+    """How a rollout's samples are cut into optimizer steps and micro-batches."""
+
+    global_batch_size: int = _opt(32, "--global-batch-size", "samples per optimizer step")
+    micro_batch_size: int = _opt(8, "--micro-batch-size", "samples per forward/backward per rank")
+
+
+@attrs.frozen
+class ModelConfig:
+    """Which model, and how it is split over ranks."""
+
+    hf_checkpoint: Path | None = _opt(None, "--hf-checkpoint", "HF model folder (config.json + safetensors)")
+    tensor_model_parallel_size: int = _opt(1, "--tensor-model-parallel-size", "tensor-parallel ranks")
+    actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
+    actor_num_gpus_per_node: int = _opt(1, "--actor-num-gpus-per-node", "ranks per node (CPU processes without GPUs)")
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+
+@attrs.frozen
+class DataConfig:
+    """Training prompts and the reward."""
+
+    prompt_data: Path | None = _opt(None, "--prompt-data", "training prompts (.jsonl or .parquet)")
+    input_key: str = _opt("input", "--input-key", "field holding the prompt")
+    label_key: str = _opt("label", "--label-key", "field holding the reference answer")
+    apply_chat_template: bool = _opt(False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template")
+    rm_type: str = _opt("exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial")
+    custom_rm_path: str | None = _opt(None, "--custom-rm-path", "reward function as module:function (sync or async)")
+
+
+@attrs.frozen
+class EvalDataConfig:
+    """One eval set: ``--eval-prompt-data NAME PATH``."""
+
+    name: str
+    path: Path
+
+
+@attrs.frozen
+class EvalConfig:
+    """Periodic evaluation with the rollout engine."""
+
+    interval: int | None = _opt(None, "--eval-interval", "evaluate every N rollouts (and after the last)")
+    prompt_data: tuple[EvalDataConfig, ...] = _opt(
+        (), "--eval-prompt-data", "eval sets as NAME PATH [NAME PATH ...]", pairs=True
+    )
+    skip_eval_before_train: bool = _opt(False, "--skip-eval-before-train", "no eval before the first rollout")
+    n_samples_per_eval_prompt: int = _opt(1, "--n-samples-per-eval-prompt", "samples per eval prompt (pass@k)")
+    max_response_len: int | None = _opt(None, "--eval-max-response-len", "default: --rollout-max-response-len")
+    temperature: float = _opt(0.0, "--eval-temperature", "eval sampling temperature (0 = greedy)")
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: Path | None = _opt(None, "--save", "checkpoint folder")
+    save_interval: int | None = _opt(None, "--save-interval", "save every N rollouts (and always after the last)")
+    load: Path | None = _opt(None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from")
+    start_rollout_id: int | None = _opt(
+        None, "--start-rollout-id", "first rollout id (default: loaded checkpoint's id + 1, else 0)"
+    )
+
+
+@attrs.frozen
+class RunConfig:
+    """Everything a run needs. Constructing one checks every cross-field invariant (see :func:`check`)."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    seed: int = _opt(1234, "--seed", "random seed")
+    output_dir: Path = _opt(Path("runs/latest"), "--output-dir", "run folder for metrics and logs")
+    use_tensorboard: bool = _opt(False, "--use-tensorboard", "also write TensorBoard events")
+    use_wandb: bool = _opt(False, "--use-wandb", "also log to Weights & Biases (offline works)")
+    ray_address: str | None = _opt(None, "--ray-address", "join a Ray cluster (default: start a local one)")
+
+    def __attrs_post_init__(self) -> None:
+        problems = check(self)
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def is_eval_only(self) -> bool:
+        return self.rollout.num_rollout == 0
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout: one per global batch."""
+        return self.samples_per_rollout // self.train.global_batch_size
+
+    @property
+    def total_train_steps(self) -> int:
+        return (self.rollout.num_rollout or 0) * self.steps_per_rollout
+
+    @property
+    def lr_decay_steps(self) -> int:
+        """``--lr-decay-iters`` or, by default, every optimizer step of the run."""
+        if self.optim.lr_decay_iters is not None:
+            return self.optim.lr_decay_iters
+        return self.total_train_steps
+
+
+# --------------------------------------------------------------------------------------------
+# Invariants
+
+
+def _flag(section: type[Any], name: str) -> str:
+    meta = attrs.fields_dict(section)[name].metadata
+    return str(meta.get("flag", name))
+
+
+def _problem(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> ConfigProblem:
+    path = f"{prefix}.{name}" if prefix else name
+    return ConfigProblem(path=f"{path} ({_flag(section, name)})", message=message, hint=hint)
+
+
+def check(config: RunConfig) -> list[ConfigProblem]:
+    """Every problem with ``config``, in field order; empty when it can run."""
+    problems: list[ConfigProblem] = []
+    r, a, o, t, m, e, c = (
+        config.rollout,
+        config.algorithm,
+        config.optim,
+        config.train,
+        config.model,
+        config.eval,
+        config.checkpoint,
+    )
+
+    def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
+        problems.append(_problem(section, prefix, name, message, hint))
+
+    # Counts.
+    for name in ("num_rollout", "num_epoch"):
+        value = getattr(r, name)
+        if value is not None and value < 0:
+            add(RolloutConfig, "rollout", name, f"must be >= 0, got {value}")
+    if r.num_epoch == 0:
+        add(RolloutConfig, "rollout", "num_epoch", "must be >= 1", "use --num-rollout 0 to evaluate only")
+    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
+        if getattr(r, name) < 1:
+            add(RolloutConfig, "rollout", name, f"must be >= 1, got {getattr(r, name)}")
+    if r.temperature < 0:
+        add(RolloutConfig, "rollout", "temperature", f"must be >= 0, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        add(RolloutConfig, "rollout", "top_p", f"must be in (0, 1], got {r.top_p}")
+    if r.top_k < 0:
+        add(RolloutConfig, "rollout", "top_k", f"must be >= 0, got {r.top_k}")
+    if r.sglang_urls and r.engine != "sglang":
+        add(RolloutConfig, "rollout", "sglang_urls", "given but the rollout engine is not sglang",
+            "add --rollout-engine sglang")
+    for name in ("global_batch_size", "micro_batch_size"):
+        if getattr(t, name) < 1:
+            add(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
+    for name in ("tensor_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+        if getattr(m, name) < 1:
+            add(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
+    if e.interval is not None and e.interval < 1:
+        add(EvalConfig, "eval", "interval", f"must be >= 1, got {e.interval}")
+    if e.n_samples_per_eval_prompt < 1:
+        add(EvalConfig, "eval", "n_samples_per_eval_prompt", f"must be >= 1, got {e.n_samples_per_eval_prompt}")
+    if e.max_response_len is not None and e.max_response_len < 1:
+        add(EvalConfig, "eval", "max_response_len", f"must be >= 1, got {e.max_response_len}")
+    if e.temperature < 0:
+        add(EvalConfig, "eval", "temperature", f"must be >= 0, got {e.temperature}")
+    names = [d.name for d in e.prompt_data]
+    if len(set(names)) != len(names):
+        add(EvalConfig, "eval", "prompt_data", f"eval set names repeat: {names}", "give each set its own NAME")
+    if c.save_interval is not None and c.save_interval < 1:
+        add(CheckpointConfig, "checkpoint", "save_interval", f"must be >= 1, got {c.save_interval}")
+    if c.start_rollout_id is not None and c.start_rollout_id < 0:
+        add(CheckpointConfig, "checkpoint", "start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
+
+    # What the run is asked to do.
+    if e.interval is not None and not e.prompt_data:
+        add(EvalConfig, "eval", "prompt_data", "evaluation is asked for (--eval-interval) but there is no eval data",
+            "add --eval-prompt-data NAME PATH")
+    if c.save_interval is not None and c.save is None:
+        add(CheckpointConfig, "checkpoint", "save", "--save-interval is set but there is no save folder",
+            "add --save DIR")
+    if m.world_size % m.tensor_model_parallel_size:
+        add(ModelConfig, "model", "tensor_model_parallel_size",
+            f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks")
+
+    if r.num_rollout is None and r.num_epoch is None:
+        add(RolloutConfig, "rollout", "num_rollout", "neither --num-rollout nor --num-epoch is given",
+            "set --num-rollout N (0 evaluates only)")
+    elif r.num_rollout == 0:
+        if not e.prompt_data:
+            add(RolloutConfig, "rollout", "num_rollout", "0 means evaluate only, but there is nothing to evaluate",
+                "add --eval-prompt-data NAME PATH, or train with --num-rollout N > 0")
+    else:
+        problems += _check_training(config)
+    return problems
+
+
+def _check_training(config: RunConfig) -> list[ConfigProblem]:
+    """Invariants that only matter when the run trains."""
+    problems: list[ConfigProblem] = []
+    r, a, o, t, m, c = (
+        config.rollout, config.algorithm, config.optim, config.train, config.model, config.checkpoint
+    )
+
+    def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
+        problems.append(_problem(section, prefix, name, message, hint))
+
+    if a.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
+        add(RolloutConfig, "rollout", "n_samples_per_prompt",
+            f"{a.advantage_estimator} compares samples within a prompt's group, so it needs >= 2",
+            "raise --n-samples-per-prompt")
+    if a.kl_coef < 0 or a.kl_loss_coef < 0:
+        add(AlgorithmConfig, "algorithm", "kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")
+    if a.eps_clip < 0 or (a.eps_clip_high is not None and a.eps_clip_high < 0):
+        add(AlgorithmConfig, "algorithm", "eps_clip", "clip ranges must be >= 0")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
+        add(AlgorithmConfig, "algorithm", "gamma", f"gamma and lambd must be in [0, 1], got {a.gamma}, {a.lambd}")
+    if o.lr <= 0:
+        add(OptimizerConfig, "optim", "lr", f"must be > 0, got {o.lr}")
+    if o.critic_lr is not None and o.critic_lr <= 0:
+        add(OptimizerConfig, "optim", "critic_lr", f"must be > 0, got {o.critic_lr}")
+    if not 0 <= o.min_lr <= max(o.lr, o.critic_lr or 0.0):
+        add(OptimizerConfig, "optim", "min_lr", f"must be in [0, lr], got {o.min_lr}")
+    if o.clip_grad < 0:
+        add(OptimizerConfig, "optim", "clip_grad", f"must be >= 0, got {o.clip_grad}")
+    if o.lr_warmup_iters < 0:
+        add(OptimizerConfig, "optim", "lr_warmup_iters", f"must be >= 0, got {o.lr_warmup_iters}")
+
+    samples = config.samples_per_rollout
+    if t.global_batch_size >= 1 and samples >= 1:
+        if samples < t.global_batch_size:
+            add(TrainConfig, "train", "global_batch_size",
+                f"{t.global_batch_size} is more than the {samples} samples a rollout makes "
+                f"(rollout_batch_size x n_samples_per_prompt), so no optimizer step would run",
+                "lower --global-batch-size or raise --rollout-batch-size")
+        elif samples % t.global_batch_size:
+            add(TrainConfig, "train", "global_batch_size",
+                f"does not divide the {samples} samples per rollout", "pick a divisor")
+        if r.rollout_batch_size >= 1 and r.n_samples_per_prompt >= 1 and t.global_batch_size % r.n_samples_per_prompt:
+            add(TrainConfig, "train", "global_batch_size",
+                f"{t.global_batch_size} splits a prompt's group of {r.n_samples_per_prompt} samples",
+                "use a multiple of --n-samples-per-prompt")
+    dp = m.world_size // m.tensor_model_parallel_size if m.tensor_model_parallel_size >= 1 else 1
+    if t.micro_batch_size >= 1 and dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
+        add(TrainConfig, "train", "micro_batch_size",
+            f"global batch {t.global_batch_size} is not a multiple of micro_batch_size x data-parallel "
+            f"ranks = {t.micro_batch_size} x {dp}", "pick sizes that divide")
+
+    if r.num_rollout is not None and r.num_rollout > 0 and not problems:
+        decay = config.lr_decay_steps
+        if decay < 1:
+            add(OptimizerConfig, "optim", "lr_decay_iters",
+                f"the run would decay the LR over {decay} optimizer steps; Megatron's scheduler needs >= 1",
+                "give --lr-decay-iters or train more samples")
+        elif o.lr_warmup_iters >= decay:
+            add(OptimizerConfig, "optim", "lr_warmup_iters",
+                f"warmup ({o.lr_warmup_iters}) must be shorter than decay ({decay} steps)",
+                "lower --lr-warmup-iters or raise --lr-decay-iters")
+    if c.start_rollout_id is not None and r.num_rollout is not None and c.start_rollout_id >= r.num_rollout > 0:
+        add(CheckpointConfig, "checkpoint", "start_rollout_id",
+            f"{c.start_rollout_id} leaves nothing to train out of {r.num_rollout} rollouts",
+            "lower --start-rollout-id or raise --num-rollout")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Converter
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(Path, lambda v, _: _structure_path(v))
+    conv.register_structure_hook(int, lambda v, _: _structure_int(v))
+    conv.register_structure_hook(float, lambda v, _: _structure_float(v))
+    conv.register_structure_hook(bool, lambda v, _: _structure_bool(v))
+    return conv
+
+
+# Strict scalars: cattrs' defaults call int()/bool() and would turn 3.7 into 3 and "no" into True.
+def _structure_path(value: object) -> Path:
+    if isinstance(value, (str, Path)):
+        return Path(value)
+    raise TypeError(f"expected a path string, got {type(value).__name__}")
+
+
+def _structure_int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise TypeError(f"expected an integer, got {value!r}")
+
+
+def _structure_float(value: object) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise TypeError(f"expected a number, got {value!r}")
+
+
+def _structure_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"expected true or false, got {value!r}")
+
+
+converter = _make_converter()
+"""The one converter for configs: unknown keys are errors, all errors are collected."""
+
+
+def _did_you_mean(key: str, cls: type[Any]) -> str:
+    names = [f.name for f in attrs.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+
+
+def _problems_from(exc: BaseException, path: str, cls: type[Any] | None) -> list[ConfigProblem]:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return [
+            ConfigProblem(path=f"{path}.{key}" if path else key, message="unknown key", hint=_did_you_mean(key, exc.cl))
+            for key in sorted(exc.extra_fields)
+        ]
+    if isinstance(exc, ClassValidationError):
+        out: list[ConfigProblem] = []
+        noted, bare = exc.group_exceptions()
+        for sub, note in noted:
+            sub_path = f"{path}.{note.name}" if path else note.name
+            out += _problems_from(sub, sub_path, exc.cl)
+        for sub in bare:
+            out += _problems_from(sub, path, exc.cl)
+        return out
+    if isinstance(exc, IterableValidationError):
+        out = []
+        inoted, ibare = exc.group_exceptions()
+        for sub, inote in inoted:
+            out += _problems_from(sub, f"{path}[{inote.index}]", None)
+        for sub in ibare:
+            out += _problems_from(sub, path, None)
+        return out
+    if isinstance(exc, ConfigError):
+        return list(exc.problems)
+    del cls
+    return [ConfigProblem(path=_with_flag(path) or "<root>", message=f"invalid value: {exc}")]
+
+
+def _with_flag(path: str) -> str:
+    """``rollout.num_rollout`` -> ``rollout.num_rollout (--num-rollout)`` when the field has a flag."""
+    owner: type[Any] = RunConfig
+    meta: Any = {}
+    for part in path.split("."):
+        fields = attrs.fields_dict(owner) if attrs.has(owner) else {}
+        if part not in fields:
+            return path
+        meta = fields[part].metadata
+        field_type = fields[part].type
+        owner = field_type if isinstance(field_type, type) else object
+    return f"{path} ({meta['flag']})" if "flag" in meta else path
+
+
+def structure_config(data: dict[str, Any], source: str = "") -> RunConfig:
+    """Build a :class:`RunConfig` from nested plain data (a parsed TOML file, flags merged in).
+
+    Raises :class:`ConfigError` listing every problem: unknown keys (with a suggestion), values of
+    the wrong type, and every broken invariant.
+    """
+    try:
+        return converter.structure(data, RunConfig)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source) from None
+    except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+        raise ConfigError(_problems_from(exc, "", RunConfig), source) from exc

@@ -1,0 +1,183 @@
+"""Command-line flags and TOML files -> :class:`~rlcore.config.RunConfig`.
+
+The parser is generated from the config classes' field metadata, one argument group per section,
+so a flag cannot exist without a field (or the other way round). Values are handed to the cattrs
+converter as given, so a bad value is reported like a bad TOML value: with its field path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rlcore.config import RunConfig, structure_config
+from rlcore.errors import ConfigError, ConfigProblem
+
+__all__ = ["build_parser", "load_config", "read_toml"]
+
+_SECTIONS: dict[str, str] = {
+    "rollout": "rollout",
+    "algorithm": "algorithm (advantages, loss, KL)",
+    "optim": "optimizer and LR schedule",
+    "train": "training batches",
+    "model": "model and parallelism",
+    "data": "data and reward",
+    "eval": "evaluation",
+    "checkpoint": "checkpoints",
+}
+
+
+def _fields_with_flags() -> list[tuple[str | None, attrs.Attribute[Any]]]:
+    """(section or None for top-level, field) for every field that has a flag."""
+    out: list[tuple[str | None, attrs.Attribute[Any]]] = []
+    hints = typing.get_type_hints(RunConfig)
+    for field in attrs.fields(RunConfig):
+        section_type = hints[field.name]
+        if attrs.has(section_type):
+            out += [(field.name, f) for f in attrs.fields(section_type) if "flag" in f.metadata]
+        elif "flag" in field.metadata:
+            out.append((None, field))
+    return out
+
+
+def _is_bool(field: attrs.Attribute[Any], section: str | None) -> bool:
+    owner = RunConfig if section is None else typing.get_type_hints(RunConfig)[section]
+    hint = typing.get_type_hints(owner)[field.name]
+    return hint is bool
+
+
+def _choices(field: attrs.Attribute[Any], section: str | None) -> tuple[str, ...] | None:
+    owner = RunConfig if section is None else typing.get_type_hints(RunConfig)[section]
+    hint = typing.get_type_hints(owner)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(hint))
+    if isinstance(hint, types.UnionType) and len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(args[0]))
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ConfigError` instead of exiting, so all errors look alike."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError([ConfigProblem("flags", message, "see --help")], "flags")
+
+
+def build_parser(prog: str = "python -m rlcore_megatron.run", description: str = "") -> argparse.ArgumentParser:
+    """The CLI parser: ``--config FILE`` plus one flag per config field, grouped by section.
+
+    Defaults are suppressed so only the flags actually given override the file.
+    """
+    parser = _Parser(
+        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with the run's settings; flags override it")
+    groups: dict[str | None, argparse._ArgumentGroup] = {None: parser.add_argument_group("run")}
+    for section, title in _SECTIONS.items():
+        groups[section] = parser.add_argument_group(title)
+    for section, field in _fields_with_flags():
+        meta = field.metadata
+        dest = f"{section}.{field.name}" if section else field.name
+        kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"]}
+        if _is_bool(field, section):
+            kwargs["action"] = "store_false" if meta.get("invert") else "store_true"
+        elif meta.get("pairs"):
+            kwargs.update(nargs="+", metavar="NAME PATH")
+        elif meta.get("repeat"):
+            kwargs.update(action="append", metavar="VALUE")
+        else:
+            # Choices are shown, not enforced here: the converter reports a bad value with its path.
+            choices = _choices(field, section)
+            kwargs["metavar"] = field.name.upper() if choices is None else "{" + ",".join(choices) + "}"
+        groups[section].add_argument(meta["flag"], **kwargs)
+    return parser
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML config file as nested data; a syntax error names the file, line and column."""
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([ConfigProblem("--config", f"file not found: {path}")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([ConfigProblem("--config", f"{path}: {exc}", "fix the TOML syntax")], str(path)) from exc
+
+
+def _overrides(namespace: argparse.Namespace) -> tuple[dict[str, Any], list[ConfigProblem]]:
+    data: dict[str, Any] = {}
+    problems: list[ConfigProblem] = []
+    for dest, value in vars(namespace).items():
+        if dest == "config":
+            continue
+        if dest == "eval.prompt_data":
+            if len(value) % 2:
+                problems.append(ConfigProblem(
+                    "eval.prompt_data (--eval-prompt-data)",
+                    f"expects NAME PATH pairs, got {len(value)} values: {value}",
+                    "give a name before every path"))
+                continue
+            value = [{"name": n, "path": p} for n, p in zip(value[::2], value[1::2], strict=True)]
+        section, _, name = dest.rpartition(".")
+        target = data.setdefault(section, {}) if section else data
+        target[name] = value
+    return data, problems
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> RunConfig:
+    """Flags (and the ``--config`` file they name) -> a valid :class:`RunConfig`.
+
+    Raises :class:`ConfigError` listing every problem: unknown flags (with a suggestion), values of
+    the wrong type, unknown TOML keys, broken invariants.
+    """
+    parser = parser or build_parser()
+    namespace, unknown = parser.parse_known_args(list(argv))
+    problems = _unknown_flag_problems(unknown, parser)
+    overrides, pair_problems = _overrides(namespace)
+    problems += pair_problems
+    config_path: Path | None = getattr(namespace, "config", None)
+    base = read_toml(config_path) if config_path is not None else {}
+    source = str(config_path) if config_path is not None else "flags"
+    try:
+        config = structure_config(_merge(base, overrides), source)
+    except ConfigError as exc:
+        raise ConfigError(problems + list(exc.problems), source) from exc.__cause__
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def _unknown_flag_problems(unknown: Sequence[str], parser: argparse.ArgumentParser) -> list[ConfigProblem]:
+    """One problem per unknown flag, with the closest known flag; the values after it are skipped."""
+    known = [o for a in parser._actions for o in a.option_strings]
+    problems: list[ConfigProblem] = []
+    after_flag = False
+    for token in unknown:
+        if token.startswith("-"):
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            problems.append(ConfigProblem(flag, "unknown flag", f"did you mean {close[0]}?" if close else "see --help"))
+            after_flag = True
+        elif not after_flag:
+            problems.append(ConfigProblem(token, "unexpected argument", "see --help"))
+    return problems

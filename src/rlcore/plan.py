@@ -1,0 +1,196 @@
+"""The planner: a :class:`RunConfig` becomes exactly one of :class:`TrainPlan` or :class:`EvalPlan`.
+
+An ``EvalPlan`` has no critic, reference model, optimizer or schedule *fields at all*, so code
+holding one cannot reach them; a ``TrainPlan`` has a critic spec only when a critic is trained and
+a reference spec only when KL needs one, and its :class:`~rlcore.specs.LRSchedule` is valid by
+construction. Callers ``match`` on the result; mypy checks the match is exhaustive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from rlcore.config import RunConfig
+from rlcore.errors import PlanError
+from rlcore.samples import SamplingParams
+from rlcore.specs import (
+    AdvantageSpec,
+    EvalSpec,
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    Role,
+    TrainSpec,
+)
+
+__all__ = ["EvalPlan", "Plan", "TrainPlan", "plan", "resolve_num_rollout"]
+
+
+@attrs.frozen
+class EvalPlan:
+    """Evaluate one policy and stop. ``skipped`` says what the config asked for that an eval-only
+    run does not build, and why (one line each, for the log)."""
+
+    actor: EvalSpec
+    eval_params: SamplingParams
+    n_samples_per_eval_prompt: int
+    load: Path | None
+    skipped: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class TrainPlan:
+    """Train for rollout ids ``start_rollout_id .. num_rollout - 1``.
+
+    ``start_rollout_id`` is ``None`` when it comes from the checkpoint being loaded (its id + 1).
+    """
+
+    actor: TrainSpec
+    critic: TrainSpec | None
+    reference: EvalSpec | None
+    advantage: AdvantageSpec
+    rollout_params: SamplingParams
+    eval_params: SamplingParams
+    num_rollout: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    n_samples_per_eval_prompt: int
+    eval_interval: int | None
+    eval_before_train: bool
+    save_dir: Path | None
+    save_interval: int | None
+    load: Path | None
+    start_rollout_id: int | None
+
+
+Plan = TrainPlan | EvalPlan
+
+
+def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
+    """Turn ``--num-epoch`` into ``--num-rollout`` once the dataset size is known (as slime does).
+
+    Returns ``config`` unchanged when ``num_rollout`` is already set.
+    """
+    r = config.rollout
+    if r.num_rollout is not None:
+        return config
+    assert r.num_epoch is not None  # RunConfig guarantees one of the two
+    num_rollout = max(1, r.num_epoch * num_prompts // r.rollout_batch_size)
+    return attrs.evolve(config, rollout=attrs.evolve(r, num_rollout=num_rollout))
+
+
+def _model(config: RunConfig, role: Role) -> ModelSpec:
+    m = config.model
+    parallel = ParallelSpec(tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size)
+    return ModelSpec(role=role, hf_checkpoint=m.hf_checkpoint, seed=config.seed, parallel=parallel)
+
+
+def _eval_params(config: RunConfig) -> SamplingParams:
+    e = config.eval
+    return SamplingParams(
+        max_new_tokens=e.max_response_len or config.rollout.max_response_len,
+        temperature=e.temperature,
+        top_p=config.rollout.top_p if e.temperature > 0 else 1.0,
+        top_k=config.rollout.top_k if e.temperature > 0 else 0,
+    )
+
+
+def _eval_plan(config: RunConfig) -> EvalPlan:
+    a = config.algorithm
+    skipped: list[str] = ["optimizer and LR scheduler: --num-rollout 0 trains nothing"]
+    if a.critic:
+        skipped.append("critic: asked for (--use-critic or ppo), but an eval-only run trains nothing")
+    if a.uses_kl:
+        skipped.append("reference model: KL settings given, but an eval-only run computes no KL")
+    return EvalPlan(
+        actor=EvalSpec(model=_model(config, "actor")),
+        eval_params=_eval_params(config),
+        n_samples_per_eval_prompt=config.eval.n_samples_per_eval_prompt,
+        load=config.checkpoint.load,
+        skipped=tuple(skipped),
+    )
+
+
+def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
+    o, a = config.optim, config.algorithm
+    schedule = LRSchedule(
+        lr=lr,
+        min_lr=min(o.min_lr, lr),
+        warmup_steps=o.lr_warmup_iters,
+        decay_steps=config.lr_decay_steps,
+        decay_style=o.lr_decay_style,
+    )
+    loss = LossSpec(
+        eps_clip=a.eps_clip,
+        eps_clip_high=a.eps_clip if a.eps_clip_high is None else a.eps_clip_high,
+        value_clip=a.value_clip,
+        entropy_coef=a.entropy_coef,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+    )
+    optimizer = OptimizerSpec(
+        schedule=schedule,
+        clip_grad=o.clip_grad,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+    )
+    return TrainSpec(
+        model=_model(config, role),
+        optimizer=optimizer,
+        loss=loss,
+        global_batch_size=config.train.global_batch_size,
+        micro_batch_size=config.train.micro_batch_size,
+        steps_per_rollout=config.steps_per_rollout,
+    )
+
+
+def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
+    a, r, e, c = config.algorithm, config.rollout, config.eval, config.checkpoint
+    return TrainPlan(
+        actor=_train_spec(config, "actor", config.optim.lr),
+        critic=_train_spec(config, "critic", config.optim.critic_lr or config.optim.lr) if a.critic else None,
+        reference=EvalSpec(model=_model(config, "reference")) if a.uses_kl else None,
+        advantage=AdvantageSpec(
+            estimator=a.advantage_estimator,
+            group_size=r.n_samples_per_prompt,
+            gamma=a.gamma,
+            lambd=a.lambd,
+            kl_coef=a.kl_coef,
+            kl_type=a.kl_penalty_type,
+            normalize_std=a.normalize_std,
+        ),
+        rollout_params=SamplingParams(
+            max_new_tokens=r.max_response_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+        ),
+        eval_params=_eval_params(config),
+        num_rollout=num_rollout,
+        rollout_batch_size=r.rollout_batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        n_samples_per_eval_prompt=e.n_samples_per_eval_prompt,
+        eval_interval=e.interval,
+        eval_before_train=bool(e.prompt_data) and not e.skip_eval_before_train,
+        save_dir=c.save,
+        save_interval=c.save_interval,
+        load=c.load,
+        start_rollout_id=c.start_rollout_id,
+    )
+
+
+def plan(config: RunConfig) -> Plan:
+    """What to build and run: an :class:`EvalPlan` exactly when ``num_rollout`` is 0.
+
+    Raises :class:`PlanError` when ``num_rollout`` is still unresolved (``--num-epoch`` without
+    :func:`resolve_num_rollout`).
+    """
+    num_rollout = config.rollout.num_rollout
+    if num_rollout is None:
+        raise PlanError("num_rollout is not resolved: call resolve_num_rollout(config, len(prompts)) first")
+    if num_rollout == 0:
+        return _eval_plan(config)
+    return _train_plan(config, num_rollout)
