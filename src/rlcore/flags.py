@@ -79,16 +79,18 @@ def build_parser(prog: str = "python -m rlcore_megatron.run", description: str =
     """
     parser = _Parser(
         prog=prog, description=description, argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
+        allow_abbrev=False,
     )
     parser.add_argument("--config", type=Path, help="TOML file with the run's settings; flags override it")
     groups: dict[str | None, argparse._ArgumentGroup] = {None: parser.add_argument_group("run")}
-    for section, title in _SECTIONS.items():
-        groups[section] = parser.add_argument_group(title)
+    for name, title in _SECTIONS.items():
+        groups[name] = parser.add_argument_group(title)
     for section, field in _fields_with_flags():
         meta = field.metadata
         dest = f"{section}.{field.name}" if section else field.name
-        kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"]}
+        default = field.default
+        shown = f" (default: {default})" if default not in (None, (), attrs.NOTHING) and not _is_bool(field, section) else ""
+        kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"] + shown}
         if _is_bool(field, section):
             kwargs["action"] = "store_false" if meta.get("invert") else "store_true"
         elif meta.get("pairs"):

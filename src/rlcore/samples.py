@@ -14,6 +14,7 @@ import attrs
 
 __all__ = [
     "EvalSet",
+    "FinishReason",
     "Generation",
     "Prompt",
     "Sample",

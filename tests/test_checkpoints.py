@@ -1,0 +1,63 @@
+"""Atomic checkpoints: a failed save never replaces a good one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.errors import CheckpointError
+
+
+def _writer(text: str):  # type: ignore[no-untyped-def]
+    def save(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+
+    return save
+
+
+def test_save_then_find_latest(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a0")})
+    final = write_checkpoint(tmp_path, CheckpointMeta(1, 8, ("actor",)), {"actor": _writer("a1")})
+    assert find_checkpoint(tmp_path) == final
+    assert read_meta(final) == CheckpointMeta(1, 8, ("actor",))
+    assert find_checkpoint(final) == final
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) -> None:
+    good = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("good")})
+
+    def crash(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "weights").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(CheckpointError, match="rollout_000001.*disk full"):
+        write_checkpoint(tmp_path, CheckpointMeta(1, 8, ("actor", "critic")), {"actor": _writer("x"), "critic": crash})
+    assert find_checkpoint(tmp_path) == good
+    assert (good / "actor" / "weights").read_text() == "good"
+    assert not (tmp_path / "rollout_000001").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_resaving_a_rollout_replaces_it_whole(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(3, 4, ("actor",)), {"actor": _writer("old")})
+    final = write_checkpoint(tmp_path, CheckpointMeta(3, 4, ("actor",)), {"actor": _writer("new")})
+    assert (final / "actor" / "weights").read_text() == "new"
+
+
+def test_missing_and_corrupt_checkpoints_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        find_checkpoint(tmp_path)
+    final = write_checkpoint(tmp_path, CheckpointMeta(0, 0, ("actor",)), {"actor": _writer("a")})
+    (final / "rlcore.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="rlcore.json is corrupt"):
+        read_meta(final)
+    (tmp_path / "latest").write_text("rollout_000009\n")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        find_checkpoint(tmp_path)

@@ -1,0 +1,53 @@
+"""The public surface: pinned ``__all__``, a light ``import rlcore``, final concrete classes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import rlcore
+import rlcore.testing
+
+EXPECTED = {
+    "AdvantageSpec", "Backend", "BackendUnavailableError", "CheckpointError", "ConfigError", "ConfigProblem",
+    "DataError", "EvalPlan", "EvalSet", "EvalSpec", "EvalStack", "Generation", "LRSchedule", "LossSpec",
+    "MetricsSink", "ModelSpec", "NamedTensors", "Optimizer", "OptimizerSpec", "ParallelSpec", "Plan",
+    "PlanError", "Prompt", "RLCoreError", "RewardError", "RewardFn", "RolloutEngine", "RolloutError",
+    "RunConfig", "RunData", "RunResult", "Sample", "SamplingParams", "Scheduler", "TrainBatch",
+    "TrainMetrics", "TrainPlan", "TrainSpec", "TrainingStack", "load_backend", "load_config", "plan", "run",
+    "should_eval", "should_save",
+}
+
+
+def test_all_is_pinned() -> None:
+    assert set(rlcore.__all__) == EXPECTED
+    assert sorted(rlcore.__all__) == rlcore.__all__
+    for name in rlcore.__all__:
+        assert hasattr(rlcore, name), name
+
+
+def test_import_rlcore_is_light() -> None:
+    code = (
+        "import sys, json, rlcore, rlcore.testing, rlcore.data, rlcore.rewards, rlcore.metrics; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'numpy', 'rlcore_megatron'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent)
+    assert json.loads(out.stdout) == []
+
+
+def test_concrete_testing_classes_are_final() -> None:
+    for name in ("FakeBackend", "FakeEvalStack", "FakeTrainingStack", "ScriptedEngine"):
+        cls = getattr(rlcore.testing, name)
+        assert inspect.isclass(cls) and getattr(cls, "__final__", False), name
+
+
+def test_errors_share_one_root() -> None:
+    for name in rlcore.__all__:
+        obj = getattr(rlcore, name)
+        if inspect.isclass(obj) and issubclass(obj, Exception):
+            assert issubclass(obj, rlcore.RLCoreError)

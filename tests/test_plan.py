@@ -1,0 +1,81 @@
+"""The planner: an EvalPlan exactly for num_rollout 0; training plans satisfy Megatron's asserts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from rlcore.config import RunConfig, structure_config
+from rlcore.errors import ConfigError, PlanError
+from rlcore.flags import load_config
+from rlcore.plan import EvalPlan, TrainPlan, plan, resolve_num_rollout
+from rlcore.specs import LRSchedule
+from tests.strategies import config_dicts, valid_config_dicts
+
+
+def _config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return structure_config(data)
+    except ConfigError:
+        assume(False)
+        raise
+
+
+@given(st.one_of(valid_config_dicts(), config_dicts()))
+def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
+    config = _config(data)
+    result = plan(config)
+    if config.rollout.num_rollout == 0:
+        assert isinstance(result, EvalPlan)
+        assert not hasattr(result, "critic") and not hasattr(result, "reference")
+        assert not hasattr(result, "schedule") and not hasattr(result.actor, "optimizer")
+        return
+    assert isinstance(result, TrainPlan)
+    schedule = result.actor.optimizer.schedule
+    assert schedule.decay_steps > 0 and 0 <= schedule.warmup_steps < schedule.decay_steps  # Megatron's asserts
+    assert (result.critic is not None) == config.algorithm.critic
+    assert (result.reference is not None) == config.algorithm.uses_kl
+    if result.critic is not None:
+        assert result.critic.model.role == "critic"
+    assert result.actor.steps_per_rollout * result.actor.global_batch_size == config.samples_per_rollout
+
+
+def test_eval_plan_says_what_it_skipped() -> None:
+    config = load_config(["--num-rollout", "0", "--eval-prompt-data", "x", "x.jsonl", "--use-critic", "--use-kl-loss"])
+    result = plan(config)
+    assert isinstance(result, EvalPlan)
+    assert any("critic" in line for line in result.skipped)
+    assert any("reference" in line for line in result.skipped)
+
+
+def test_num_epoch_resolves_to_num_rollout() -> None:
+    config = load_config(["--num-epoch", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                          "--global-batch-size", "8", "--micro-batch-size", "8"])
+    with pytest.raises(PlanError, match="resolve_num_rollout"):
+        plan(config)
+    resolved = resolve_num_rollout(config, num_prompts=10)
+    assert resolved.rollout.num_rollout == 5
+    assert isinstance(plan(resolved), TrainPlan)
+
+
+@given(config_dicts(eval_data=True))
+def test_lr_schedule_refuses_what_megatron_would_assert_on(data: dict[str, Any]) -> None:
+    o = data["optim"]
+    decay, warmup = o.get("lr_decay_iters", 1), o["lr_warmup_iters"]
+    try:
+        LRSchedule(lr=1e-5, min_lr=0.0, warmup_steps=warmup, decay_steps=decay)
+    except ValueError:
+        assert decay < 1 or not 0 <= warmup < decay
+    else:
+        assert decay >= 1 and 0 <= warmup < decay
+
+
+def test_lr_schedule_decays_to_min_lr() -> None:
+    s = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=10, decay_style="linear")
+    assert s.lr_at(0) == 0.0 and s.lr_at(1) == 0.5 and s.lr_at(2) == 1.0
+    assert s.lr_at(10) == pytest.approx(0.1) and s.lr_at(50) == 0.1
+    assert attrs.evolve(s, decay_style="cosine").lr_at(6) == pytest.approx(0.55)

@@ -1,0 +1,88 @@
+"""Read only by mypy (``nox -s typecheck``, with warn_unused_ignores).
+
+Each ``# type: ignore[code]`` below marks a line that *must not* type-check: the day it starts to
+type-check, the ignore becomes unused and the type check fails.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never, assert_type
+
+from rlcore import EvalPlan, EvalSpec, EvalStack, Plan, TrainingStack, TrainPlan, TrainSpec
+from rlcore.protocols import Backend
+from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
+
+
+def eval_stack_has_no_optimizer(stack: EvalStack) -> None:
+    stack.optimizer  # type: ignore[attr-defined]
+    stack.scheduler  # type: ignore[attr-defined]
+    stack.train_step  # type: ignore[attr-defined]
+
+
+def training_stack_has_them(stack: TrainingStack) -> None:
+    stack.optimizer.state_dict()
+    stack.scheduler.state_dict()
+
+
+def eval_plan_has_no_training_parts(p: EvalPlan) -> None:
+    p.critic  # type: ignore[attr-defined]
+    p.reference  # type: ignore[attr-defined]
+    p.actor.optimizer  # type: ignore[attr-defined]
+
+
+def train_plan_critic_is_optional(p: TrainPlan) -> None:
+    assert_type(p.critic, TrainSpec | None)
+    assert_type(p.reference, EvalSpec | None)
+
+
+def match_is_exhaustive(p: Plan) -> str:
+    match p:
+        case EvalPlan():
+            return "eval"
+        case TrainPlan():
+            return "train"
+        case _:
+            assert_never(p)
+
+
+def match_missing_a_case_is_an_error(p: Plan) -> str:
+    match p:
+        case EvalPlan():
+            return "eval"
+        case _:
+            assert_never(p)  # type: ignore[arg-type]
+
+
+class MyBackend:
+    """A user-written backend: two methods, no base class."""
+
+    def build_training_stack(self, spec: TrainSpec) -> FakeTrainingStack:
+        return FakeTrainingStack(spec)
+
+    def build_eval_stack(self, spec: EvalSpec) -> FakeEvalStack:
+        return FakeEvalStack(spec)
+
+
+class NotABackend:
+    def build_eval_stack(self, spec: EvalSpec) -> FakeEvalStack:
+        return FakeEvalStack(spec)
+
+
+class WrongReturnBackend:
+    """Returns an eval stack where a training stack is required."""
+
+    def build_training_stack(self, spec: TrainSpec) -> FakeEvalStack:
+        return FakeEvalStack(EvalSpec(spec.model))
+
+    def build_eval_stack(self, spec: EvalSpec) -> FakeEvalStack:
+        return FakeEvalStack(spec)
+
+
+backend_ok: Backend = MyBackend()
+fake_ok: Backend = FakeBackend()
+missing_method: Backend = NotABackend()  # type: ignore[assignment]
+wrong_return: Backend = WrongReturnBackend()  # type: ignore[assignment]
+
+
+def an_eval_stack_is_not_a_training_stack(stack: FakeEvalStack) -> TrainingStack:
+    return stack  # type: ignore[return-value]
