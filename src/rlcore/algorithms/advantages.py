@@ -168,7 +168,7 @@ def estimate_advantages(
     if grouped:
         _check_groups(len(samples), spec.group_size)
         _check_group_ids(samples, spec.group_size)
-    if spec.estimator == "ppo" and not values:
+    if spec.estimator == "ppo" and samples and not values:
         raise ValueError("estimator 'ppo' needs the critic's values: pass values=...")
 
     width = max(lengths, default=0)
