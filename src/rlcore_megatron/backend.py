@@ -1,0 +1,133 @@
+"""``MegatronBackend``: builds Megatron stacks from the planner's specs (the ``rlcore.Backend`` protocol).
+
+Per rank: call it in every Megatron rank with the same spec (:mod:`rlcore_megatron.ray_group` does
+that for Ray actors). It initialises ``torch.distributed`` and Megatron's parallel state through
+:func:`~rlcore_megatron.parallel.init_megatron` if the process has not already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, final
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
+from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, TrainSpec
+from rlcore_megatron.hf_weights import load_hf_weights
+from rlcore_megatron.model import LlamaArch, arch_from_hf_config, build_gpt, read_hf_config
+from rlcore_megatron.parallel import device, init_megatron
+from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
+
+__all__ = ["MegatronBackend", "optimizer_config", "param_scheduler"]
+
+
+def optimizer_config(spec: OptimizerSpec) -> OptimizerConfig:
+    """fp32 Adam(W) on this rank's parameters (no distributed optimizer: it is GPU-only).
+
+    ``min_lr`` is always set: Megatron's default ``None`` breaks the scheduler. ``clip_grad = 0``
+    ("off") becomes an infinite limit, so the grad norm is still computed and reported.
+    """
+    schedule = spec.schedule
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        weight_decay=spec.weight_decay,
+        adam_beta1=spec.adam_beta1,
+        adam_beta2=spec.adam_beta2,
+        adam_eps=spec.adam_eps,
+        clip_grad=spec.clip_grad if spec.clip_grad > 0 else float("inf"),
+        bf16=False,
+        fp16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=False,
+    )
+
+
+def param_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule, weight_decay: float) -> OptimizerParamScheduler:
+    """Megatron's scheduler for ``schedule``: warmup from 0 to ``lr``, then the decay style down
+    to ``min_lr`` at ``decay_steps`` (the same curve as :meth:`LRSchedule.lr_at`)."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_steps,
+        lr_decay_steps=schedule.decay_steps,
+        lr_decay_style=schedule.decay_style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=schedule.decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+@final
+class MegatronBackend:
+    """Builds :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
+
+    Weights come from ``ModelSpec.hf_checkpoint`` (an HF Llama folder). A spec without one gets a
+    model built from ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
+    """
+
+    def __init__(self, hf_config: Mapping[str, Any] | None = None) -> None:
+        self._hf_config = dict(hf_config) if hf_config is not None else None
+
+    def _arch(self, spec: ModelSpec) -> LlamaArch:
+        if spec.hf_checkpoint is not None:
+            return read_hf_config(spec.hf_checkpoint)
+        if self._hf_config is None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "model.hf_checkpoint",
+                        "no HF checkpoint and no architecture to build",
+                        "set ModelSpec.hf_checkpoint, or pass MegatronBackend(hf_config=...) for random weights",
+                    )
+                ]
+            )
+        return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
+
+    def _model(self, spec: ModelSpec) -> tuple[Any, LlamaArch]:
+        init_megatron(spec.parallel.tensor_model_parallel_size, spec.seed)
+        arch = self._arch(spec)
+        model = build_gpt(arch, spec.role, device())
+        if spec.hf_checkpoint is not None:
+            load_hf_weights(model, Path(spec.hf_checkpoint), arch, spec.role)
+        return model, arch
+
+    def build_eval_stack(self, spec: EvalSpec) -> MegatronEvalStack:
+        try:
+            model, arch = self._model(spec.model)
+        except RLCoreError:
+            raise
+        except Exception as exc:  # Megatron internals: translated at the edge
+            raise RLCoreError(f"building the Megatron eval stack for {spec.model.role} failed: {exc}") from exc
+        model.requires_grad_(False)
+        model.eval()
+        return MegatronEvalStack(spec, model, arch, device())
+
+    def build_training_stack(self, spec: TrainSpec) -> MegatronTrainingStack:
+        try:
+            gpt, arch = self._model(spec.model)
+            ddp = DistributedDataParallel(
+                config=gpt.config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                ),
+                module=gpt,
+            )
+            optimizer = get_megatron_optimizer(optimizer_config(spec.optimizer), [ddp])
+            scheduler = param_scheduler(optimizer, spec.optimizer.schedule, spec.optimizer.weight_decay)
+        except RLCoreError:
+            raise
+        except Exception as exc:  # Megatron internals: translated at the edge
+            raise RLCoreError(f"building the Megatron training stack for {spec.model.role} failed: {exc}") from exc
+        return MegatronTrainingStack(spec, ddp, optimizer, scheduler, arch, device())

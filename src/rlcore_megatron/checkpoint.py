@@ -1,0 +1,160 @@
+"""Checkpoints of one Megatron stack, in the folder the core loop hands to ``save``.
+
+Layout of ``path`` (the loop writes it inside a temporary folder and moves ``latest`` last)::
+
+    model/           dist_checkpointing of the model's sharded state dict
+    optimizer/       dist_checkpointing of the optimizer state (training stacks only)
+    scheduler.json   OptimizerParamScheduler.state_dict() (training stacks only)
+    rollout.json     {"rollout_id": k, ...}; written last, after every rank has finished
+
+A folder without ``rollout.json`` is a half-written save and is refused as corrupt. Every failure
+raises :class:`~rlcore.errors.CheckpointError` naming the path; ranks that loaded different
+rollout ids raise one too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rlcore.errors import CheckpointError
+
+__all__ = ["FORMAT", "load_checkpoint", "read_rollout_id", "save_checkpoint"]
+
+FORMAT: Final = "rlcore-megatron/1"
+ROLLOUT_FILE: Final = "rollout.json"
+
+
+def _require_psutil() -> None:
+    # dist_checkpointing's saver hangs silently (no error, no progress) when psutil is missing.
+    if importlib.util.find_spec("psutil") is None:
+        raise CheckpointError(
+            "saving a Megatron checkpoint needs psutil (without it dist_checkpointing hangs): "
+            "pip install psutil"
+        )
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_checkpoint(
+    path: Path,
+    rollout_id: int,
+    model: GPTModel,
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> None:
+    """Write the model (and optimizer and scheduler) state and ``rollout_id`` into ``path``.
+
+    Collective: every rank calls it with the same ``path`` (a shared file system).
+    """
+    _require_psutil()
+    path = Path(path)
+    try:
+        if _rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "model").mkdir(exist_ok=True)
+            if optimizer is not None:
+                (path / "optimizer").mkdir(exist_ok=True)
+        _barrier()
+        model_sd = model.sharded_state_dict()
+        # The optimizer's sharded state refers to the model's by tensor identity, and saving
+        # rewrites a sharded state dict in place: derive it before the model is saved.
+        optim_sd = optimizer.sharded_state_dict(model_sd) if optimizer is not None else None
+        dist_checkpointing.save(model_sd, str(path / "model"))
+        if optim_sd is not None:
+            dist_checkpointing.save(optim_sd, str(path / "optimizer"))
+        _barrier()
+        if _rank() == 0:
+            if scheduler is not None:
+                (path / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
+            meta = {"format": FORMAT, "rollout_id": rollout_id, "has_optimizer": optimizer is not None}
+            tmp = path / (ROLLOUT_FILE + ".tmp")
+            tmp.write_text(json.dumps(meta))
+            tmp.replace(path / ROLLOUT_FILE)
+        _barrier()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # Megatron/torch raise many kinds; the caller needs one, with the path
+        raise CheckpointError(f"saving the checkpoint to {path} failed: {exc}") from exc
+
+
+def read_rollout_id(path: Path) -> int:
+    """The rollout id recorded in ``path``; ``CheckpointError`` when missing or half-written."""
+    path = Path(path)
+    meta_file = path / ROLLOUT_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (check --load / the save dir)")
+    try:
+        meta: Any = json.loads(meta_file.read_text())
+        rollout_id = meta["rollout_id"]
+        if meta.get("format") != FORMAT or not isinstance(rollout_id, int):
+            raise ValueError(f"unexpected content {meta!r}")
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {ROLLOUT_FILE} is missing (a save was interrupted); "
+            "load an earlier checkpoint"
+        ) from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {meta_file} is corrupt: {exc}") from exc
+    return rollout_id
+
+
+def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    ids = torch.tensor([rollout_id, -rollout_id], dtype=torch.int64)
+    dist.all_reduce(ids, op=dist.ReduceOp.MAX)
+    if int(ids[0]) != -int(ids[1]):
+        raise CheckpointError(
+            f"ranks disagree on the rollout id loaded from {path}: rank {_rank()} read {rollout_id}, "
+            f"others between {-int(ids[1])} and {int(ids[0])} (every rank must load the same checkpoint)"
+        )
+
+
+def load_checkpoint(
+    path: Path,
+    model: GPTModel,
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> int:
+    """Restore what ``save_checkpoint`` wrote into the given objects; returns the rollout id.
+
+    An eval stack passes only ``model`` (optimizer state in the folder is ignored). A training
+    stack restoring from a weights-only checkpoint is refused.
+    """
+    path = Path(path)
+    rollout_id = read_rollout_id(path)
+    _agree_on_rollout_id(path, rollout_id)
+    if optimizer is not None and not (path / "optimizer").is_dir():
+        raise CheckpointError(f"checkpoint {path} has no optimizer state to resume training from")
+    try:
+        model_sd = model.sharded_state_dict()
+        if optimizer is not None:
+            optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        loaded = dist_checkpointing.load(model_sd, str(path / "model"))
+        model.load_state_dict(loaded, strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(dist_checkpointing.load(optim_sd, str(path / "optimizer")))
+        if scheduler is not None:
+            scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a corrupt or mismatched folder surfaces as many Megatron/torch errors
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {exc}") from exc
+    return rollout_id

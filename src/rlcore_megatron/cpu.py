@@ -1,0 +1,149 @@
+"""Run megatron-core 0.16 fp32 on the CPU over gloo when CUDA is absent.
+
+Megatron assumes a GPU in a handful of places that our fp32, non-distributed-optimizer path
+reaches. Found on a CPU-only machine with megatron-core 0.16.1:
+
+- ``torch.cuda.current_device()`` as a tensor device: the attention scratch buffer
+  (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first use), the DDP grad buffers
+  (``distributed.param_and_grad_buffer``), the dist-ckpt save finalize
+  (``dist_checkpointing.strategies.*``);
+- literal ``device="cuda"`` tensors: the default causal mask (``transformer.utils``),
+  ``FP32Optimizer._scale``, the grad-norm code
+  (``optimizer.clip_grads``, ``utils.local_multi_tensor_l2_norm``);
+- the ``param.grad.type() == 'torch.cuda.FloatTensor'`` assert in
+  ``clip_grad_by_total_norm_fp32``;
+- ``torch.cuda.synchronize()`` while saving a checkpoint;
+- the CUDA RNG tracker (avoided in :func:`rlcore_megatron.parallel.init_megatron` with
+  ``inference_rng_tracker=True``, which needs no CUDA generator).
+
+Instead of patching ``torch`` for everyone, :func:`apply` gives exactly those Megatron modules a
+``torch`` that maps CUDA devices to the CPU (``_CpuTorch``) and replaces the one assert-bearing
+function. Everything else in the process keeps the real ``torch``. It is applied only when CUDA
+is absent; bf16 and the distributed optimizer stay GPU-only (they check CUDA tensor types).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import torch
+
+__all__ = ["CPU_PATCHED_MODULES", "apply", "is_applied", "needed"]
+
+CPU_PATCHED_MODULES: Final = (
+    "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+"""The Megatron modules whose global ``torch`` is replaced by :class:`_CpuTorch`."""
+
+_CPU: Final = torch.device("cpu")
+_applied = False
+
+
+def needed() -> bool:
+    """True when there is no CUDA device, i.e. when :func:`apply` must run before Megatron is used."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def _cpu_device(device: object) -> object:
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    if isinstance(device, int):  # a CUDA ordinal
+        return _CPU
+    return device
+
+
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    make.__name__ = factory.__name__
+    return make
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as the patched modules see it: the current device is the CPU, syncs are no-ops."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as the patched modules see it: tensor factories put ``cuda`` tensors on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like"):
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cache: later lookups skip __getattr__
+        return value
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its ``torch.cuda.FloatTensor`` assert."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [g.detach() for p in params if (g := getattr(p, attr, None)) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def apply() -> None:
+    """Redirect Megatron's CUDA-only spots to the CPU. Idempotent; a no-op when CUDA is present."""
+    global _applied
+    if _applied or not needed():
+        return
+    cpu_torch = _CpuTorch()
+    for name in CPU_PATCHED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = cpu_torch  # type: ignore[attr-defined]  # the module's own global
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]  # replaced on purpose
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]  # imported by name there
+    _applied = True

@@ -1,0 +1,90 @@
+"""Process-group initialisation for one Megatron rank.
+
+:func:`init_megatron` is what every rank calls before building a stack, whether the process is a
+plain script (a single rank by default), a ``torchrun`` worker or a Ray actor that already set up
+``torch.distributed`` itself. It is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from rlcore.errors import BackendUnavailableError
+from rlcore_megatron import cpu
+
+__all__ = ["device", "init_megatron", "shutdown_megatron"]
+
+_ENV_VARS: Final = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def device() -> torch.device:
+    """Where this rank's model lives: its CUDA device, or the CPU when there is none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _init_process_group() -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if all(v in os.environ for v in _ENV_VARS):
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, init_method="env://")
+        return
+    missing = [v for v in _ENV_VARS if v not in os.environ]
+    if len(missing) != len(_ENV_VARS):
+        raise BackendUnavailableError(
+            f"torch.distributed environment incomplete: {', '.join(missing)} unset "
+            f"(set all of {', '.join(_ENV_VARS)} for a multi-rank run, or none for one process)"
+        )
+    # One process: an in-memory store, no port to pick.
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported at runtime, absent from torch.distributed.__all__
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def init_megatron(tp_size: int = 1, seed: int = 1234) -> None:
+    """Initialise ``torch.distributed`` (if nobody did), Megatron's parallel state and the seeds.
+
+    ``torch.distributed`` comes from ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE`` when set (gloo on
+    the CPU, nccl on GPUs), else a single process. On the CPU, :mod:`rlcore_megatron.cpu` is applied
+    first. Seeds torch's CPU generator too, on every rank: CPU initialisation draws from it and
+    Megatron's seeding does not touch it, so data-parallel replicas would otherwise start apart.
+    Calling again with the same ``tp_size`` only re-seeds; a different one raises.
+    """
+    cpu.apply()
+    if not dist.is_initialized():
+        _init_process_group()
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tp_size:
+            raise BackendUnavailableError(
+                f"Megatron is already initialised with tensor_model_parallel_size={current}, "
+                f"asked for {tp_size}: one process holds one parallel layout "
+                "(call shutdown_megatron() first, or use the same ParallelSpec for every stack)"
+            )
+    else:
+        world = dist.get_world_size()
+        if world % tp_size:
+            raise BackendUnavailableError(
+                f"ParallelSpec.tensor_model_parallel_size={tp_size} does not divide the "
+                f"torch.distributed world size {world}"
+            )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
+    )
+
+
+def shutdown_megatron() -> None:
+    """Tear down Megatron's parallel state and the process group (tests, or a changed layout)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,242 @@
+"""The Megatron stacks: :class:`MegatronEvalStack` (a model) and :class:`MegatronTrainingStack`
+(a model in Megatron DDP, its optimizer and LR scheduler, and a loss).
+
+Both score samples the same way (:func:`score_samples`). Every data-parallel rank calls
+``train_step`` with the *same* whole rollout batch and takes its own slice of each global batch;
+the per-sample loss is summed, divided by the global batch's number of sequences and DDP sums the
+gradients (``calculate_per_token_loss``), so the update is the global mean whatever the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, final
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rlcore.errors import PlanError
+from rlcore.protocols import NamedTensors
+from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore_megatron import checkpoint
+from rlcore_megatron.hf_weights import export_hf_weights
+from rlcore_megatron.model import LlamaArch
+
+if TYPE_CHECKING:
+    from rlcore.algorithms.batching import TensorBatch
+
+__all__ = ["MegatronEvalStack", "MegatronTrainingStack", "model_output", "score_samples"]
+
+DEFAULT_FORWARD_MICRO_BATCH = 16
+"""Sequences per forward pass when scoring without gradients."""
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    seq = tokens.shape[1]
+    return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
+
+
+def model_output(model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool) -> torch.Tensor:
+    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
+
+    Batches are right-padded, so the causal mask alone keeps padding out of every real token's
+    context (no attention mask tensor is built).
+    """
+    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None)
+    if is_critic:
+        return out.squeeze(-1)
+    if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
+        out = out[..., : arch.vocab_size]
+    return out
+
+
+@torch.no_grad()
+def score_samples(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    arch: LlamaArch,
+    is_critic: bool,
+    device: torch.device,
+    micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
+) -> list[tuple[float, ...]]:
+    """Per response token: log-probs (policy) or values (critic), one tuple per sample."""
+    from rlcore.algorithms.batching import gather_response, tensorize_samples, token_log_probs, unpad
+
+    rows: list[tuple[float, ...]] = []
+    for start in range(0, len(samples), micro_batch):
+        tb = tensorize_samples(samples[start : start + micro_batch], arch.pad_token_id, device)
+        out = model_output(model, tb, arch, is_critic)
+        per_token = gather_response(out, tb) if is_critic else token_log_probs(out, tb)
+        rows += unpad(per_token, tb)
+    return rows
+
+
+@final
+class MegatronEvalStack:
+    """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
+
+    def __init__(self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device) -> None:
+        self._spec = spec
+        self.model = model
+        self.arch = arch
+        self.device = device
+        self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec.model
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        return score_samples(
+            self.model, samples, self.arch, self.spec.role == "critic", self.device, self.forward_micro_batch
+        )
+
+    def load(self, path: Path) -> int:
+        return checkpoint.load_checkpoint(path, self.model)
+
+    def export_weights(self) -> NamedTensors:
+        return export_hf_weights(self.model, self.arch, self.spec.role)
+
+
+@final
+class MegatronTrainingStack:
+    """A model in Megatron DDP with its optimizer, LR scheduler and loss (actor or critic)."""
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        model: DistributedDataParallel,
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
+        arch: LlamaArch,
+        device: torch.device,
+    ) -> None:
+        if not isinstance(model.module, GPTModel):
+            raise TypeError(f"MegatronTrainingStack needs DDP around a GPTModel, got {type(model.module)}")
+        self.train_spec = spec
+        self.model = model
+        self._gpt = model.module
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self.arch = arch
+        self.device = device
+        self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+        self._is_critic = spec.model.role == "critic"
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.train_spec.model
+
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> OptimizerParamScheduler:
+        return self._scheduler
+
+    @property
+    def gpt(self) -> GPTModel:
+        """The model inside DDP."""
+        return self._gpt
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        return score_samples(self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch)
+
+    def export_weights(self) -> NamedTensors:
+        return export_hf_weights(self.gpt, self.arch, self.spec.role)
+
+    def load(self, path: Path) -> int:
+        return checkpoint.load_checkpoint(path, self.gpt, self._optimizer, self._scheduler)
+
+    def save(self, path: Path, rollout_id: int) -> None:
+        checkpoint.save_checkpoint(path, rollout_id, self.gpt, self._optimizer, self._scheduler)
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        from rlcore.algorithms.batching import tensorize
+
+        spec = self.train_spec
+        n = len(batch.samples)
+        if n != spec.steps_per_rollout * spec.global_batch_size:
+            raise PlanError(
+                f"TrainBatch has {n} samples but TrainSpec asks for steps_per_rollout="
+                f"{spec.steps_per_rollout} x global_batch_size={spec.global_batch_size} "
+                f"(the plan's rollout batch size must equal their product)"
+            )
+        tb = tensorize(batch, self.arch.pad_token_id, self.device)
+        metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
+        for step in range(spec.steps_per_rollout):
+            start = step * spec.global_batch_size
+            metrics = self._optimizer_step(tb.select(slice(start, start + spec.global_batch_size)))
+        return metrics
+
+    def _local_micro_batches(self, global_batch: TensorBatch) -> list[TensorBatch]:
+        dp = parallel_state.get_data_parallel_world_size()
+        size = global_batch.num_sequences
+        if size % dp:
+            raise PlanError(
+                f"TrainSpec.global_batch_size={size} is not divisible by the data parallel size {dp}"
+            )
+        per_rank = size // dp
+        first = parallel_state.get_data_parallel_rank() * per_rank
+        mbs = self.train_spec.micro_batch_size
+        return [
+            global_batch.select(slice(s, min(s + mbs, first + per_rank)))
+            for s in range(first, first + per_rank, mbs)
+        ]
+
+    def _micro_loss(self, mb: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        from rlcore.algorithms import batching, losses
+
+        out = model_output(self.model, mb, self.arch, self._is_critic)
+        if self._is_critic:
+            result = losses.critic_loss(batching.gather_response(out, mb), mb, self.train_spec.loss)
+        else:
+            log_probs = batching.token_log_probs(out, mb)
+            entropy = batching.entropy_from_logits(out, mb) if self.train_spec.loss.entropy_coef > 0 else None
+            result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
+        return result.loss, result.metrics
+
+    def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
+        global_size = global_batch.num_sequences
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self._optimizer.zero_grad()
+        # Per-sequence means weighted by micro-batch size; summed over DP below.
+        sums: dict[str, float] = {}
+        tokens = 0
+        for mb in self._local_micro_batches(global_batch):
+            loss, parts = self._micro_loss(mb)
+            torch.autograd.backward(loss / global_size)
+            b = mb.num_sequences
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + value * b
+            tokens += int(mb.response_mask.sum())
+        self.model.finish_grad_sync()
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self._optimizer.step()
+        self._scheduler.step(increment=1)
+        keys = sorted(sums)
+        totals = [sums[k] for k in keys] + [float(tokens)]
+        if parallel_state.get_data_parallel_world_size() > 1:
+            reduced = torch.tensor(totals, dtype=torch.float64)
+            dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
+            totals = reduced.tolist()
+        means = {k: totals[i] / global_size for i, k in enumerate(keys)}
+        loss_value = means.pop("loss", 0.0)
+        if not ok:
+            means["skipped_step"] = 1.0
+        return TrainMetrics(
+            loss=loss_value,
+            grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+            lr=lr,
+            tokens=int(totals[-1]),
+            extra=means,
+        )

@@ -1,0 +1,3 @@
+from megatron.core import dist_checkpointing as dist_checkpointing
+from megatron.core import parallel_state as parallel_state
+from megatron.core import tensor_parallel as tensor_parallel

@@ -1,0 +1,32 @@
+from typing import Any, Literal
+
+import torch
+
+from megatron.core.dist_checkpointing import ShardedStateDict
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+
+class GPTModel(torch.nn.Module):
+    config: TransformerConfig
+    output_layer: torch.nn.Module
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal["learned_absolute", "rope", "mrope", "yarn", "none"] = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+    ) -> None: ...
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+    def sharded_state_dict(self, prefix: str = "") -> ShardedStateDict: ...

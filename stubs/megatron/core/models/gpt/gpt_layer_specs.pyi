@@ -1,0 +1,11 @@
+from megatron.core.transformer import ModuleSpec
+
+def get_gpt_layer_local_spec(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool | None = False,
+    qk_layernorm: bool | None = False,
+    multi_latent_attention: bool | None = False,
+    fp8: str | None = None,
+    moe_use_legacy_grouped_gemm: bool | None = False,
+    normalization: str | None = None,
+) -> ModuleSpec: ...
