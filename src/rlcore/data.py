@@ -78,17 +78,17 @@ class ChatTokenizer(Tokenizer, Protocol):
 
 class _HFTokenizerLike(Protocol):
     """The part of a ``transformers`` tokenizer :class:`HFTokenizer` uses (typed here so this
-    module does not import transformers)."""
+    module does not import transformers). Results are checked at run time, so the types are loose."""
 
     @property
-    def pad_token_id(self) -> int | None: ...
+    def pad_token_id(self) -> object: ...
 
     @property
-    def eos_token_id(self) -> int | None: ...
+    def eos_token_id(self) -> object: ...
 
     def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> object: ...
 
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
@@ -107,7 +107,7 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: _HFTokenizerLike) -> None:
         eos = tokenizer.eos_token_id
-        if eos is None:
+        if not isinstance(eos, int):
             raise DataError(
                 f"HFTokenizer: {type(tokenizer).__name__} has no eos token; set one "
                 "(tokenizer.eos_token = ...) so the rollout engine knows where a response ends"
@@ -115,7 +115,7 @@ class HFTokenizer:
         pad = tokenizer.pad_token_id
         self._tokenizer = tokenizer
         self._eos = eos
-        self._pad = eos if pad is None else pad
+        self._pad = pad if isinstance(pad, int) else eos
 
     @property
     def hf_tokenizer(self) -> _HFTokenizerLike:
@@ -134,12 +134,20 @@ class HFTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def render_chat(self, messages: Sequence[Message]) -> str:
-        rendered = self._tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+        try:
+            rendered = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+        except ValueError as exc:  # transformers' "tokenizer.chat_template is not set"
+            raise DataError(
+                f"HFTokenizer: cannot apply the chat template ({exc}); set tokenizer.chat_template "
+                "or load prompts without apply_chat_template"
+            ) from exc
         if not isinstance(rendered, str):
             raise DataError(
                 f"HFTokenizer: apply_chat_template returned {type(rendered).__name__}, not text; "
@@ -163,28 +171,31 @@ def _excerpt(value: object) -> str:
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     """Yields ``(where, record)`` for each non-blank line; ``where`` is ``"path:line"``."""
     try:
-        handle = path.open("r", encoding="utf-8")
+        # Bytes, decoded line by line, so a bad byte is reported on its own line (a text-mode file
+        # decodes whole chunks and would blame the chunk's first line).
+        handle = path.open("rb")
     except OSError as exc:
         raise DataError(f"{path}: cannot open prompt file ({exc.strerror}); check the path") from exc
     with handle:
-        line_no = 0
-        try:
-            for line_no, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(
-                        f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                        "each line must hold one JSON object"
-                    ) from exc
-                yield where, record
-        except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{path}:{line_no + 1}: not UTF-8 text ({exc.reason}); re-encode the file as UTF-8"
-            ) from exc
+        for line_no, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                    "re-encode the file as UTF-8"
+                ) from exc
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                    "each line must hold one JSON object"
+                ) from exc
+            yield where, record
 
 
 class _ParquetTable(Protocol):
