@@ -1,0 +1,270 @@
+"""Ray rank groups on the CPU: real Ray, real Megatron over gloo, one actor per rank.
+
+The group mechanics (data-parallel split of ``forward``, rollout-id agreement on ``load``, a
+failing rank, closing) run against a light stand-in runtime; data and tensor parallelism run the
+real :class:`~rlcore_megatron.backend.MegatronBackend` on a tiny Llama.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast, final
+
+import attrs
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from rlcore.errors import CheckpointError, ConfigError
+from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
+from rlcore.samples import Generation, Prompt, Sample, TrainBatch
+from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec, OptimizerSpec, ParallelSpec, TrainSpec
+from rlcore_megatron.ray_group import GroupOptions, RankContext, RayGroupError, RayTrainGroup, split_evenly
+from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend, RayTrainingStack
+
+if TYPE_CHECKING:
+    import torch
+
+pytest_plugins = ["tests.conftest_ray"]
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
+
+VOCAB = 32
+
+
+# -- a stand-in runtime: no torch.distributed, no Megatron --------------------------------------
+
+
+@final
+@attrs.frozen
+class _EchoStack:
+    """``forward`` gives each response token its prompt's index; ``load`` a fixed rollout id."""
+
+    model_spec: ModelSpec
+    rollout_id: int
+    fail_forward: bool
+    seen: list[int] = attrs.field(factory=list)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model_spec
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        if self.fail_forward:
+            raise ValueError("boom")
+        self.seen.extend(s.prompt.index for s in samples)
+        return [tuple(float(s.prompt.index) for _ in s.response.token_ids) for s in samples]
+
+    def load(self, path: Path) -> int:
+        return self.rollout_id
+
+    def export_weights(self) -> NamedTensors:
+        return []
+
+
+@final
+@attrs.frozen
+class _EchoBackend:
+    rollout_id: int
+    fail_forward: bool
+
+    def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
+        return _EchoStack(spec.model, self.rollout_id, self.fail_forward)
+
+    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
+        raise NotImplementedError("the stand-in only builds eval stacks")
+
+
+@final
+@attrs.frozen
+class EchoRuntime:
+    """Rank ``r``'s ``load`` returns ``rollout_ids[r]``; ranks in ``failing`` raise in ``forward``."""
+
+    rollout_ids: tuple[int, ...]
+    failing: frozenset[int] = frozenset()
+
+    def init(self, tensor_parallel_size: int, seed: int) -> None:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            assert name in os.environ, name
+
+    def backend(self) -> Backend:
+        rank = int(os.environ["RANK"])
+        return _EchoBackend(self.rollout_ids[rank], rank in self.failing)
+
+
+def _echo_group(rollout_ids: tuple[int, ...], tp: int = 1, failing: frozenset[int] = frozenset()) -> RayTrainGroup[EvalStack]:
+    spec = EvalSpec(ModelSpec("actor", None, parallel=ParallelSpec(tp, len(rollout_ids))))
+    return RayTrainGroup.start_eval(spec, GroupOptions(setup_timeout_s=120), EchoRuntime(rollout_ids, failing))
+
+
+def _sample(index: int, prompt: Sequence[int], response: Sequence[int]) -> Sample:
+    generation = Generation(tuple(response), tuple(0.0 for _ in response), "")
+    return Sample(Prompt(index, "", tuple(prompt)), generation, reward=0.0, group=index)
+
+
+def _env_of(context: RankContext[EvalStack]) -> tuple[int, int, int, int, str]:
+    return (
+        context.rank,
+        context.data_parallel_rank,
+        context.tensor_parallel_rank,
+        int(os.environ["WORLD_SIZE"]),
+        os.environ["OMP_NUM_THREADS"],
+    )
+
+
+def _seen(context: RankContext[EvalStack]) -> list[int]:
+    stack = context.stack
+    assert isinstance(stack, _EchoStack)
+    return list(stack.seen)
+
+
+def _remember(context: RankContext[EvalStack], key: str, value: int) -> int:
+    count = cast(int, context.objects.get(key, 0)) + value
+    context.objects[key] = count
+    return count
+
+
+def _assert_gone(group: RayTrainGroup[Any]) -> None:
+    assert placement_group_table(group.placement_group)["state"] == "REMOVED"
+    for handle in group.actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.__ray_ready__.remote(), timeout=30)  # type: ignore[attr-defined]
+
+
+# -- group mechanics -----------------------------------------------------------------------------
+
+
+def test_split_evenly_keeps_order_and_sizes() -> None:
+    assert split_evenly((1, 2, 3, 4, 5), 2) == [(1, 2, 3), (4, 5)]
+    assert split_evenly((1,), 3) == [(1,), (), ()]
+
+
+def test_forward_splits_over_data_parallel_ranks_and_load_agreement() -> None:
+    group = _echo_group((3, 3, 3, 3), tp=2)
+    try:
+        assert group.run_on_all_ranks(_env_of) == [
+            (0, 0, 0, 4, "1"),
+            (1, 0, 1, 4, "1"),
+            (2, 1, 0, 4, "1"),
+            (3, 1, 1, 4, "1"),
+        ]
+        samples = [_sample(i, (1, 2), (3,) * (1 + i % 3)) for i in range(5)]
+        assert group.forward(samples) == [tuple(float(i) for _ in s.response.token_ids) for i, s in enumerate(samples)]
+        # dp rank 0 (ranks 0, 1) scored the first three samples, dp rank 1 (ranks 2, 3) the rest
+        assert group.run_on_all_ranks(_seen) == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
+        assert group.load(Path("/nowhere")) == 3
+        assert [group.run_on_rank0(_remember, "n", 2), group.run_on_rank0(_remember, "n", 3)] == [2, 5]
+    finally:
+        group.close()
+    _assert_gone(group)
+    group.close()  # twice is fine
+    with pytest.raises(RayGroupError, match="closed"):
+        group.load(Path("/nowhere"))
+
+
+def test_load_disagreement_names_ranks_and_ids() -> None:
+    with _echo_group((7, 5)) as group:
+        with pytest.raises(CheckpointError, match=r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"):
+            group.load(Path("/ckpt/iter_7"))
+
+
+def test_failing_rank_fails_the_call_and_breaks_the_group() -> None:
+    with _echo_group((0, 0), failing=frozenset({1})) as group:
+        with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
+            group.forward([_sample(0, (1,), (2,)), _sample(1, (1,), (2,))])
+        with pytest.raises(RayGroupError, match="broken"):
+            group.load(Path("/nowhere"))
+
+
+def test_batch_must_split_over_data_parallel_micro_batches() -> None:
+    spec = _train_spec(Path("/unused"), ParallelSpec(1, 2), global_batch_size=3)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        RayTrainGroup.start_training(spec, runtime=EchoRuntime((0, 0)))
+
+
+# -- the real Megatron backend -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlcore.tiny import build_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    build_tiny_llama(folder, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    return folder
+
+
+@pytest.fixture
+def backend() -> Iterator[RayMegatronBackend]:
+    with RayMegatronBackend(GroupOptions(setup_timeout_s=300, call_timeout_s=300)) as b:
+        yield b
+
+
+def _samples(count: int) -> list[Sample]:
+    rng = random.Random(0)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(3 + i % 2)]
+        response = [rng.randrange(3, VOCAB) for _ in range(2 + i % 3)]
+        out.append(_sample(i, prompt, response))
+    return out
+
+
+def _train_spec(checkpoint: Path, parallel: ParallelSpec, global_batch_size: int = 4) -> TrainSpec:
+    schedule = LRSchedule(lr=1e-2, min_lr=0.0, warmup_steps=0, decay_steps=10)
+    return TrainSpec(
+        model=ModelSpec("actor", checkpoint, parallel=parallel),
+        optimizer=OptimizerSpec(schedule),
+        loss=LossSpec(),
+        global_batch_size=global_batch_size,
+        micro_batch_size=1,
+    )
+
+
+def _exported(context: RankContext[TrainingStack]) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor.detach().cpu().clone()) for name, tensor in context.stack.export_weights()]
+
+
+@pytest.mark.megatron
+def test_data_parallel_replicas_stay_identical(tiny_llama: Path, backend: RayMegatronBackend) -> None:
+    import torch
+
+    stack = backend.build_training_stack(_train_spec(tiny_llama, ParallelSpec(1, 2)))
+    assert isinstance(stack, RayTrainingStack)
+    samples = _samples(4)
+    advantages = tuple(tuple(1.0 if i % 2 else -1.0 for _ in s.response.token_ids) for i, s in enumerate(samples))
+    batch = TrainBatch(tuple(samples), advantages)
+    before = dict(stack.export_weights())
+    for _ in range(3):
+        metrics = stack.train_step(batch)
+        assert metrics.grad_norm > 0 and metrics.tokens == sum(len(a) for a in advantages)
+    assert "param_groups" in stack.optimizer.state_dict()
+    rank0, rank1 = stack.group.run_on_all_ranks(_exported)
+    assert [n for n, _ in rank0] == [n for n, _ in rank1] == list(before)
+    for (name, a), (_, b) in zip(rank0, rank1, strict=True):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, before[name]) for name, a in rank0)
+    backend.close()
+    _assert_gone(stack.group)
+
+
+@pytest.mark.megatron
+def test_tensor_parallel_2_matches_tensor_parallel_1(tiny_llama: Path, backend: RayMegatronBackend) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    tp1 = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(1, 1))))
+    tp2 = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(2, 2))))
+    assert isinstance(tp2, RayEvalStack)
+    samples = _samples(5)
+    one, two = tp1.forward(samples), tp2.forward(samples)
+    assert [len(r) for r in one] == [len(r) for r in two] == [len(s.response.token_ids) for s in samples]
+    torch.testing.assert_close(torch.tensor(sum(two, ())), torch.tensor(sum(one, ())), rtol=1e-5, atol=1e-5)
+    hf = load_file(str(tiny_llama / "model.safetensors"))
+    exported = dict(tp2.export_weights())
+    assert exported.keys() == hf.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, hf[name]), name
