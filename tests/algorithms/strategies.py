@@ -37,7 +37,9 @@ def samples(
 
 
 @st.composite
-def grouped_samples(draw: st.DrawFn, max_groups: int = 4, max_group_size: int = 5) -> tuple[list[Sample], int]:
+def grouped_samples(
+    draw: st.DrawFn, max_groups: int = 4, max_group_size: int = 5
+) -> tuple[list[Sample], int]:
     """Consecutive groups of samples sharing a group id, and the group size."""
     group_size = draw(st.integers(1, max_group_size))
     n_groups = draw(st.integers(1, max_groups))
@@ -58,8 +60,10 @@ def rows_for(
 
 
 @st.composite
-def masked_floats(draw: st.DrawFn, max_b: int = 5, max_t: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float64 ``[B, T]`` tensor and a right-padded boolean mask with at least one True per row."""
+def masked_floats(
+    draw: st.DrawFn, max_b: int = 5, max_t: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 ``[B, T]`` tensor and a right-padded mask with at least one True per row."""
     b = draw(st.integers(1, max_b))
     t = draw(st.integers(1, max_t))
     lengths = draw(st.lists(st.integers(1, t), min_size=b, max_size=b))

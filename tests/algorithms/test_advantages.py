@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO / Dr. GRPO, REINFORCE++ (and -baseline), GAE, and the list-level entry."""
+"""Advantage estimators: GRPO, Dr. GRPO, REINFORCE++ (-baseline), GAE, and the list-level entry."""
 
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ def test_grpo_refuses_ragged_groups() -> None:
 
 @given(
     st.integers(1, 6).flatmap(
-        lambda g: st.tuples(st.just(g), st.lists(finite, min_size=g, max_size=4 * g).map(lambda r: r[: len(r) // g * g]))
+        lambda g: st.tuples(
+            st.just(g),
+            st.lists(finite, min_size=g, max_size=4 * g).map(lambda r: r[: len(r) // g * g]),
+        )
     ),
     st.booleans(),
 )
@@ -119,7 +122,9 @@ def test_reinforce_plus_plus_baseline_by_hand() -> None:
 
 
 @given(masked_floats(), st.floats(0.0, 1.0))
-def test_reinforce_plus_plus_is_whitened_over_valid_tokens(case: tuple[torch.Tensor, torch.Tensor], gamma: float) -> None:
+def test_reinforce_plus_plus_is_whitened_over_valid_tokens(
+    case: tuple[torch.Tensor, torch.Tensor], gamma: float
+) -> None:
     rewards, mask = case
     adv = reinforce_plus_plus_advantages(rewards, mask, gamma)
     assert torch.all(adv[~mask] == 0)
@@ -127,7 +132,10 @@ def test_reinforce_plus_plus_is_whitened_over_valid_tokens(case: tuple[torch.Ten
     assert abs(valid.mean().item()) < 1e-6
     # Variance 1, unless the returns' variance v is below the 1e-8 floor: then v / 1e-8.
     masked = (rewards * mask).tolist()
-    to_go = [[sum(gamma**k * r for k, r in enumerate(row[t:])) for t in range(len(row))] for row in masked]
+    to_go = [
+        [sum(gamma**k * r for k, r in enumerate(row[t:])) for t in range(len(row))]
+        for row in masked
+    ]
     v = torch.tensor(to_go, dtype=torch.float64)[mask].var(correction=0).item()
     assert valid.var(correction=0).item() == pytest.approx(v / max(v, 1e-8), rel=1e-6, abs=1e-9)
 
@@ -184,7 +192,12 @@ def test_gae_with_lambda_zero_is_the_td_residual(
 def test_estimate_grpo_broadcasts_per_sequence_and_counts_empty_responses() -> None:
     # Group 0: rewards 1 and 0 (the second has no tokens but still counts); the unbiased std of
     # (1, 0) is sqrt(0.5), so A = (1 - 0.5) / sqrt(0.5). Group 1's rewards are equal: A = 0.
-    samples = [sample(1.0, 2, group=0), sample(0.0, 0, group=0), sample(5.0, 1, group=1), sample(5.0, 3, group=1)]
+    samples = [
+        sample(1.0, 2, group=0),
+        sample(0.0, 0, group=0),
+        sample(5.0, 1, group=1),
+        sample(5.0, 3, group=1),
+    ]
     got = estimate_advantages(samples, AdvantageSpec(estimator="grpo", group_size=2))
     a = 0.5 / math.sqrt(0.5)
     assert got.advantages[0] == pytest.approx((a, a), rel=1e-5)
@@ -198,7 +211,9 @@ def test_estimate_grpo_with_a_kl_penalty_scores_the_summed_token_rewards() -> No
     # k1 per token = logp - ref. Sample 0: KL sum 0.5 + 0.5 = 1 -> score 1 - 0.1 * 1 = 0.9;
     # sample 1: KL 0 -> score 0. Dr. GRPO: A = +-0.45. Mean KL over 3 tokens = 1/3.
     samples = [sample(1.0, 2), sample(0.0, 1)]
-    spec = AdvantageSpec(estimator="grpo", group_size=2, kl_coef=0.1, kl_type="k1", normalize_std=False)
+    spec = AdvantageSpec(
+        estimator="grpo", group_size=2, kl_coef=0.1, kl_type="k1", normalize_std=False
+    )
     got = estimate_advantages(
         samples, spec, log_probs=((-1.0, -1.0), (-2.0,)), ref_log_probs=((-1.5, -1.5), (-2.0,))
     )
@@ -210,7 +225,9 @@ def test_estimate_grpo_with_a_kl_penalty_scores_the_summed_token_rewards() -> No
 def test_estimate_reinforce_plus_plus_puts_the_reward_on_the_last_token() -> None:
     # Same numbers as test_reinforce_plus_plus_by_hand.
     samples = [sample(1.0, 3), sample(2.0, 2)]
-    got = estimate_advantages(samples, AdvantageSpec(estimator="reinforce_plus_plus", group_size=1, gamma=0.5))
+    got = estimate_advantages(
+        samples, AdvantageSpec(estimator="reinforce_plus_plus", group_size=1, gamma=0.5)
+    )
     assert got.advantages[0] == pytest.approx((-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6))
     assert got.advantages[1] == pytest.approx((0.05 / 0.6, 1.05 / 0.6))
     assert got.returns == got.advantages
@@ -233,7 +250,9 @@ def test_estimate_reinforce_plus_plus_with_kl_penalises_every_token() -> None:
 
 def test_estimate_reinforce_plus_plus_baseline() -> None:
     samples = [sample(1.0, 1, 0), sample(0.0, 1, 0), sample(3.0, 2, 1), sample(1.0, 2, 1)]
-    got = estimate_advantages(samples, AdvantageSpec(estimator="reinforce_plus_plus_baseline", group_size=2))
+    got = estimate_advantages(
+        samples, AdvantageSpec(estimator="reinforce_plus_plus_baseline", group_size=2)
+    )
     s = math.sqrt(0.75)
     want = ((0.5 / s,), (-0.5 / s,), (1 / s, 1 / s), (-1 / s, -1 / s))
     for row, w in zip(got.advantages, want, strict=True):
@@ -258,18 +277,26 @@ def test_estimate_names_what_is_missing_or_wrong() -> None:
         estimate_advantages(two, AdvantageSpec(estimator="grpo", group_size=2, kl_coef=0.1))
     with pytest.raises(ValueError, match="needs ref_log_probs"):
         estimate_advantages(
-            two, AdvantageSpec(estimator="grpo", group_size=2, kl_coef=0.1), log_probs=((0.0, 0.0), (0.0,))
+            two,
+            AdvantageSpec(estimator="grpo", group_size=2, kl_coef=0.1),
+            log_probs=((0.0, 0.0), (0.0,)),
         )
     with pytest.raises(ValueError, match=r"values\[1\] has 2 entries but sample 1 has 1"):
-        estimate_advantages(two, AdvantageSpec(estimator="ppo", group_size=1), values=((0.0, 0.0), (0.0, 0.0)))
+        estimate_advantages(
+            two, AdvantageSpec(estimator="ppo", group_size=1), values=((0.0, 0.0), (0.0, 0.0))
+        )
     with pytest.raises(ValueError, match="values has 1 rows for 2 samples"):
         estimate_advantages(two, AdvantageSpec(estimator="ppo", group_size=1), values=((0.0, 0.0),))
     three = [*two, sample(1.0, 1)]
     with pytest.raises(ValueError, match="3 samples do not split into groups of 2"):
         estimate_advantages(three, AdvantageSpec(estimator="grpo", group_size=2))
     mixed = [sample(1.0, 1, group=0), sample(1.0, 1, group=1)]
-    with pytest.raises(ValueError, match=r"samples 0..1 should form one group but carry group ids \[0, 1\]"):
-        estimate_advantages(mixed, AdvantageSpec(estimator="reinforce_plus_plus_baseline", group_size=2))
+    with pytest.raises(
+        ValueError, match=r"samples 0..1 should form one group but carry group ids \[0, 1\]"
+    ):
+        estimate_advantages(
+            mixed, AdvantageSpec(estimator="reinforce_plus_plus_baseline", group_size=2)
+        )
 
 
 def test_estimate_on_no_samples_and_on_empty_responses() -> None:
@@ -283,10 +310,15 @@ def test_estimate_on_no_samples_and_on_empty_responses() -> None:
 
 @given(st.data(), grouped_samples(), st.sampled_from(ESTIMATORS), st.sampled_from([0.0, 0.05]))
 def test_every_estimator_returns_one_row_per_response_token(
-    data: st.DataObject, case: tuple[list[Sample], int], estimator: AdvantageEstimator, kl_coef: float
+    data: st.DataObject,
+    case: tuple[list[Sample], int],
+    estimator: AdvantageEstimator,
+    kl_coef: float,
 ) -> None:
     samples, group_size = case
-    spec = AdvantageSpec(estimator=estimator, group_size=group_size, gamma=0.9, lambd=0.95, kl_coef=kl_coef)
+    spec = AdvantageSpec(
+        estimator=estimator, group_size=group_size, gamma=0.9, lambd=0.95, kl_coef=kl_coef
+    )
     got = estimate_advantages(
         samples,
         spec,

@@ -125,16 +125,18 @@ def test_token_log_probs_by_hand() -> None:
 
 
 def naive_log_probs(logits: torch.Tensor, batch_samples: list[Sample]) -> list[list[float]]:
-    full = torch.log_softmax(logits.double(), dim=-1)
+    full = torch.log_softmax(logits.double(), dim=-1).tolist()
     out = []
     for i, s in enumerate(batch_samples):
         p = len(s.prompt.token_ids)
-        out.append([full[i, p + j - 1, tok].item() for j, tok in enumerate(s.response.token_ids)])
+        out.append([full[i][p + j - 1][tok] for j, tok in enumerate(s.response.token_ids)])
     return out
 
 
 @given(samples(), st.integers(0, 2**31 - 1))
-def test_token_log_probs_equals_a_full_log_softmax_gather(batch_samples: list[Sample], seed: int) -> None:
+def test_token_log_probs_equals_a_full_log_softmax_gather(
+    batch_samples: list[Sample], seed: int
+) -> None:
     batch = tensorize_samples(batch_samples, PAD)
     gen = torch.Generator().manual_seed(seed)
     logits = 3.0 * torch.randn(batch.num_sequences, batch.tokens.shape[1], VOCAB, generator=gen)
@@ -164,10 +166,10 @@ def test_entropy_matches_the_definition(batch_samples: list[Sample], seed: int) 
     logits = 2.0 * torch.randn(batch.num_sequences, batch.tokens.shape[1], VOCAB, generator=gen)
     got = unpad(entropy_from_logits(logits, batch), batch)
     probs = torch.softmax(logits.double(), dim=-1)
-    full = -(probs * probs.log()).sum(-1)
+    full = (-(probs * probs.log()).sum(-1)).tolist()
     for i, s in enumerate(batch_samples):
         p = len(s.prompt.token_ids)
-        want = [full[i, p + j - 1].item() for j in range(len(s.response.token_ids))]
+        want = [full[i][p + j - 1] for j in range(len(s.response.token_ids))]
         assert got[i] == pytest.approx(want, abs=1e-5)
 
 
@@ -197,7 +199,9 @@ def test_tensorize_then_unpad_round_trips(data: st.DataObject, batch_samples: li
     assert tuple(unpad(batch.returns, batch)) == returns
     assert torch.all(batch.advantages[~batch.response_mask] == 0)
     # Tokens: each row is prompt + response, then padding.
-    for row, mask, s in zip(batch.tokens.tolist(), batch.attention_mask.tolist(), batch_samples, strict=True):
+    for row, mask, s in zip(
+        batch.tokens.tolist(), batch.attention_mask.tolist(), batch_samples, strict=True
+    ):
         n = len(s.prompt.token_ids) + len(s.response.token_ids)
         assert tuple(row[:n]) == s.prompt.token_ids + s.response.token_ids
         assert all(t == PAD for t in row[n:])

@@ -69,11 +69,14 @@ def test_k3_is_nonnegative_and_low_var_kl_is_within_ten(pairs: list[tuple[float,
 @given(
     st.lists(st.floats(-4.0, 4.0, allow_nan=False), min_size=2, max_size=8).flatmap(
         lambda q: st.tuples(
-            st.just(q), st.lists(st.floats(-4.0, 4.0, allow_nan=False), min_size=len(q), max_size=len(q))
+            st.just(q),
+            st.lists(st.floats(-4.0, 4.0, allow_nan=False), min_size=len(q), max_size=len(q)),
         )
     )
 )
-def test_k1_and_k3_are_unbiased_under_the_sampling_policy(logits: tuple[list[float], list[float]]) -> None:
+def test_k1_and_k3_are_unbiased_under_the_sampling_policy(
+    logits: tuple[list[float], list[float]],
+) -> None:
     # Exact expectation over a categorical: sum_x q(x) k(x) = KL(q || p) for k1 and k3.
     q_logits, p_logits = logits
     log_q = torch.log_softmax(torch.tensor(q_logits, dtype=torch.float64), dim=0)

@@ -17,7 +17,9 @@ from rlcore.specs import LossSpec
 from .strategies import finite, masked_floats
 
 
-def batch_of(mask: torch.Tensor, advantages: torch.Tensor, **fields: torch.Tensor | None) -> TensorBatch:
+def batch_of(
+    mask: torch.Tensor, advantages: torch.Tensor, **fields: torch.Tensor | None
+) -> TensorBatch:
     """A TensorBatch whose token fields are placeholders: losses read only the per-token fields."""
     b, t = mask.shape
     return TensorBatch(
@@ -80,7 +82,9 @@ def test_clipped_loss_equals_unclipped_inside_the_trust_region(
     log_ratio = torch.tensor(
         data.draw(st.lists(st.floats(-0.15, 0.15), min_size=mask.numel(), max_size=mask.numel())),
         dtype=torch.float64,
-    ).reshape(mask.shape)  # |log r| <= 0.15 keeps r inside [0.8, 1.2]
+    ).reshape(
+        mask.shape
+    )  # |log r| <= 0.15 keeps r inside [0.8, 1.2]
     old = torch.full(mask.shape, -1.0, dtype=torch.float64)
     logp = (old + log_ratio).requires_grad_(True)
     clipped = policy_loss(logp, old, advantages, mask, 0.2, 0.2)
@@ -109,7 +113,8 @@ def test_actor_loss_without_old_log_probs_is_bench_tiny_and_has_its_gradient(
 ) -> None:
     logits, mask = case
     per_seq = torch.tensor(
-        data.draw(st.lists(finite, min_size=mask.shape[0], max_size=mask.shape[0])), dtype=torch.float32
+        data.draw(st.lists(finite, min_size=mask.shape[0], max_size=mask.shape[0])),
+        dtype=torch.float32,
     )
     adv = per_seq.unsqueeze(1) * mask  # per-sequence GRPO advantages, 0 on padding
     logp = torch.log_softmax(logits.float(), dim=1).requires_grad_(True)
@@ -132,11 +137,21 @@ def test_actor_loss_with_kl_entropy_and_sft_terms_by_hand() -> None:
     mask = torch.ones(1, 2, dtype=torch.bool)
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     batch = batch_of(mask, torch.ones(1, 2), ref_log_probs=torch.tensor([[-1.5, -1.5]]))
-    spec = LossSpec(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01, sft_coef=0.5)
+    spec = LossSpec(
+        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01, sft_coef=0.5
+    )
     out = actor_loss(logp, batch, spec, entropy=torch.tensor([[1.0, 3.0]]))
     assert out.loss.item() == pytest.approx(-0.47)
     assert out.metrics == pytest.approx(
-        {"pg_loss": -1.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl_loss": 0.5, "entropy": 2.0, "sft_loss": 1.0, "loss": -0.47}
+        {
+            "pg_loss": -1.0,
+            "clipfrac": 0.0,
+            "approx_kl": 0.0,
+            "kl_loss": 0.5,
+            "entropy": 2.0,
+            "sft_loss": 1.0,
+            "loss": -0.47,
+        }
     )
     (grad,) = torch.autograd.grad(out.loss, logp)
     # d/dlogp: pg -A/n = -0.5, KL 0.1/n = 0.05, SFT -0.5/n = -0.25.
@@ -198,7 +213,12 @@ def test_critic_loss_metrics_and_gradient() -> None:
     out = critic_loss(values, batch, LossSpec(value_clip=0.5))
     assert out.loss.item() == pytest.approx(2.8125)
     assert out.metrics == pytest.approx(
-        {"value_loss": 2.8125 / 2, "value_clipfrac": 1.0 / 3.0, "values": 4.0 / 3.0, "loss": 2.8125 / 2}
+        {
+            "value_loss": 2.8125 / 2,
+            "value_clipfrac": 1.0 / 3.0,
+            "values": 4.0 / 3.0,
+            "loss": 2.8125 / 2,
+        }
     )
     (grad,) = torch.autograd.grad(out.loss, values)
     # Token (0, 0) is clipped (zero gradient); (0, 1): (v - R) / n = 0.5; (1, 0): (3 - 1) / 1 = 2.

@@ -98,9 +98,10 @@ def gae(
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
 
     ``token_rewards``, ``values``: ``Tensor[B, T]``; ``values[:, t]`` is ``V(s_t)``, the critic's
-    estimate before response token ``t`` is emitted. With ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``,
-    ``A_t = sum_k (gamma lambd)^k delta_{t+k}`` and ``returns_t = A_t + V(s_t)``; the value after a
-    sequence's last valid token is 0 (the episode ends). Returns ``(advantages, returns)``, both
+    estimate before response token ``t`` is emitted. With
+    ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``, ``A_t = sum_k (gamma lambd)^k delta_{t+k}`` and
+    ``returns_t = A_t + V(s_t)``; the value after a sequence's last valid token is 0 (the episode
+    ends). Returns ``(advantages, returns)``, both
     ``Tensor[B, T]`` and 0 on padding. Not whitened.
     """
     rewards = token_rewards * mask
@@ -187,8 +188,8 @@ def estimate_advantages(
         for name, rows in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
             if not rows:
                 raise ValueError(f"kl_coef = {spec.kl_coef} > 0 needs {name}: pass {name}=...")
-        kl = kl_estimate(_pad(log_probs, width, dtype), _pad(ref_log_probs, width, dtype), spec.kl_type)
-        kl = kl * mask
+        logp = _pad(log_probs, width, dtype)
+        kl = kl_estimate(logp, _pad(ref_log_probs, width, dtype), spec.kl_type) * mask
         token_rewards = token_rewards - spec.kl_coef * kl
         scores = rewards - spec.kl_coef * kl.sum(dim=1)
         n_tokens = int(mask.sum())
@@ -259,7 +260,9 @@ def _check_rows(name: str, rows: Sequence[tuple[float, ...]], lengths: list[int]
         raise ValueError(f"{name} has {len(rows)} rows for {len(lengths)} samples")
     for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         if len(row) != n:
-            raise ValueError(f"{name}[{i}] has {len(row)} entries but sample {i} has {n} response tokens")
+            raise ValueError(
+                f"{name}[{i}] has {len(row)} entries but sample {i} has {n} response tokens"
+            )
 
 
 def _pad(rows: Sequence[tuple[float, ...]], width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -146,8 +146,10 @@ def tensorize_samples(
     )
 
 
-def _pad_floats(rows: Sequence[Sequence[float]], width: int, device: torch.device | str) -> torch.Tensor:
-    """Ragged float rows as a ``float32`` ``[len(rows), width]`` tensor, zero-padded on the right."""
+def _pad_floats(
+    rows: Sequence[Sequence[float]], width: int, device: torch.device | str
+) -> torch.Tensor:
+    """Ragged float rows as a ``float32`` ``[len(rows), width]`` tensor, right-padded with 0."""
     padded = [list(r) + [0.0] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.float32, device=device).reshape(len(rows), width)
 
@@ -170,7 +172,7 @@ def _response_targets(batch: TensorBatch) -> torch.Tensor:
 
 
 def token_log_probs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
-    """``log softmax(logits)`` at temperature 1, at each response token: ``Tensor[B, T]``, 0 on padding.
+    """``log_softmax(logits)`` (temperature 1) at each response token: ``Tensor[B, T]``, 0 on pad.
 
     ``logits`` is ``Tensor[B, S, V]`` from a causal LM over ``batch.tokens``. Only the ``B * T``
     rows that predict response tokens are gathered, and the log-probability is computed as

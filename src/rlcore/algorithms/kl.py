@@ -8,9 +8,9 @@ John Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-a
     k2 = (log r)^2 / 2              biased, low variance, >= 0
     k3 = (r - 1) - log r            unbiased, low variance, >= 0
 
-``low_var_kl`` is k3 clamped to ``[-10, 10]``, as verl's ``kl_penalty`` computes it (the log-ratio is
-first clamped to ``[-20, 20]`` so ``exp`` cannot overflow and poison the gradient of the clamp with
-``0 * inf``).
+``low_var_kl`` is k3 clamped to ``[-10, 10]``, as verl's ``kl_penalty`` computes it (the log-ratio
+is first clamped to ``[-20, 20]`` so ``exp`` cannot overflow and poison the gradient of the clamp
+with ``0 * inf``).
 
 In terms of our inputs ``log r = ref_log_probs - log_probs``, so ``k1 = log_probs - ref_log_probs``
 (verl's ``"k1"``/``"kl"``, OpenRLHF's ``compute_approx_kl`` default).

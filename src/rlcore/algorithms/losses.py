@@ -68,7 +68,8 @@ def policy_loss(
 ) -> PolicyLossOut:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token::
 
-        l_t = -min(r_t A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) A_t),  r_t = exp(logp_t - old_t)
+        l_t = -min(r_t A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) A_t)
+        r_t = exp(logp_t - old_t)
 
     with the asymmetric upper bound of DAPO (Yu et al. 2025, arXiv:2503.14476, "clip-higher").
     Reduced as the module docstring says (per-sequence token mean, summed over sequences).
@@ -182,7 +183,8 @@ def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> Los
     critic's ``V(s_t)`` (from :func:`~rlcore.algorithms.batching.gather_response`), regressed on
     ``batch.returns`` and clipped around ``batch.old_values`` (unclipped when ``None``) with
     ``spec.value_clip``. Metrics: ``value_loss``, ``value_clipfrac`` (share of valid tokens whose
-    clipped error is the larger), ``values`` (mean), ``loss``. Raises ``ValueError`` without returns.
+    clipped error is the larger), ``values`` (token mean), ``loss``. Raises ``ValueError`` without
+    returns.
     """
     if batch.returns is None:
         raise ValueError("critic_loss needs batch.returns: estimate advantages with a critic (ppo)")
