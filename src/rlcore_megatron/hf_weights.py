@@ -16,7 +16,7 @@ Import reads ``model.safetensors`` (or a sharded ``model.safetensors.index.json`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from pathlib import Path
 from typing import Any, Literal, final
 
@@ -32,7 +32,15 @@ from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.model import LlamaArch
 
-__all__ = ["HFReader", "export_hf_weights", "load_hf_weights", "param_map", "save_hf"]
+__all__ = [
+    "HFReader",
+    "export_hf_weights",
+    "load_hf_tensors",
+    "load_hf_weights",
+    "load_named_tensors",
+    "param_map",
+    "save_hf",
+]
 
 Kind = Literal["vocab", "column", "row", "replicated", "qkv", "fc1"]
 
@@ -181,26 +189,48 @@ def _tp() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, folder: Path, arch: LlamaArch, role: Role) -> None:
-    """Copy the HF checkpoint in ``folder`` into ``model`` (this rank's shards).
+def load_hf_tensors(
+    model: torch.nn.Module,
+    get: Callable[[str], torch.Tensor],
+    names: Set[str],
+    arch: LlamaArch,
+    role: Role,
+    source: str,
+) -> None:
+    """Copy full HF tensors (``get(name)``, ``names`` available) into this rank's shards of ``model``.
 
-    A critic takes the backbone and, when the checkpoint has one (a reward model), ``score.weight``;
-    otherwise its value head keeps its seeded initialisation.
+    A critic takes the backbone and, when the source has one (a reward model), ``score.weight``;
+    otherwise its value head keeps its seeded initialisation. ``source`` names where the tensors
+    come from in error messages.
     """
-    reader = HFReader(folder)
     params = dict(model.named_parameters())
     rank, size = _tp()
     for entry in param_map(arch, role):
-        if role == "critic" and entry.hf == ("score.weight",) and "score.weight" not in reader.names():
+        if role == "critic" and entry.hf == ("score.weight",) and "score.weight" not in names:
             continue
-        shard = _local_shard(entry, [reader.get(n) for n in entry.hf], arch, rank, size)
+        missing = [n for n in entry.hf if n not in names]
+        if missing:
+            raise CheckpointError(f"{source} has no tensor {missing[0]!r} (needed for {entry.megatron})")
+        shard = _local_shard(entry, [get(n) for n in entry.hf], arch, rank, size)
         param = params[entry.megatron]
         if shard.shape != param.shape:
             raise CheckpointError(
-                f"{folder}: {'+'.join(entry.hf)} gives shape {tuple(shard.shape)} for "
+                f"{source}: {'+'.join(entry.hf)} gives shape {tuple(shard.shape)} for "
                 f"{entry.megatron}, expected {tuple(param.shape)} (does config.json match the weights?)"
             )
         param.copy_(shard)
+
+
+def load_hf_weights(model: torch.nn.Module, folder: Path, arch: LlamaArch, role: Role) -> None:
+    """Copy the HF checkpoint in ``folder`` (``save_pretrained`` safetensors) into ``model``."""
+    reader = HFReader(folder)
+    load_hf_tensors(model, reader.get, reader.names(), arch, role, str(folder))
+
+
+def load_named_tensors(model: torch.nn.Module, named: NamedTensors, arch: LlamaArch, role: Role) -> None:
+    """Copy ``(hf_name, tensor)`` pairs (e.g. another stack's ``export_weights()``) into ``model``."""
+    tensors = dict(named)
+    load_hf_tensors(model, tensors.__getitem__, set(tensors), arch, role, "the given weights")
 
 
 def _gather(local: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -1,0 +1,92 @@
+"""Batches and specs for the Megatron tests (plain functions; fixtures live in conftest)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from rlcore.samples import Generation, Prompt, Sample, TrainBatch
+from rlcore.specs import LossSpec, LRSchedule, ModelSpec, OptimizerSpec, Role, TrainSpec
+
+TINY: Final[dict[str, Any]] = {
+    "vocab_size": 32,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
+
+
+def make_samples(n: int, seed: int = 0, vocab: int = 32) -> list[Sample]:
+    """``n`` samples with prompts of 2-5 tokens and responses of 1-6 tokens (ragged on purpose)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = (1, *(rng.randrange(3, vocab) for _ in range(rng.randint(1, 4))))
+        response = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(1, 6)))
+        gen = Generation(response, tuple(-1.0 for _ in response), "", "stop")
+        out.append(Sample(Prompt(i, "", prompt), gen, reward=float(rng.random() > 0.5), group=i // 2))
+    return out
+
+
+def make_batch(
+    samples: list[Sample],
+    seed: int = 0,
+    *,
+    returns: bool = False,
+    ref: bool = False,
+    old: bool = False,
+    rollout_id: int = 0,
+) -> TrainBatch:
+    """A batch with random advantages (and returns / reference / old log-probs when asked)."""
+    rng = random.Random(seed)
+
+    def rows(scale: float, offset: float = 0.0) -> tuple[tuple[float, ...], ...]:
+        return tuple(
+            tuple(offset + scale * rng.uniform(-1, 1) for _ in s.response.token_ids) for s in samples
+        )
+
+    return TrainBatch(
+        samples=tuple(samples),
+        advantages=rows(1.0),
+        returns=rows(1.0) if returns else (),
+        ref_log_probs=rows(0.5, -3.0) if ref else (),
+        old_log_probs=rows(0.5, -3.0) if old else (),
+        rollout_id=rollout_id,
+    )
+
+
+def train_spec(
+    hf: Path | None,
+    role: Role = "actor",
+    *,
+    global_batch_size: int = 4,
+    micro_batch_size: int = 2,
+    steps_per_rollout: int = 1,
+    schedule: LRSchedule | None = None,
+    loss: LossSpec | None = None,
+    clip_grad: float = 1.0,
+    seed: int = 1234,
+) -> TrainSpec:
+    return TrainSpec(
+        model=ModelSpec(role=role, hf_checkpoint=hf, seed=seed),
+        optimizer=OptimizerSpec(
+            schedule=schedule or LRSchedule(lr=1e-3, min_lr=1e-4, warmup_steps=0, decay_steps=10),
+            clip_grad=clip_grad,
+            weight_decay=0.01,
+        ),
+        loss=loss or LossSpec(),
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        steps_per_rollout=steps_per_rollout,
+    )
+
+
+def weights(named: Any) -> dict[str, torch.Tensor]:
+    """Exported weights as detached copies (exports may be views of live parameters)."""
+    return {name: t.detach().clone() for name, t in named}
