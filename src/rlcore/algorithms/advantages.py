@@ -174,8 +174,7 @@ def estimate_advantages(
 
     width = max(lengths, default=0)
     dtype = torch.float64  # cheap at this size, and keeps the whitening exact-ish
-    mask = torch.tensor([[j < n for j in range(width)] for n in lengths], dtype=torch.bool)
-    mask = mask.reshape(len(samples), width)
+    mask = torch.arange(width) < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
     rewards = torch.tensor([s.reward for s in samples], dtype=dtype)
     token_rewards = torch.zeros(len(samples), width, dtype=dtype)
     for i, n in enumerate(lengths):
@@ -188,8 +187,8 @@ def estimate_advantages(
         for name, rows in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
             if not rows:
                 raise ValueError(f"kl_coef = {spec.kl_coef} > 0 needs {name}: pass {name}=...")
-        logp = _pad(log_probs, width, dtype)
-        kl = kl_estimate(logp, _pad(ref_log_probs, width, dtype), spec.kl_type) * mask
+        logp = _pad(log_probs, mask, dtype)
+        kl = kl_estimate(logp, _pad(ref_log_probs, mask, dtype), spec.kl_type) * mask
         token_rewards = token_rewards - spec.kl_coef * kl
         scores = rewards - spec.kl_coef * kl.sum(dim=1)
         n_tokens = int(mask.sum())
@@ -206,7 +205,7 @@ def estimate_advantages(
         adv = reinforce_plus_plus_advantages(token_rewards, mask, spec.gamma)
         ret = adv
     elif spec.estimator == "ppo":
-        adv, ret = gae(token_rewards, _pad(values, width, dtype), mask, spec.gamma, spec.lambd)
+        adv, ret = gae(token_rewards, _pad(values, mask, dtype), mask, spec.gamma, spec.lambd)
     else:
         raise ValueError(f"unknown advantage estimator {spec.estimator!r}")
     return Advantages(advantages=_rows(adv, lengths), returns=_rows(ret, lengths), kl=kl_mean)
@@ -265,9 +264,11 @@ def _check_rows(name: str, rows: Sequence[tuple[float, ...]], lengths: list[int]
             )
 
 
-def _pad(rows: Sequence[tuple[float, ...]], width: int, dtype: torch.dtype) -> torch.Tensor:
-    padded = [list(r) + [0.0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=dtype).reshape(len(rows), width)
+def _pad(rows: Sequence[tuple[float, ...]], mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Ragged rows (as long as ``mask``'s rows' True prefixes) as a ``[B, T]`` tensor, 0-padded."""
+    out = torch.zeros(mask.shape, dtype=dtype)
+    out[mask] = torch.tensor([x for row in rows for x in row], dtype=dtype)
+    return out
 
 
 def _rows(x: torch.Tensor, lengths: list[int]) -> tuple[tuple[float, ...], ...]:

@@ -61,6 +61,30 @@ class TensorBatch:
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
 
+    def __attrs_post_init__(self) -> None:
+        b, s = self.tokens.shape
+        if self.attention_mask.shape != (b, s):
+            raise ValueError(
+                f"TensorBatch.attention_mask has shape {tuple(self.attention_mask.shape)}, "
+                f"tokens {(b, s)}"
+            )
+        per_token = {
+            "response_mask": self.response_mask,
+            "advantages": self.advantages,
+            "returns": self.returns,
+            "old_log_probs": self.old_log_probs,
+            "ref_log_probs": self.ref_log_probs,
+            "old_values": self.old_values,
+        }
+        want = tuple(self.response_index.shape)
+        if len(want) != 2 or want[0] != b:
+            raise ValueError(f"TensorBatch.response_index has shape {want}, expected ({b}, T)")
+        for name, x in per_token.items():
+            if x is not None and tuple(x.shape) != want:
+                raise ValueError(
+                    f"TensorBatch.{name} has shape {tuple(x.shape)}, response_index {want}"
+                )
+
     @property
     def num_sequences(self) -> int:
         """``B``, the number of sequences."""
@@ -95,12 +119,12 @@ def tensorize(batch: TrainBatch, pad_id: int, device: torch.device | str = "cpu"
     response token would have no logits to predict it).
     """
     base = tensorize_samples(batch.samples, pad_id, device)
-    t = base.response_mask.shape[1]
+    mask = base.response_mask.cpu()
 
     def floats(rows: tuple[tuple[float, ...], ...]) -> torch.Tensor | None:
         if not rows:
             return None
-        return _pad_floats(rows, t, device)
+        return _pad_floats(rows, mask, device)
 
     advantages = floats(batch.advantages)
     return attrs.evolve(
@@ -126,32 +150,38 @@ def tensorize_samples(
                 f"sample {i} has an empty prompt: no logits predict its first response token "
                 "(prompts need at least one token, e.g. <bos>)"
             )
-    seq_len = max((len(p) + len(r) for p, r in zip(prompts, responses, strict=True)), default=0)
-    resp_len = max((len(r) for r in responses), default=0)
+    prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    resp_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    seq_len = int((prompt_len + resp_len).max()) if samples else 0
+    width = int(resp_len.max()) if samples else 0
 
-    pairs = list(zip(prompts, responses, strict=True))
-    tokens = [[*p, *r] + [pad_id] * (seq_len - len(p) - len(r)) for p, r in pairs]
-    attention = [[k < len(p) + len(r) for k in range(seq_len)] for p, r in pairs]
-    last = max(seq_len - 1, 0)
-    index = [[min(max(len(p) + j - 1, 0), last) for j in range(resp_len)] for p in prompts]
-    mask = [[j < len(r) for j in range(resp_len)] for r in responses]
-
-    b = len(samples)
+    # Each row's valid entries are a prefix, so a boolean-mask assignment of the concatenated
+    # rows fills them in order: no Python loop over padded positions.
+    attention_mask = torch.arange(seq_len) < (prompt_len + resp_len).unsqueeze(1)
+    tokens = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
+    tokens[attention_mask] = torch.tensor(
+        [t for p, r in zip(prompts, responses, strict=True) for t in (*p, *r)], dtype=torch.long
+    )
+    positions = torch.arange(width)
+    response_index = (prompt_len.unsqueeze(1) + positions - 1).clamp(0, max(seq_len - 1, 0))
+    response_mask = positions < resp_len.unsqueeze(1)
     return TensorBatch(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=device).reshape(b, seq_len),
-        attention_mask=torch.tensor(attention, dtype=torch.bool, device=device).reshape(b, seq_len),
-        response_index=torch.tensor(index, dtype=torch.long, device=device).reshape(b, resp_len),
-        response_mask=torch.tensor(mask, dtype=torch.bool, device=device).reshape(b, resp_len),
-        advantages=torch.zeros(b, resp_len, dtype=torch.float32, device=device),
+        tokens=tokens.to(device),
+        attention_mask=attention_mask.to(device),
+        response_index=response_index.to(device),
+        response_mask=response_mask.to(device),
+        advantages=torch.zeros(len(samples), width, dtype=torch.float32, device=device),
     )
 
 
 def _pad_floats(
-    rows: Sequence[Sequence[float]], width: int, device: torch.device | str
+    rows: Sequence[Sequence[float]], mask: torch.Tensor, device: torch.device | str
 ) -> torch.Tensor:
-    """Ragged float rows as a ``float32`` ``[len(rows), width]`` tensor, right-padded with 0."""
-    padded = [list(r) + [0.0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.float32, device=device).reshape(len(rows), width)
+    """Ragged float rows as a ``float32`` tensor shaped like ``mask`` (``[B, T]``, True on each
+    row's prefix of ``len(row)`` entries), 0 elsewhere."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask] = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
+    return out.to(device)
 
 
 def _response_rows(x: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
