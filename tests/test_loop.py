@@ -13,14 +13,17 @@ from hypothesis import strategies as st
 
 from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.config import RunConfig, structure_config
-from rlcore.errors import CheckpointError, ConfigError
+from rlcore.errors import CheckpointError, ConfigError, PlanError
 from rlcore.loop import RunData, run, should_eval, should_save
 from rlcore.plan import EvalPlan, TrainPlan, plan
 from rlcore.samples import EvalSet, Prompt
 from rlcore.testing import FakeBackend, RecordingSink, ScriptedEngine, label_reward
 from tests.strategies import config_dicts, valid_config_dicts
 
-PROMPTS = tuple(Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(7))
+PROMPTS = tuple(
+    Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1), target_token_ids=(i + 4, 2))
+    for i in range(7)
+)
 DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("heldout", PROMPTS[:3]),), seed=3)
 
 
@@ -150,3 +153,25 @@ def test_eval_only_builds_only_the_actor_eval_stack_and_loads_it(tmp_path: Path)
     assert backend.eval_stacks[0].loaded_from == find_checkpoint(tmp_path / "ckpt") / "actor"
     assert engine.updates == [3]
     assert result.last_eval["eval/heldout/reward"] == pytest.approx(2 / 3)  # the script answers 0 and 2 right
+
+
+def test_supervised_warm_start_trains_on_targets_without_generating(tmp_path: Path) -> None:
+    config = _train_config(tmp_path, algorithm__sft_warmup_rollouts=2, algorithm__use_critic=True,
+                           eval__interval=None, eval__skip_eval_before_train=True)
+    backend, engine = FakeBackend(), ScriptedEngine()
+    result = run(plan(config), backend, engine, label_reward, DATA)
+    assert result.trained == (0, 1, 2, 3)
+    actor, critic = backend.training_stacks
+    assert [len(b.samples) for b in actor.batches] == [4, 4, 4, 4]
+    for batch in actor.batches[:2]:
+        assert all(s.response.token_ids == s.prompt.target_token_ids and s.reward == 1.0 for s in batch.samples)
+        assert all(a == (1.0, 1.0) for a in batch.advantages)
+    assert len(critic.batches) == 2  # the critic learns only from sampled rollouts
+    assert [n for n, _ in engine.calls] == [4, 4]  # generation only for rollouts 2 and 3
+
+
+def test_supervised_warm_start_needs_labelled_prompts(tmp_path: Path) -> None:
+    unlabelled = RunData(train_prompts=tuple(attrs.evolve(p, target_token_ids=()) for p in PROMPTS))
+    config = _train_config(tmp_path, algorithm__sft_warmup_rollouts=1, eval__interval=None)
+    with pytest.raises(PlanError, match="--sft-warmup-rollouts needs labelled prompts"):
+        run(plan(config), FakeBackend(), ScriptedEngine(), label_reward, unlabelled)

@@ -99,6 +99,9 @@ class AlgorithmConfig:
     eps_clip_high: float | None = _opt(None, "--eps-clip-high", "PPO clip range above 1 (default: --eps-clip)")
     value_clip: float = _opt(0.2, "--value-clip", "critic value clip range")
     entropy_coef: float = _opt(0.0, "--entropy-coef", "entropy bonus weight")
+    sft_warmup_rollouts: int = _opt(
+        0, "--sft-warmup-rollouts", "first N rollouts train on the labels (supervised warm start), not on samples"
+    )
 
     @property
     def critic(self) -> bool:
@@ -353,6 +356,9 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
         add(RolloutConfig, "rollout", "n_samples_per_prompt",
             f"{a.advantage_estimator} compares samples within a prompt's group, so it needs >= 2",
             "raise --n-samples-per-prompt")
+    if not 0 <= a.sft_warmup_rollouts < (r.num_rollout or 1):
+        add(AlgorithmConfig, "algorithm", "sft_warmup_rollouts",
+            f"must be in [0, num_rollout) so that some rollouts use RL, got {a.sft_warmup_rollouts}")
     if a.kl_coef < 0 or a.kl_loss_coef < 0:
         add(AlgorithmConfig, "algorithm", "kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")
     if a.eps_clip < 0 or (a.eps_clip_high is not None and a.eps_clip_high < 0):

@@ -24,7 +24,7 @@ import attrs
 
 from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
 from rlcore.data import PromptSampler
-from rlcore.errors import CheckpointError
+from rlcore.errors import CheckpointError, PlanError
 from rlcore.plan import EvalPlan, Plan, TrainPlan
 from rlcore.protocols import Backend, EvalStack, MetricsSink, RewardFn, RolloutEngine, TrainingStack
 from rlcore.rewards import score_samples
@@ -178,6 +178,41 @@ def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
     return metrics
 
 
+def score(prompts: Sequence[Prompt], generations: Sequence[Generation], reward_fn: RewardFn, n: int) -> list[Sample]:
+    """Reward each generation; ``generations`` hold ``n`` consecutive samples per prompt."""
+    group_prompts = [p for p in prompts for _ in range(n)]
+    rewards = score_samples(group_prompts, generations, reward_fn)
+    return [
+        Sample(prompt=p, response=g, reward=r, group=i // n)
+        for i, (p, g, r) in enumerate(zip(group_prompts, generations, rewards, strict=True))
+    ]
+
+
+def supervised_step(prompts: Sequence[Prompt], actor: TrainingStack, plan: TrainPlan, rollout_id: int) -> dict[str, float]:
+    """One warm-start rollout: the actor trains on each prompt's reference completion, repeated
+    ``n_samples_per_prompt`` times so batch sizes match the RL rollouts. With advantage 1 and
+    ratio 1 the policy loss's gradient is exactly the SFT (token-mean NLL) gradient."""
+    missing = [p.index for p in prompts if not p.target_token_ids]
+    if missing:
+        raise PlanError(
+            f"--sft-warmup-rollouts needs labelled prompts, but prompts {missing[:5]} have no reference "
+            "completion; give the data a label key (--label-key) or drop the warm start"
+        )
+    samples = tuple(
+        Sample(
+            prompt=p,
+            response=Generation(p.target_token_ids, tuple(0.0 for _ in p.target_token_ids), p.label, "stop"),
+            reward=1.0,
+            group=i,
+        )
+        for i, p in enumerate(prompts)
+        for _ in range(plan.n_samples_per_prompt)
+    )
+    batch = TrainBatch(samples, advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
+                       rollout_id=rollout_id)
+    return {**actor.train_step(batch).as_dict("train/actor"), "rollout/supervised": 1.0}
+
+
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     return {
         "rollout/reward": _mean([s.reward for s in samples]),
@@ -248,17 +283,15 @@ def run_training(
     for rollout_id in range(start, plan.num_rollout):
         t0 = time.perf_counter()
         prompts = sampler.next_batch()
-        generations = generate(engine, prompts, plan.n_samples_per_prompt, plan.rollout_params)
-        t1 = time.perf_counter()
-        group_prompts = [p for p in prompts for _ in range(plan.n_samples_per_prompt)]
-        rewards = score_samples(group_prompts, generations, reward_fn)
-        samples = [
-            Sample(prompt=p, response=g, reward=r, group=i // plan.n_samples_per_prompt)
-            for i, (p, g, r) in enumerate(zip(group_prompts, generations, rewards, strict=True))
-        ]
-        batch, adv_metrics = make_train_batch(samples, stacks, plan, rollout_id)
-        t2 = time.perf_counter()
-        metrics = {**rollout_metrics(samples), **adv_metrics, **train(stacks, batch)}
+        if rollout_id < plan.sft_warmup_rollouts:
+            metrics, t1, t2 = supervised_step(prompts, stacks.actor, plan, rollout_id), t0, t0
+        else:
+            generations = generate(engine, prompts, plan.n_samples_per_prompt, plan.rollout_params)
+            t1 = time.perf_counter()
+            samples = score(prompts, generations, reward_fn, plan.n_samples_per_prompt)
+            batch, adv_metrics = make_train_batch(samples, stacks, plan, rollout_id)
+            t2 = time.perf_counter()
+            metrics = {**rollout_metrics(samples), **adv_metrics, **train(stacks, batch)}
         trained.append(rollout_id)
         t3 = time.perf_counter()
         if should_save(rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None):

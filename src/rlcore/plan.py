@@ -46,6 +46,10 @@ class EvalPlan:
 class TrainPlan:
     """Train for rollout ids ``start_rollout_id .. num_rollout - 1``.
 
+    Rollouts below ``sft_warmup_rollouts`` are a supervised warm start: the actor trains on each
+    prompt's reference completion (advantage 1, ratio 1: exactly the SFT gradient), nothing is
+    generated, the critic does not train.
+
     ``start_rollout_id`` is ``None`` when it comes from the checkpoint being loaded (its id + 1).
     """
 
@@ -65,6 +69,7 @@ class TrainPlan:
     save_interval: int | None
     load: Path | None
     start_rollout_id: int | None
+    sft_warmup_rollouts: int = 0
 
 
 Plan = TrainPlan | EvalPlan
@@ -179,6 +184,7 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         save_interval=c.save_interval,
         load=c.load,
         start_rollout_id=c.start_rollout_id,
+        sft_warmup_rollouts=a.sft_warmup_rollouts,
     )
 
 

@@ -30,12 +30,16 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @attrs.frozen
 class Prompt:
-    """One prompt, already tokenized. ``index`` is its position in its dataset."""
+    """One prompt, already tokenized (``token_ids`` include any BOS). ``index`` is its position in
+    its dataset; ``label`` the reference answer a reward function compares with."""
 
     index: int
     text: str
     token_ids: TokenIds
     label: str = ""
+    target_token_ids: TokenIds = ()
+    """The reference completion tokenized, ending with the stop token: what a supervised warm
+    start (``--sft-warmup-rollouts``) trains on. Empty when the data has no label."""
 
 
 @attrs.frozen
