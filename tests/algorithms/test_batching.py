@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -213,3 +214,13 @@ def test_tensorize_then_unpad_round_trips(data: st.DataObject, batch_samples: li
     for i, s in enumerate(batch_samples):
         n = len(s.response.token_ids)
         assert tuple(targets[i, :n].tolist()) == s.response.token_ids
+
+
+def test_tensor_batch_refuses_mismatched_shapes() -> None:
+    batch = tensorize_samples(two_samples(), PAD)  # S = 5, T = 3
+    with pytest.raises(ValueError, match=r"advantages has shape \(2, 2\), response_index \(2, 3\)"):
+        attrs.evolve(batch, advantages=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 4\), tokens \(2, 5\)"):
+        attrs.evolve(batch, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"response_index has shape \(1, 3\), expected \(2, T\)"):
+        attrs.evolve(batch, response_index=torch.zeros(1, 3, dtype=torch.long))

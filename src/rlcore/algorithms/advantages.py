@@ -173,13 +173,13 @@ def estimate_advantages(
         raise ValueError("estimator 'ppo' needs the critic's values: pass values=...")
 
     width = max(lengths, default=0)
-    dtype = torch.float64  # cheap at this size, and keeps the whitening exact-ish
-    mask = torch.arange(width) < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+    dtype = torch.float64  # on the CPU and small: float64 costs nothing and rounds less
+    length = torch.tensor(lengths, dtype=torch.long)
+    mask = torch.arange(width) < length.unsqueeze(1)
     rewards = torch.tensor([s.reward for s in samples], dtype=dtype)
     token_rewards = torch.zeros(len(samples), width, dtype=dtype)
-    for i, n in enumerate(lengths):
-        if n:
-            token_rewards[i, n - 1] = samples[i].reward
+    nonempty = (length > 0).nonzero().squeeze(1)
+    token_rewards[nonempty, length[nonempty] - 1] = rewards[nonempty]  # on the last token
 
     kl_mean = 0.0
     scores = rewards

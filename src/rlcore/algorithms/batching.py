@@ -42,7 +42,7 @@ __all__ = [
 
 
 @final
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class TensorBatch:
     """A batch of samples as right-padded tensors (shapes in the module docstring).
 

@@ -36,7 +36,7 @@ __all__ = [
 
 
 @final
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class PolicyLossOut:
     """:func:`policy_loss`'s result. ``loss`` is a differentiable scalar (sequence-summed);
     ``clipfrac`` (share of valid tokens whose clipped branch is active) and ``approx_kl`` (k3
@@ -48,7 +48,7 @@ class PolicyLossOut:
 
 
 @final
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class LossOut:
     """A differentiable scalar ``loss`` (sequence-summed: divide by the global batch's number of
     sequences) and float ``metrics``, each a per-sequence mean over this batch (``clipfrac``
