@@ -5,9 +5,11 @@ Layout of ``path`` (the loop writes it inside a temporary folder and moves ``lat
     model/           dist_checkpointing of the model's sharded state dict
     optimizer/       dist_checkpointing of the optimizer state (training stacks only)
     scheduler.json   OptimizerParamScheduler.state_dict() (training stacks only)
-    rollout.json     {"rollout_id": k, ...}; written last, after every rank has finished
+    rollout.json     {"rollout_id": k, "model": {...}}; written last, after every rank has finished
 
-A folder without ``rollout.json`` is a half-written save and is refused as corrupt. Every failure
+A folder without ``rollout.json`` is a half-written save and is refused as corrupt. ``model``
+records the head (``lm`` or ``value``) and the architecture numbers, so a critic checkpoint is not
+loaded into an actor (Megatron's loader would not notice: both heads are ``output_layer.weight``). Every failure
 raises :class:`~rlcore.errors.CheckpointError` naming the path; ranks that loaded different
 rollout ids raise one too.
 """
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
@@ -56,6 +60,7 @@ def save_checkpoint(
     path: Path,
     rollout_id: int,
     model: GPTModel,
+    model_info: Mapping[str, object],
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
 ) -> None:
@@ -83,19 +88,28 @@ def save_checkpoint(
         if _rank() == 0:
             if scheduler is not None:
                 (path / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
-            meta = {"format": FORMAT, "rollout_id": rollout_id, "has_optimizer": optimizer is not None}
+            meta = {
+                "format": FORMAT,
+                "rollout_id": rollout_id,
+                "model": dict(model_info),
+                "has_optimizer": optimizer is not None,
+            }
             tmp = path / (ROLLOUT_FILE + ".tmp")
             tmp.write_text(json.dumps(meta))
             tmp.replace(path / ROLLOUT_FILE)
         _barrier()
     except CheckpointError:
         raise
-    except Exception as exc:  # Megatron/torch raise many kinds; the caller needs one, with the path
+    except (Exception, CheckpointException) as exc:  # many kinds; the caller needs one, with the path
         raise CheckpointError(f"saving the checkpoint to {path} failed: {exc}") from exc
 
 
 def read_rollout_id(path: Path) -> int:
     """The rollout id recorded in ``path``; ``CheckpointError`` when missing or half-written."""
+    return int(_read_meta(path)["rollout_id"])
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
     path = Path(path)
     meta_file = path / ROLLOUT_FILE
     if not path.is_dir():
@@ -112,7 +126,7 @@ def read_rollout_id(path: Path) -> int:
         ) from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {meta_file} is corrupt: {exc}") from exc
-    return rollout_id
+    return dict(meta)
 
 
 def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
@@ -130,6 +144,7 @@ def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
 def load_checkpoint(
     path: Path,
     model: GPTModel,
+    model_info: Mapping[str, object],
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
 ) -> int:
@@ -139,7 +154,16 @@ def load_checkpoint(
     stack restoring from a weights-only checkpoint is refused.
     """
     path = Path(path)
-    rollout_id = read_rollout_id(path)
+    meta = _read_meta(path)
+    rollout_id = int(meta["rollout_id"])
+    saved = meta.get("model", {})
+    wrong = sorted(k for k in model_info if saved.get(k) != model_info[k])
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {path} holds a different model: "
+            + ", ".join(f"{k} is {saved.get(k)!r} there, {model_info[k]!r} here" for k in wrong)
+            + " (load an actor checkpoint into an actor, a critic's into a critic)"
+        )
     _agree_on_rollout_id(path, rollout_id)
     if optimizer is not None and not (path / "optimizer").is_dir():
         raise CheckpointError(f"checkpoint {path} has no optimizer state to resume training from")
@@ -155,6 +179,8 @@ def load_checkpoint(
             scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     except CheckpointError:
         raise
-    except Exception as exc:  # a corrupt or mismatched folder surfaces as many Megatron/torch errors
+    # A corrupt or mismatched folder surfaces as many Megatron/torch errors; torch's
+    # CheckpointException derives from BaseException, not Exception.
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {exc}") from exc
     return rollout_id

@@ -24,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore_megatron import checkpoint
 from rlcore_megatron.hf_weights import export_hf_weights
 from rlcore_megatron.model import LlamaArch
@@ -32,10 +32,24 @@ from rlcore_megatron.model import LlamaArch
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
 
-__all__ = ["MegatronEvalStack", "MegatronTrainingStack", "model_output", "score_samples"]
+__all__ = ["MegatronEvalStack", "MegatronTrainingStack", "model_info", "model_output", "score_samples"]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
+
+
+def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
+    """What a checkpoint records about the model, checked when it is loaded."""
+    return {
+        "head": "value" if role == "critic" else "lm",
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "num_layers": arch.num_layers,
+        "num_heads": arch.num_heads,
+        "num_kv_heads": arch.num_kv_heads,
+        "tie_word_embeddings": arch.tie_word_embeddings and role != "critic",
+    }
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -99,7 +113,7 @@ class MegatronEvalStack:
         )
 
     def load(self, path: Path) -> int:
-        return checkpoint.load_checkpoint(path, self.model)
+        return checkpoint.load_checkpoint(path, self.model, model_info(self.arch, self.spec.role))
 
     def export_weights(self) -> NamedTensors:
         return export_hf_weights(self.model, self.arch, self.spec.role)
@@ -154,10 +168,12 @@ class MegatronTrainingStack:
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
 
     def load(self, path: Path) -> int:
-        return checkpoint.load_checkpoint(path, self.gpt, self._optimizer, self._scheduler)
+        info = model_info(self.arch, self.spec.role)
+        return checkpoint.load_checkpoint(path, self.gpt, info, self._optimizer, self._scheduler)
 
     def save(self, path: Path, rollout_id: int) -> None:
-        checkpoint.save_checkpoint(path, rollout_id, self.gpt, self._optimizer, self._scheduler)
+        info = model_info(self.arch, self.spec.role)
+        checkpoint.save_checkpoint(path, rollout_id, self.gpt, info, self._optimizer, self._scheduler)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         from rlcore.algorithms.batching import tensorize

@@ -32,7 +32,7 @@ def test_logits_equal_transformers(fixture: str, request: pytest.FixtureRequest)
     arch = read_hf_config(folder)
     model = build_gpt(arch, "actor", CPU).eval()
     load_hf_weights(model, folder, arch, "actor")
-    hf = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder)  # loads in eval mode
     tokens = torch.randint(0, arch.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(tokens).logits
@@ -71,7 +71,7 @@ def test_save_hf_loads_in_transformers(tiny_hf: Path, tmp_path: Path) -> None:
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     out = save_hf(export_hf_weights(model, arch, "actor"), tmp_path / "hf", arch)
-    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)  # loads in eval mode
     tokens = torch.randint(0, arch.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens).logits
