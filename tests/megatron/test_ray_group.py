@@ -22,7 +22,7 @@ from rlcore.errors import CheckpointError, ConfigError
 from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec, OptimizerSpec, ParallelSpec, TrainSpec
-from rlcore_megatron.ray_group import GroupOptions, RankContext, RayGroupError, RayTrainGroup, split_evenly
+from rlcore_megatron.ray_group import GroupOptions, MegatronRuntime, RankContext, RayGroupError, RayTrainGroup, split_evenly
 from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend, RayTrainingStack
 
 if TYPE_CHECKING:
@@ -197,9 +197,34 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@final
+@attrs.frozen
+class TensorParallelCpuRuntime:
+    """:class:`MegatronRuntime` plus the CPU redirection for tensor-parallel gathers.
+
+    Stand-in until ``rlcore_megatron.cpu.CPU_PATCHED_MODULES`` lists
+    ``megatron.core.tensor_parallel.mappings`` (``_gather_along_last_dim`` allocates on
+    ``torch.cuda.current_device()``): hands that module the ``torch`` the shim gave Megatron's utils.
+    """
+
+    def init(self, tensor_parallel_size: int, seed: int) -> None:
+        import importlib
+
+        MegatronRuntime().init(tensor_parallel_size, seed)
+        utils = importlib.import_module("megatron.core.utils")
+        mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+        shimmed = getattr(utils, "torch")
+        if getattr(mappings, "torch") is not shimmed:  # the shim is applied and misses mappings
+            setattr(mappings, "torch", shimmed)
+
+    def backend(self) -> Backend:
+        return MegatronRuntime().backend()
+
+
 @pytest.fixture
 def backend() -> Iterator[RayMegatronBackend]:
-    with RayMegatronBackend(GroupOptions(setup_timeout_s=300, call_timeout_s=300)) as b:
+    options = GroupOptions(setup_timeout_s=300, call_timeout_s=300)
+    with RayMegatronBackend(options, TensorParallelCpuRuntime()) as b:
         yield b
 
 
