@@ -4,7 +4,8 @@ Megatron assumes a GPU in a handful of places that our fp32, non-distributed-opt
 reaches. Found on a CPU-only machine with megatron-core 0.16.1:
 
 - ``torch.cuda.current_device()`` as a tensor device: the attention scratch buffer
-  (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first use), the DDP grad buffers
+  (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first use), the tensor-parallel gathers
+  (``tensor_parallel.mappings``), the DDP grad buffers
   (``distributed.param_and_grad_buffer``), the dist-ckpt save finalize
   (``dist_checkpointing.strategies.*``);
 - literal ``device="cuda"`` tensors: the default causal mask (``transformer.utils``),
@@ -37,6 +38,7 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.mappings",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.optimizer.optimizer",

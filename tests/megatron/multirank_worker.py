@@ -1,0 +1,71 @@
+"""What each rank of the two-process Megatron test runs (spawned: must be importable).
+
+Rank r of 2: first tensor parallel 2 (one model split over both ranks), then data parallel 2
+(two replicas). Results go to ``out/<name>.rank<r>.pt`` for the parent test to compare.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from rlcore.errors import CheckpointError
+    from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec
+    from rlcore_megatron.backend import MegatronBackend
+    from rlcore_megatron.parallel import init_megatron, shutdown_megatron
+    from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+
+    folder, results = Path(hf), Path(out)
+    backend = MegatronBackend()
+    samples = make_samples(4, seed=21)
+    batch = make_batch(samples, seed=22)
+
+    # tensor parallel 2
+    init_megatron(tp_size=2, seed=1234)
+    tp2 = ParallelSpec(tensor_model_parallel_size=2, world_size=2)
+    ev = backend.build_eval_stack(EvalSpec(ModelSpec("actor", folder, parallel=tp2)))
+    exported = weights(ev.export_weights())
+    log_probs = ev.forward(samples)
+    import attrs
+
+    spec = train_spec(folder)
+    spec = attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=tp2))
+    stack = backend.build_training_stack(spec)
+    metrics = stack.train_step(batch)
+    stack.save(results / "tp2_ckpt", rollout_id=4)
+    loaded = stack.load(results / "tp2_ckpt")
+    torch.save(
+        {"exported": exported, "log_probs": log_probs, "trained": weights(stack.export_weights()),
+         "grad_norm": metrics.grad_norm, "loaded": loaded},
+        results / f"tp2.rank{rank}.pt",
+    )
+    del ev, stack
+    parallel_state.destroy_model_parallel()
+
+    # data parallel 2
+    init_megatron(tp_size=1, seed=1234)
+    stack = backend.build_training_stack(train_spec(folder))
+    metrics = stack.train_step(batch)
+    stack.save(results / "dp2_a", rollout_id=1)
+    stack.save(results / "dp2_b", rollout_id=2)
+    try:
+        stack.load(results / ("dp2_a" if rank == 0 else "dp2_b"))
+        disagreement = ""
+    except CheckpointError as exc:
+        disagreement = str(exc)
+    torch.save(
+        {"trained": weights(stack.export_weights()), "grad_norm": metrics.grad_norm,
+         "loss": metrics.loss, "tokens": metrics.tokens, "disagreement": disagreement},
+        results / f"dp2.rank{rank}.pt",
+    )
+    shutdown_megatron()

@@ -1,0 +1,87 @@
+"""Two gloo ranks on the CPU: tensor parallel 2 and data parallel 2 agree with one process."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+
+from rlcore.specs import EvalSpec, ModelSpec
+from rlcore_megatron.backend import MegatronBackend
+from tests.megatron import multirank_worker
+from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(multirank_worker.run, args=(2, _free_port(), str(tiny_hf), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _load(out: Path, name: str, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = torch.load(out / f"{name}.rank{rank}.pt")
+    return result
+
+
+def _single_process_step(hf: Path) -> tuple[dict[str, torch.Tensor], float]:
+    stack = MegatronBackend().build_training_stack(train_spec(hf))
+    metrics = stack.train_step(make_batch(make_samples(4, seed=21), seed=22))
+    return weights(stack.export_weights()), metrics.grad_norm
+
+
+def test_tensor_parallel_export_gathers_the_full_weights(two_ranks: Path, tiny_hf: Path) -> None:
+    hf_state = transformers.LlamaForCausalLM.from_pretrained(tiny_hf).state_dict()
+    for rank in range(2):
+        exported = _load(two_ranks, "tp2", rank)["exported"]
+        assert exported.keys() == hf_state.keys()
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, hf_state[name]), name
+
+
+def test_tensor_parallel_log_probs_match_one_process(two_ranks: Path, tiny_hf: Path) -> None:
+    single = MegatronBackend().build_eval_stack(EvalSpec(ModelSpec("actor", tiny_hf)))
+    expected = single.forward(make_samples(4, seed=21))
+    for rank in range(2):
+        got = _load(two_ranks, "tp2", rank)["log_probs"]
+        for x, y in zip(got, expected, strict=True):
+            assert x == pytest.approx(y, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2"])
+def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path, name: str) -> None:
+    expected, grad_norm = _single_process_step(tiny_hf)
+    for rank in range(2):
+        result = _load(two_ranks, name, rank)
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        for key, tensor in result["trained"].items():
+            torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_tensor_parallel_checkpoint_round_trip(two_ranks: Path) -> None:
+    assert [_load(two_ranks, "tp2", r)["loaded"] for r in range(2)] == [4, 4]
+
+
+def test_data_parallel_replicas_report_global_metrics(two_ranks: Path) -> None:
+    a, b = (_load(two_ranks, "dp2", r) for r in range(2))
+    assert a["tokens"] == b["tokens"] == sum(len(s.response.token_ids) for s in make_samples(4, seed=21))
+    assert a["loss"] == pytest.approx(b["loss"])
+
+
+def test_ranks_that_load_different_rollout_ids_raise(two_ranks: Path) -> None:
+    for rank in range(2):
+        message = _load(two_ranks, "dp2", rank)["disagreement"]
+        assert "disagree" in message and "dp2_" in message
