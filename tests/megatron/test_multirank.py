@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 
 from rlcore.specs import EvalSpec, ModelSpec
@@ -28,7 +28,19 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def two_ranks(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(multirank_worker.run, args=(2, _free_port(), str(tiny_hf), str(out)), nprocs=2, join=True)
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=multirank_worker.run, args=(r, 2, port, str(tiny_hf), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:  # a rank stuck in a collective after its peer died
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"
     return out
 
 
