@@ -52,7 +52,7 @@ def test_fake_run_builds_trains_saves_and_evals_exactly_as_planned(data: dict[st
 
         if isinstance(the_plan, EvalPlan):
             assert backend.training_stacks == []
-            assert backend.roles_built == ["eval:actor"]
+            assert backend.roles_built == ["eval:actor"] == list(result.built)
             assert result.trained == () and result.saved == ()
             assert set(result.last_eval) >= {"eval/heldout/reward", "eval/heldout/pass@1"}
             return
@@ -63,6 +63,7 @@ def test_fake_run_builds_trains_saves_and_evals_exactly_as_planned(data: dict[st
         assert roles.count("train:critic") == int(config.algorithm.critic)
         assert roles.count("eval:reference") == int(config.algorithm.uses_kl)
         assert "eval:actor" not in roles
+        assert sorted(result.built) == sorted(roles)
 
         assert result.trained == tuple(range(start, n))
         actor = backend.training_stacks[0]

@@ -75,6 +75,7 @@ class RolloutConfig:
         (), "--sglang-url", "connect to a running SGLang server (repeatable); none = launch one", repeat=True
     )
     weight_sync: WeightSyncMode = _opt("tensor", "--weight-sync", "how weights reach SGLang")
+    sglang_num_servers: int = _opt(1, "--sglang-num-servers", "SGLang servers to launch (data-parallel rollout)")
 
 
 @attrs.frozen
@@ -285,7 +286,7 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             add(RolloutConfig, "rollout", name, f"must be >= 0, got {value}")
     if r.num_epoch == 0:
         add(RolloutConfig, "rollout", "num_epoch", "must be >= 1", "use --num-rollout 0 to evaluate only")
-    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
+    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "sglang_num_servers"):
         if getattr(r, name) < 1:
             add(RolloutConfig, "rollout", name, f"must be >= 1, got {getattr(r, name)}")
     if r.temperature < 0:

@@ -79,6 +79,8 @@ class RunResult:
     evaluated: tuple[int, ...]
     last_eval: Mapping[str, float]
     last_train: Mapping[str, float]
+    built: tuple[str, ...] = ()
+    """The stacks built, as ``train:ROLE`` / ``eval:ROLE``."""
 
 
 class _NullSink:
@@ -96,6 +98,10 @@ class TrainStacks:
     actor: TrainingStack
     critic: TrainingStack | None
     reference: EvalStack | None
+
+    def built(self) -> tuple[str, ...]:
+        roles = [f"train:{name}" for name in self.training()]
+        return (*roles, "eval:reference") if self.reference is not None else tuple(roles)
 
     def training(self) -> dict[str, TrainingStack]:
         stacks = {"actor": self.actor}
@@ -314,7 +320,7 @@ def run_training(
         sink.log(rollout_id, metrics)
         if data.eval_sets and should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             run_eval(rollout_id)
-    return RunResult(tuple(trained), tuple(saved), tuple(evaluated), last_eval, last_train)
+    return RunResult(tuple(trained), tuple(saved), tuple(evaluated), last_eval, last_train, stacks.built())
 
 
 def _savers(stacks: TrainStacks, rollout_id: int) -> dict[str, Callable[[Path], None]]:
@@ -342,7 +348,7 @@ def run_eval_only(
     engine.update_weights(actor.export_weights(), version=version)
     metrics = evaluate(engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt)
     sink.log(version, metrics)
-    return RunResult((), (), (version,), metrics, {})
+    return RunResult((), (), (version,), metrics, {}, ("eval:actor",))
 
 
 def run(

@@ -1,0 +1,116 @@
+"""End to end on the CPU: `python -m rlcore_megatron.run` with real Ray, real Megatron, the embedded
+engine and a tiny model built here. GRPO, save, resume, eval-only on the saved checkpoint, PPO
+with a critic and a reference model, and bad data stopping the run before any model is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcore.checkpoints import find_checkpoint, read_meta
+from rlcore.flags import load_config
+from rlcore.metrics import read_jsonl_metrics
+from rlcore_megatron.demo import prepare_demo
+from rlcore_megatron.run import execute, main
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("demo")
+    prepare_demo(folder)
+    return folder
+
+
+def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--hf-checkpoint", str(demo / "model"),
+        "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt", "--label-key", "answer",
+        "--eval-prompt-data", "heldout", str(demo / "eval.jsonl"),
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+        "--micro-batch-size", "4", "--rollout-max-response-len", "5", "--lr", "1e-3",
+        "--output-dir", str(out), "--seed", "7", *extra,
+    ]
+
+
+def _summary(out: Path) -> dict[str, object]:
+    summary: dict[str, object] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = execute(load_config(_flags(demo, tmp_path / "a", "--num-rollout", "3", "--save", str(ckpt),
+                                       "--save-interval", "2", "--eval-interval", "2")))
+    assert first.trained == (0, 1, 2) and first.saved == (1, 2)
+    assert first.evaluated == (-1, 1, 2)
+    assert first.built == ("train:actor",)
+    rows = read_jsonl_metrics(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1, 2]
+    assert all("train/actor/grad_norm" in r and r["train/actor/lr"] > 0 for r in rows if "rollout/reward" in r)
+    assert sum("eval/heldout/reward" in r for r in rows) == 3
+    meta = read_meta(find_checkpoint(ckpt))
+    assert (meta.rollout_id, meta.consumed_prompts, meta.stacks) == (2, 12, ("actor",))
+
+    resumed = execute(load_config(_flags(demo, tmp_path / "b", "--num-rollout", "5", "--load", str(ckpt),
+                                         "--save", str(ckpt))))
+    assert resumed.trained == (3, 4)
+    assert resumed.evaluated[0] == 2  # eval before training on a resumed run too
+    assert read_meta(find_checkpoint(ckpt)).consumed_prompts == 20  # the data position carried on
+    assert [r["step"] for r in read_jsonl_metrics(tmp_path / "b" / "metrics.jsonl") if "rollout/reward" in r] == [3, 4]
+
+    # Eval-only on the saved checkpoint, with critic and KL flags that it must not act on.
+    code = main(["--num-rollout", "0", "--eval-interval", "1", "--load", str(ckpt), "--use-critic",
+                 "--use-kl-loss", "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt",
+                 "--label-key", "answer", "--eval-prompt-data", "heldout", str(demo / "eval.jsonl"),
+                 "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0",
+                 "--output-dir", str(tmp_path / "c")])
+    assert code == 0
+    summary = _summary(tmp_path / "c")
+    assert summary["built"] == ["eval:actor"]  # no optimizer, scheduler, critic or reference
+    assert summary["trained"] == [] and summary["evaluated"] == [4]
+    rows = read_jsonl_metrics(tmp_path / "c" / "metrics.jsonl")
+    assert {"eval/heldout/reward", "eval/heldout/pass@2"} <= set(rows[0])
+    log = (tmp_path / "c" / "run.log").read_text()
+    assert "not building the critic" in log and "not building the reference model" in log
+
+
+def test_ppo_with_critic_and_kl(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
+    result = execute(load_config(_flags(demo, tmp_path, "--num-rollout", "2", "--advantage-estimator", "ppo",
+                                        "--use-kl-loss", "--kl-loss-coef", "0.01", "--gamma", "1.0",
+                                        "--lambd", "0.95", "--skip-eval-before-train")))
+    assert result.built == ("train:actor", "train:critic", "eval:reference")
+    assert result.trained == (0, 1)
+    rows = [r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl") if "rollout/reward" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["train/critic/loss"] is not None and row["train/critic/loss"] >= 0
+        assert "train/actor/kl_loss" in row
+
+
+def test_bad_data_stops_before_any_model_is_built(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "123>", "answer": "321"}\n{"prompt": "45\n')
+    code = main(_flags(demo, tmp_path / "out", "--num-rollout", "2", "--prompt-data", str(bad)))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_help_is_grouped() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlcore_megatron.run", "--help"], capture_output=True, text=True,
+                         check=True, timeout=120)
+    for title in ("rollout:", "algorithm (advantages, loss, KL):", "checkpoints:", "evaluation:"):
+        assert title in out.stdout
+    assert "--num-rollout" in out.stdout and "--sft-warmup-rollouts" in out.stdout
+
+
+def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--num-rollout", "0"]) == 2
+    assert "nothing to evaluate" in capsys.readouterr().err
