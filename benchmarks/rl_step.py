@@ -1,0 +1,209 @@
+"""bench-tiny: seconds per GRPO step of the full rlcore_megatron stack vs the plain-PyTorch floor.
+
+The workload is defined in ``shared/bench-tiny/WORKLOAD.md`` (a 2.9M-parameter Llama, 16 prompts x
+8 samples, 8 new tokens, prefix partial-credit reward, GRPO without a reference model, one AdamW
+step per rollout, fp32, 2 threads). Both are measured in this one process, alternating, each
+round discarding 2 warm-up steps:
+
+- **floor**: plain PyTorch — sampled generation with a KV cache, reward, group advantages, one
+  forward/backward over [prompt; completion], clip, fused AdamW.
+- **rlcore**: ``rlcore.run`` with the Ray train group (one Megatron rank in a Ray actor), the
+  embedded rollout engine in this process and the weight sync after every step — what
+  ``python -m rlcore_megatron.run`` does.
+
+Usage::
+
+    python benchmarks/rl_step.py --assets ../shared/bench-tiny/assets [--steps 20] [--rounds 3]
+
+It prints the median seconds per step of each (median of the per-round medians), min and max,
+the ratio, and where rlcore's time goes (generation, advantages, train, weight sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+THREADS = 2
+PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
+
+
+# ------------------------------------------------------------------------------------------------
+# The floor
+
+
+def _reward(text: str, answer: str) -> float:
+    if text.startswith(answer):
+        return 1.0
+    k = 0
+    for a, b in zip(text, answer):
+        if a != b:
+            break
+        k += 1
+    return k / len(answer)
+
+
+def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
+    """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5)."""
+    from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
+    model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
+    rows = [json.loads(line) for line in (assets / "prompts.jsonl").read_text().splitlines()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    times: list[float] = []
+    last = time.perf_counter()
+    for step in range(steps):
+        batch = rows[((offset + step) * PROMPTS) % len(rows):][:PROMPTS]
+        prompt_ids = torch.tensor([tok.encode(r["prompt"]) for r in batch]).repeat_interleave(SAMPLES, 0)
+        answers = [r["answer"] for r in batch for _ in range(SAMPLES)]
+        n = prompt_ids.shape[0]
+        model.eval()
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            x, done, out = prompt_ids, torch.zeros(n, dtype=torch.bool), []
+            for _ in range(NEW_TOKENS):
+                logits = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+                nxt = torch.where(done, torch.zeros_like(nxt), nxt)
+                out.append(nxt)
+                done |= nxt == 2
+                if bool(done.all()):
+                    break
+                x = nxt[:, None]
+        completion = torch.stack(out, 1)
+        eos_seen = (completion == 2).cumsum(1)
+        mask = (eos_seen == 0) | ((completion == 2) & (eos_seen == 1))
+        texts = [tok.decode(c[m].tolist(), skip_special_tokens=True) for c, m in zip(completion, mask)]
+        rewards = torch.tensor([_reward(t, a) for t, a in zip(texts, answers)]).view(PROMPTS, SAMPLES)
+        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+        model.train()
+        full = torch.cat([prompt_ids, completion], 1)
+        attn = torch.cat([torch.ones_like(prompt_ids), mask.long()], 1)
+        logits = model(input_ids=full, attention_mask=attn).logits[:, prompt_ids.shape[1] - 1 : -1]
+        logp = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+        per_tok = -torch.exp(logp - logp.detach()) * adv[:, None]
+        loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+# ------------------------------------------------------------------------------------------------
+# rlcore
+
+
+class _StepClock:
+    """A metrics sink that timestamps the end of every rollout and keeps the perf split."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = [time.perf_counter()]
+        self.perf: list[dict[str, float]] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if "rollout/weight_version" in metrics:
+            self.ends.append(time.perf_counter())
+            self.perf.append({k: v for k, v in metrics.items() if k.startswith("perf/")})
+
+    def close(self) -> None:
+        pass
+
+
+def rlcore_steps(model_dir: Path, prompts: Path, steps: int, offset: int, out: Path) -> tuple[list[float], list[dict[str, float]]]:
+    from rlcore.flags import load_config
+    from rlcore.loop import run
+    from rlcore.plan import plan
+    from rlcore.rewards import get_reward_fn
+    from rlcore_megatron.ray_group import GroupOptions
+    from rlcore_megatron.ray_stacks import RayMegatronBackend
+    from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
+
+    config = load_config([
+        "--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--input-key", "prompt",
+        "--label-key", "answer", "--rm-type", "prefix_partial",
+        "--num-rollout", str(steps), "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
+        "--global-batch-size", str(PROMPTS * SAMPLES), "--micro-batch-size", str(PROMPTS * SAMPLES),
+        "--rollout-max-response-len", str(NEW_TOKENS), "--rollout-temperature", "1.0",
+        "--lr", "1e-4", "--clip-grad", "1.0", "--seed", str(offset), "--output-dir", str(out),
+    ])
+    tokenizer = _tokenizer(config)
+    data = load_run_data(config, tokenizer)
+    clock = _StepClock()
+    with RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=THREADS)) as backend:
+        engine = make_engine(config, tokenizer)
+        try:
+            clock.ends = [time.perf_counter()]
+            run(plan(config), backend, engine, get_reward_fn("prefix_partial"), data, clock)
+        finally:
+            engine.close()
+    times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return times, clock.perf
+
+
+def _summary(name: str, per_round: list[list[float]]) -> float:
+    medians = [statistics.median(r) for r in per_round]
+    flat = [t for r in per_round for t in r]
+    med = statistics.median(medians)
+    print(f"{name:>7}: median {med:.3f} s/step (per-round medians {', '.join(f'{m:.3f}' for m in medians)}; "
+          f"min {min(flat):.3f}, max {max(flat):.3f}, {len(flat)} steps)")
+    return med
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--assets", type=Path, default=Path(__file__).resolve().parents[2] / "shared/bench-tiny/assets")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per round (after 2 warm-up steps)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
+    model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
+    shutil.copytree(args.assets / "model", model_dir)
+    for f in (args.assets / "tokenizer").iterdir():
+        shutil.copy(f, model_dir / f.name)
+    warm = 2
+    floor_rounds: list[list[float]] = []
+    ours_rounds: list[list[float]] = []
+    perf: list[dict[str, float]] = []
+    try:
+        for r in range(args.rounds):
+            ours, split = rlcore_steps(model_dir, args.assets / "prompts.jsonl", warm + args.steps, r, tmp / f"run{r}")
+            ours_rounds.append(ours[warm:])
+            perf += split[warm:]
+            floor_rounds.append(floor_steps(args.assets, warm + args.steps, r)[warm:])
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {THREADS} threads, "
+          f"{args.rounds} alternating rounds of {args.steps} steps")
+    floor = _summary("floor", floor_rounds)
+    ours_med = _summary("rlcore", ours_rounds)
+    print(f"  ratio: {ours_med / floor:.2f}x the floor (target <= 1.15x)")
+    keys = sorted({k for p in perf for k in p})
+    print("  rlcore split (median s): " + ", ".join(
+        f"{k.removeprefix('perf/').removesuffix('_s')} {statistics.median(p[k] for p in perf):.3f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
