@@ -55,8 +55,9 @@ def test_planned_stacks_build_and_train(tiny_hf: Path, data: dict[str, Any]) -> 
                 returns=critic is not None,
                 ref=the_plan.actor.loss.use_kl_loss,
             )
-            metrics = trained.train_step(batch)
-            assert metrics.lr == pytest.approx(the_plan.actor.optimizer.schedule.lr_at(0))
+            metrics = trained.train_step(batch)  # reports the lr of its last optimizer step
+            last = the_plan.actor.steps_per_rollout - 1
+            assert metrics.lr == pytest.approx(the_plan.actor.optimizer.schedule.lr_at(last))
             if critic is not None:
                 critic.train_step(batch)
             # the rest of the run's schedule, without the maths: no assertion on the way
