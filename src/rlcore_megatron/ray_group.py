@@ -1,33 +1,41 @@
 """One Ray actor per Megatron rank, in one placement group: :class:`RayTrainGroup`.
 
 A group is ``ParallelSpec.world_size`` actors of one worker class. Each actor is one
-``torch.distributed`` rank (gloo on the CPU, nccl on GPUs: :func:`rlcore_megatron.parallel.init_megatron`
-picks) and holds its shard of one stack, built by :class:`~rlcore_megatron.backend.MegatronBackend`
-inside the actor. The driver never holds model weights; it fans a call out to every rank and
-gathers the results.
+``torch.distributed`` rank (gloo on the CPU, nccl on GPUs, as
+:func:`rlcore_megatron.parallel.init_megatron` picks) and holds its shard of one stack, built by
+:class:`~rlcore_megatron.backend.MegatronBackend` inside the actor. The driver never holds model
+weights; it fans a call out to every rank and gathers the results.
 
 How a group comes up, in order:
 
-1. a placement group of one bundle per rank (``{"CPU": cpus_per_rank}``, plus ``{"GPU": 1}`` on GPU
-   clusters), ``STRICT_PACK`` on one node by default, reserved before any actor starts;
+1. a placement group of one bundle per rank (``{"CPU": cpus_per_rank}``, plus ``{"GPU": 1}`` on
+   GPU clusters), ``STRICT_PACK`` on one node by default, reserved before any actor starts;
 2. one actor per bundle; rank ``r`` goes in bundle ``r``;
 3. rank 0 picks a free TCP port on its node; every rank gets ``MASTER_ADDR`` (rank 0's node IP),
    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its environment and calls the
    runtime's ``init`` (``init_megatron``) concurrently, so the rendezvous can complete;
 4. every rank builds its stack from the spec.
 
-Threads: Ray sets ``OMP_NUM_THREADS`` in an actor's process to the actor's ``num_cpus`` (1 when
-it asks for none). A rank's torch intra-op threads are set deliberately instead: to
+Threads: unless ``OMP_NUM_THREADS`` is already set, Ray sets it in an actor's process to the
+actor's ``num_cpus`` rounded down (at least 1; 1 when it asks for none), and torch sizes its
+intra-op pool from it. A rank's thread count is set deliberately instead: to
 ``GroupOptions.threads_per_rank`` when given, else to ``cpus_per_rank`` rounded down (at least 1),
-both in ``OMP_NUM_THREADS`` before the process starts and with ``torch.set_num_threads``.
+in ``OMP_NUM_THREADS`` before the process starts (so Ray leaves it alone) and with
+``torch.set_num_threads`` once the rank is initialised.
 
 GPUs: a GPU rank's actor keeps every GPU of its node visible
 (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``) and gets ``LOCAL_RANK`` = the CUDA ordinal Ray
 assigned to it, which is the device ``init_megatron`` selects. On the CPU ``LOCAL_RANK`` is the
 rank's index among the group's ranks on its node.
 
-Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is tensor-parallel
-rank ``r % tp`` of data-parallel rank ``r // tp``.
+Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is
+tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
+
+Failures: a call fails as soon as one rank fails. Errors a stack raises on purpose (an
+:class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
+:class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
+ranks were still busy (stuck in a collective) after a failure, the group is *broken*: later calls
+raise at once, and the only way on is :meth:`RayTrainGroup.close` and a new group.
 """
 
 from __future__ import annotations
@@ -96,6 +104,10 @@ class RayGroupError(RLCoreError):
     """
 
 
+_GRACE_S: Final = 10.0
+"""After one rank fails, how long the others get to finish before the group counts as broken."""
+
+
 class RankRuntime(Protocol):
     """What runs inside each rank's actor before its stack exists. Must be picklable.
 
@@ -112,7 +124,10 @@ class RankRuntime(Protocol):
 @final
 @attrs.frozen
 class MegatronRuntime:
-    """``init_megatron`` then :class:`~rlcore_megatron.backend.MegatronBackend` (imported in the actor)."""
+    """``init_megatron``, then a :class:`~rlcore_megatron.backend.MegatronBackend`.
+
+    Both are imported inside the actor: the driver never imports Megatron.
+    """
 
     def init(self, tensor_parallel_size: int, seed: int) -> None:
         from rlcore_megatron.parallel import init_megatron
@@ -135,19 +150,21 @@ class GroupOptions:
     gpus_per_rank: Literal[0, 1] = 0
     """1 on GPU clusters: each rank's bundle also holds one ``GPU``."""
     threads_per_rank: int | None = None
-    """torch intra-op threads per rank; ``None`` means ``cpus_per_rank`` rounded down, at least 1."""
+    """torch intra-op threads per rank; ``None``: ``cpus_per_rank`` rounded down, at least 1."""
     strategy: PlacementStrategy = "STRICT_PACK"
     """Ray placement strategy for the bundles; ``STRICT_PACK`` keeps all ranks on one node."""
     setup_timeout_s: float = 600.0
     """Limit for reserving the bundles, starting the actors and building the stacks."""
     call_timeout_s: float | None = None
-    """Limit for one fanned-out call (``None``: no limit; a failed rank still fails the call at once)."""
+    """Limit for one fanned-out call (``None``: none; a failed rank still fails a call at once)."""
 
     def __attrs_post_init__(self) -> None:
         if self.cpus_per_rank <= 0:
             raise ValueError(f"GroupOptions.cpus_per_rank must be > 0, got {self.cpus_per_rank}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            raise ValueError(f"GroupOptions.threads_per_rank must be >= 1, got {self.threads_per_rank}")
+            raise ValueError(
+                f"GroupOptions.threads_per_rank must be >= 1, got {self.threads_per_rank}"
+            )
 
     @property
     def threads(self) -> int:
@@ -166,10 +183,11 @@ class GroupOptions:
 @final
 @attrs.frozen
 class RankContext(Generic[S_co]):
-    """What a function run inside a rank's actor sees (:meth:`RayTrainGroup.run_on_rank0`).
+    """What a function run inside a rank's actor gets as its first argument
+    (:meth:`RayTrainGroup.run_on_rank0`, :meth:`RayTrainGroup.run_on_all_ranks`).
 
     ``objects`` lives as long as the actor: a place to keep something colocated with the rank
-    (for example an embedded rollout engine on rank 0) between calls.
+    between calls (for example an embedded rollout engine on rank 0).
     """
 
     rank: int
@@ -198,7 +216,9 @@ class _RankWorker:
         """(node id, node IP, CUDA ordinals Ray assigned to this actor)."""
         context = ray.get_runtime_context()
         gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", []))
-        return context.get_node_id(), ray.util.get_node_ip_address(), gpus  # type: ignore[no-untyped-call]  # ray leaves get_node_ip_address unannotated
+        # ray leaves get_node_ip_address unannotated
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return context.get_node_id(), ip, gpus
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -206,7 +226,9 @@ class _RankWorker:
             port: int = sock.getsockname()[1]
             return port
 
-    def setup(self, master_addr: str, master_port: int, local_rank: int, tp: int, seed: int) -> None:
+    def setup(
+        self, master_addr: str, master_port: int, local_rank: int, tp: int, seed: int
+    ) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -246,18 +268,17 @@ class _RankWorker:
 
 
 _ACTOR_CLASS: Final[Any] = ray.remote(_RankWorker)
-"""Ray types ``ray.remote(cls)`` as ``cls`` itself; the real value is an ``ActorClass`` with ``options``."""
+"""Ray types ``ray.remote(cls)`` as ``cls``; the value is an ``ActorClass`` with ``options``."""
 
 
 @final
 class RayTrainGroup(Generic[S]):
-    """``spec.model.parallel.world_size`` Megatron ranks as Ray actors, and calls fanned out to them.
+    """``spec.model.parallel.world_size`` Megatron ranks as Ray actors; calls fanned out to them.
 
     Build one with :meth:`start_training` or :meth:`start_eval` (Ray must be initialised). Every
     method that touches the model calls all ranks concurrently (each takes part in the
-    collectives) and waits until all are done or one fails; a failed rank fails the call at once
-    and marks the group broken (close it). :meth:`close` kills the actors and removes the
-    placement group; it is safe to call twice.
+    collectives) and waits until all are done or one fails (see the module's notes on failures).
+    :meth:`close` kills the actors and removes the placement group; it is safe to call twice.
     """
 
     def __init__(
@@ -293,14 +314,18 @@ class RayTrainGroup(Generic[S]):
 
     @staticmethod
     def start_training(
-        spec: TrainSpec, options: GroupOptions = GroupOptions(), runtime: RankRuntime = MegatronRuntime()
+        spec: TrainSpec,
+        options: GroupOptions = GroupOptions(),
+        runtime: RankRuntime = MegatronRuntime(),
     ) -> RayTrainGroup[TrainingStack]:
         """Start the ranks and build a training stack on each."""
         return RayTrainGroup[TrainingStack](spec, options, runtime)
 
     @staticmethod
     def start_eval(
-        spec: EvalSpec, options: GroupOptions = GroupOptions(), runtime: RankRuntime = MegatronRuntime()
+        spec: EvalSpec,
+        options: GroupOptions = GroupOptions(),
+        runtime: RankRuntime = MegatronRuntime(),
     ) -> RayTrainGroup[EvalStack]:
         """Start the ranks and build an eval stack (no optimizer state) on each."""
         return RayTrainGroup[EvalStack](spec, options, runtime)
@@ -347,7 +372,9 @@ class RayTrainGroup(Generic[S]):
             "initialising torch.distributed and Megatron",
             deadline,
         )
-        self._gather([h.build.remote(self._spec) for h in self._handles], "building the stacks", deadline)
+        self._gather(
+            [h.build.remote(self._spec) for h in self._handles], "building the stacks", deadline
+        )
 
     def close(self) -> None:
         """Kill the rank actors and remove the placement group. Safe to call twice."""
@@ -399,10 +426,12 @@ class RayTrainGroup(Generic[S]):
     def run_on_rank0(
         self, fn: Callable[Concatenate[RankContext[S], P], R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
-        """Run picklable ``fn(context, *args, **kwargs)`` in rank 0's actor only and return its result.
+        """Run picklable ``fn(context, *args, **kwargs)`` in rank 0's actor only; its result.
 
-        ``fn`` must not enter a collective (the other ranks are not called). Use
-        ``context.objects`` to keep an object colocated with rank 0 between calls.
+        ``fn`` must not enter a collective: the other ranks are not called. Exporting weights
+        gathers over tensor parallel, so to feed an engine kept in rank 0's ``context.objects``
+        use :meth:`run_on_all_ranks` with a function that exports on every rank and pushes on
+        rank 0.
         """
         call: _Call = (fn, args, kwargs)
         (result,) = self._call_ranks({0: call}, f"{_name(fn)} on rank 0")
@@ -411,7 +440,7 @@ class RayTrainGroup(Generic[S]):
     def run_on_all_ranks(
         self, fn: Callable[Concatenate[RankContext[S], P], R], *args: P.args, **kwargs: P.kwargs
     ) -> list[R]:
-        """Run picklable ``fn(context, *args, **kwargs)`` on every rank at once; results in rank order."""
+        """Run picklable ``fn(context, *args, **kwargs)`` on every rank at once; rank order."""
         calls: dict[int, _Call] = {rank: (fn, args, kwargs) for rank in range(self._world_size)}
         return self._call_ranks(calls, f"{_name(fn)} on all ranks")
 
@@ -421,7 +450,7 @@ class RayTrainGroup(Generic[S]):
         per_rank_args: Mapping[int, tuple[object, ...]],
         what: str = "",
     ) -> list[R]:
-        """Run ``fn(context, *per_rank_args[rank])`` on the listed ranks at once; results in rank order.
+        """Run ``fn(context, *per_rank_args[rank])`` on the listed ranks at once; rank order.
 
         An argument that is a Ray ``ObjectRef`` reaches ``fn`` as its value (put a large argument
         once with ``ray.put`` and hand the same ref to several ranks).
@@ -434,7 +463,7 @@ class RayTrainGroup(Generic[S]):
 
         The samples are split into contiguous, near-equal parts, one per data-parallel rank; the
         tensor-parallel ranks of a data-parallel rank all get its part, and rank ``dp * tp`` (its
-        tensor-parallel rank 0) returns the answer. A data-parallel rank with nothing to do is not called.
+        tensor-parallel rank 0) returns the answer. A data-parallel rank with no part is not called.
         """
         parts = split_evenly(tuple(samples), self.data_parallel_size)
         per_rank: dict[int, tuple[object, ...]] = {}
@@ -458,8 +487,10 @@ class RayTrainGroup(Generic[S]):
         per_rank = {rank: (ref,) for rank in range(self._world_size)}
         return self.call_ranks(_train_step, per_rank, "train_step")[0]
 
-    def save(self: RayTrainGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
-        """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id`` into ``path``."""
+    def save(
+        self: RayTrainGroup[TrainingStack], path: os.PathLike[str], rollout_id: int
+    ) -> None:
+        """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id``."""
         self.run_on_all_ranks(_save, os.fspath(path), rollout_id)
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -473,7 +504,7 @@ class RayTrainGroup(Generic[S]):
     def state_dict_of(
         self: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
     ) -> Mapping[str, object]:
-        """Rank 0's optimizer or scheduler ``state_dict()`` (a copy: changing it changes nothing)."""
+        """Rank 0's optimizer or scheduler ``state_dict()`` (a copy)."""
         return self.run_on_rank0(_state_dict, part)
 
     def load(self, path: os.PathLike[str]) -> int:
@@ -486,7 +517,9 @@ class RayTrainGroup(Generic[S]):
             by_id: dict[int, list[int]] = {}
             for rank, rollout_id in enumerate(ids):
                 by_id.setdefault(rollout_id, []).append(rank)
-            parts = "; ".join(f"ranks {ranks} read rollout id {rid}" for rid, ranks in sorted(by_id.items()))
+            parts = "; ".join(
+                f"ranks {ranks} read rollout id {rid}" for rid, ranks in sorted(by_id.items())
+            )
             raise CheckpointError(
                 f"the ranks disagree on the rollout id recorded in {path}: {parts}. "
                 "Its shards come from different saves; point the run at one complete checkpoint."
@@ -499,37 +532,51 @@ class RayTrainGroup(Generic[S]):
         if self._closed:
             raise RayGroupError(f"{what}: the group is closed")
         if self._broken:
-            raise RayGroupError(f"{what}: the group is broken ({self._broken}); close it and start a new one")
+            raise RayGroupError(
+                f"{what}: the group is broken ({self._broken}); close it and start a new one"
+            )
         ranks = sorted(calls)
-        refs = [self._handles[r].call.remote(calls[r][0], *calls[r][1], **calls[r][2]) for r in ranks]
+        refs = [
+            self._handles[r].call.remote(calls[r][0], *calls[r][1], **calls[r][2]) for r in ranks
+        ]
         timeout = self._options.call_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            return self._gather(refs, what, deadline, ranks)
-        except RayGroupError as exc:
-            self._broken = str(exc)
-            raise
+        return self._gather(refs, what, deadline, ranks)
 
-    def _gather(self, refs: Sequence[Any], what: str, deadline: float | None, ranks: Sequence[int] = ()) -> list[Any]:
-        """``ray.get`` that fails as soon as one rank fails (the others may wait in a collective)."""
-        ranks = list(ranks) or list(range(len(refs)))
-        rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
+    def _gather(
+        self, refs: Sequence[Any], what: str, deadline: float | None, ranks: Sequence[int] = ()
+    ) -> list[Any]:
+        """``ray.get`` that fails as soon as one rank fails (others may wait in a collective)."""
+        rank_of = dict(zip(refs, list(ranks) or range(len(refs)), strict=True))
         pending = list(refs)
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
-                raise RayGroupError(f"{what}: ranks {late} did not finish in time")
+                self._broken = f"{what}: ranks {late} did not finish in time"
+                raise RayGroupError(self._broken)
+            rank = rank_of[ready[0]]
             try:
                 ray.get(ready[0])
             except RayTaskError as exc:
+                self._check_others(pending, rank_of, f"{what} failed on rank {rank}")
                 if isinstance(exc.cause, RLCoreError):
                     raise exc.cause from exc
-                raise RayGroupError(f"{what} failed on rank {rank_of[ready[0]]}: {exc.cause!r}") from exc
+                raise RayGroupError(f"{what} failed on rank {rank}: {exc.cause!r}") from exc
             except RayActorError as exc:
-                raise RayGroupError(f"{what}: rank {rank_of[ready[0]]}'s actor died: {exc}") from exc
+                self._broken = f"{what}: rank {rank}'s actor died"
+                raise RayGroupError(f"{self._broken}: {exc}") from exc
         return list(ray.get(list(refs)))
+
+    def _check_others(self, pending: list[Any], rank_of: Mapping[Any, int], failure: str) -> None:
+        """Give the ranks still running :data:`_GRACE_S` to finish; if they do not, the group is
+        broken (they wait in a collective the failed rank never joined)."""
+        if not pending:
+            return
+        _, busy = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+        if busy:
+            self._broken = f"{failure} while ranks {sorted(rank_of[r] for r in busy)} kept waiting"
 
 
 def _resources() -> str:
@@ -544,7 +591,7 @@ def _name(fn: Callable[..., object]) -> str:
 
 
 def _local_ranks(nodes: Sequence[tuple[str, str, tuple[str, ...]]], *, gpu: bool) -> list[int]:
-    """LOCAL_RANK per rank: the assigned CUDA ordinal on GPUs, else the index among its node's ranks."""
+    """LOCAL_RANK per rank: its CUDA ordinal on GPUs, else its index among its node's ranks."""
     if gpu:
         return [int(gpus[0]) if gpus else 0 for _, _, gpus in nodes]
     seen: dict[str, int] = {}
@@ -571,7 +618,7 @@ def _check_batch_divisibility(spec: TrainSpec) -> None:
 
 
 def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:
-    """``parts`` contiguous slices of ``items`` whose lengths differ by at most one, longer first."""
+    """``parts`` contiguous slices of ``items``, lengths differing by at most one, longer first."""
     size, extra = divmod(len(items), parts)
     out = []
     start = 0
@@ -585,7 +632,9 @@ def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:
 # Functions run inside the rank actors (module level, so they pickle by reference).
 
 
-def _forward(context: RankContext[EvalStack], samples: tuple[Sample, ...], keep: bool) -> list[tuple[float, ...]]:
+def _forward(
+    context: RankContext[EvalStack], samples: tuple[Sample, ...], keep: bool
+) -> list[tuple[float, ...]]:
     rows = context.stack.forward(samples)
     return rows if keep else []
 
@@ -602,14 +651,18 @@ def _load(context: RankContext[EvalStack], path: str) -> int:
     return context.stack.load(Path(path))
 
 
-def _export_weights(context: RankContext[EvalStack], keep: bool) -> list[tuple[str, torch.Tensor]]:
+def _export_weights(
+    context: RankContext[EvalStack], keep: bool
+) -> list[tuple[str, torch.Tensor]]:
     out = []
-    for name, tensor in context.stack.export_weights():  # every rank iterates: the gather is collective
+    for name, tensor in context.stack.export_weights():  # all ranks iterate: gathers are collective
         if keep:
             out.append((name, tensor.detach().to("cpu").contiguous()))
     return out
 
 
-def _state_dict(context: RankContext[TrainingStack], part: Literal["optimizer", "scheduler"]) -> Mapping[str, object]:
+def _state_dict(
+    context: RankContext[TrainingStack], part: Literal["optimizer", "scheduler"]
+) -> Mapping[str, object]:
     holder = context.stack.optimizer if part == "optimizer" else context.stack.scheduler
     return holder.state_dict()

@@ -1,13 +1,16 @@
 """Driver-side stacks over Ray rank groups, and the backend that builds them.
 
-:class:`RayTrainingStack` and :class:`RayEvalStack` satisfy :class:`rlcore.protocols.TrainingStack`
-and :class:`rlcore.protocols.EvalStack` by calling a :class:`~rlcore_megatron.ray_group.RayTrainGroup`;
-the loop cannot tell them from in-process stacks. Data parallelism is split worker-side: every
-rank receives the whole rollout batch (put once in Ray's object store) and each data-parallel
-rank's :class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice
-of each global batch, so ``global_batch_size`` must be divisible by
-``data_parallel_size * micro_batch_size`` (checked when the group starts). ``forward`` is split
-driver-side: each data-parallel rank scores a contiguous part of the samples.
+:class:`RayTrainingStack` and :class:`RayEvalStack` satisfy
+:class:`rlcore.protocols.TrainingStack` and :class:`rlcore.protocols.EvalStack` by calling a
+:class:`~rlcore_megatron.ray_group.RayTrainGroup`; the loop cannot tell them from in-process
+stacks.
+
+Data parallelism, training: split worker-side. Every rank receives the whole rollout batch (put
+once in Ray's object store) and each data-parallel rank's
+:class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice of each
+global batch, so ``global_batch_size`` must be divisible by
+``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
+driver-side, each data-parallel rank scores a contiguous part of the samples.
 
 :class:`RayMegatronBackend` builds one group per stack, sized by ``spec.model.parallel``, and
 closes them all in :meth:`RayMegatronBackend.close`.
@@ -35,7 +38,9 @@ class RemoteStateView:
     real objects stay in the actors (each rank holds the state of its own shard).
     """
 
-    def __init__(self, group: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]) -> None:
+    def __init__(
+        self, group: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
+    ) -> None:
         self._group = group
         self._part: Literal["optimizer", "scheduler"] = part
 
@@ -134,7 +139,9 @@ class RayMegatronBackend:
     :meth:`close` (or leaving a ``with`` block) closes every group this backend started.
     """
 
-    def __init__(self, options: GroupOptions = GroupOptions(), runtime: RankRuntime = MegatronRuntime()) -> None:
+    def __init__(
+        self, options: GroupOptions = GroupOptions(), runtime: RankRuntime = MegatronRuntime()
+    ) -> None:
         self._options = options
         self._runtime = runtime
         self._stacks: list[RayTrainingStack | RayEvalStack] = []

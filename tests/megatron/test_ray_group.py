@@ -1,7 +1,7 @@
 """Ray rank groups on the CPU: real Ray, real Megatron over gloo, one actor per rank.
 
-The group mechanics (data-parallel split of ``forward``, rollout-id agreement on ``load``, a
-failing rank, closing) run against a light stand-in runtime; data and tensor parallelism run the
+The group mechanics (data-parallel split of ``forward``, rollout-id agreement on ``load``, failing
+and dead ranks, closing) run against a light stand-in runtime; data and tensor parallelism run the
 real :class:`~rlcore_megatron.backend.MegatronBackend` on a tiny Llama.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast, final
 
@@ -21,8 +22,23 @@ from ray.util.placement_group import placement_group_table
 from rlcore.errors import CheckpointError, ConfigError
 from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
-from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec, OptimizerSpec, ParallelSpec, TrainSpec
-from rlcore_megatron.ray_group import GroupOptions, MegatronRuntime, RankContext, RayGroupError, RayTrainGroup, split_evenly
+from rlcore.specs import (
+    EvalSpec,
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    TrainSpec,
+)
+from rlcore_megatron.ray_group import (
+    GroupOptions,
+    MegatronRuntime,
+    RankContext,
+    RayGroupError,
+    RayTrainGroup,
+    split_evenly,
+)
 from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend, RayTrainingStack
 
 if TYPE_CHECKING:
@@ -30,7 +46,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["tests.conftest_ray"]
 
-pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
+pytestmark = pytest.mark.ray
 
 VOCAB = 32
 
@@ -81,7 +97,7 @@ class _EchoBackend:
 @final
 @attrs.frozen
 class EchoRuntime:
-    """Rank ``r``'s ``load`` returns ``rollout_ids[r]``; ranks in ``failing`` raise in ``forward``."""
+    """Rank ``r``'s ``load`` gives ``rollout_ids[r]``; ranks in ``failing`` raise in ``forward``."""
 
     rollout_ids: tuple[int, ...]
     failing: frozenset[int] = frozenset()
@@ -95,9 +111,12 @@ class EchoRuntime:
         return _EchoBackend(self.rollout_ids[rank], rank in self.failing)
 
 
-def _echo_group(rollout_ids: tuple[int, ...], tp: int = 1, failing: frozenset[int] = frozenset()) -> RayTrainGroup[EvalStack]:
+def _echo_group(
+    rollout_ids: tuple[int, ...], tp: int = 1, failing: frozenset[int] = frozenset()
+) -> RayTrainGroup[EvalStack]:
     spec = EvalSpec(ModelSpec("actor", None, parallel=ParallelSpec(tp, len(rollout_ids))))
-    return RayTrainGroup.start_eval(spec, GroupOptions(setup_timeout_s=120), EchoRuntime(rollout_ids, failing))
+    runtime = EchoRuntime(rollout_ids, failing)
+    return RayTrainGroup.start_eval(spec, GroupOptions(setup_timeout_s=120), runtime)
 
 
 def _sample(index: int, prompt: Sequence[int], response: Sequence[int]) -> Sample:
@@ -127,6 +146,11 @@ def _remember(context: RankContext[EvalStack], key: str, value: int) -> int:
     return count
 
 
+def _crash_on_rank(context: RankContext[EvalStack], rank: int) -> None:
+    if context.rank == rank:
+        os._exit(1)
+
+
 def _assert_gone(group: RayTrainGroup[Any]) -> None:
     assert placement_group_table(group.placement_group)["state"] == "REMOVED"
     for handle in group.actors:
@@ -140,11 +164,13 @@ def _assert_gone(group: RayTrainGroup[Any]) -> None:
 def test_split_evenly_keeps_order_and_sizes() -> None:
     assert split_evenly((1, 2, 3, 4, 5), 2) == [(1, 2, 3), (4, 5)]
     assert split_evenly((1,), 3) == [(1,), (), ()]
+    assert split_evenly((), 2) == [(), ()]
 
 
-def test_forward_splits_over_data_parallel_ranks_and_load_agreement() -> None:
+def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
     group = _echo_group((3, 3, 3, 3), tp=2)
     try:
+        # rank r is tensor-parallel rank r % 2 of data-parallel rank r // 2; one thread each
         assert group.run_on_all_ranks(_env_of) == [
             (0, 0, 0, 4, "1"),
             (1, 0, 1, 4, "1"),
@@ -152,11 +178,15 @@ def test_forward_splits_over_data_parallel_ranks_and_load_agreement() -> None:
             (3, 1, 1, 4, "1"),
         ]
         samples = [_sample(i, (1, 2), (3,) * (1 + i % 3)) for i in range(5)]
-        assert group.forward(samples) == [tuple(float(i) for _ in s.response.token_ids) for i, s in enumerate(samples)]
-        # dp rank 0 (ranks 0, 1) scored the first three samples, dp rank 1 (ranks 2, 3) the rest
+        expected = [tuple(float(i) for _ in s.response.token_ids) for i, s in enumerate(samples)]
+        assert group.forward(samples) == expected
+        # data-parallel rank 0 (ranks 0, 1) scored the first three samples, rank 1 the rest
         assert group.run_on_all_ranks(_seen) == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
+        assert group.forward(samples[:1]) == expected[:1]  # data-parallel rank 1 idles
         assert group.load(Path("/nowhere")) == 3
-        assert [group.run_on_rank0(_remember, "n", 2), group.run_on_rank0(_remember, "n", 3)] == [2, 5]
+        # rank 0 keeps colocated objects between calls
+        assert group.run_on_rank0(_remember, "n", 2) == 2
+        assert group.run_on_rank0(_remember, "n", 3) == 5
     finally:
         group.close()
     _assert_gone(group)
@@ -165,24 +195,31 @@ def test_forward_splits_over_data_parallel_ranks_and_load_agreement() -> None:
         group.load(Path("/nowhere"))
 
 
-def test_load_disagreement_names_ranks_and_ids() -> None:
+def test_load_disagreement_names_ranks_and_ids(ray_cluster: None) -> None:
     with _echo_group((7, 5)) as group:
-        with pytest.raises(CheckpointError, match=r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"):
+        match = r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"
+        with pytest.raises(CheckpointError, match=match):
             group.load(Path("/ckpt/iter_7"))
 
 
-def test_failing_rank_fails_the_call_and_breaks_the_group() -> None:
+def test_failing_and_dead_ranks(ray_cluster: None) -> None:
+    samples = [_sample(0, (1,), (2,)), _sample(1, (1,), (2,))]
     with _echo_group((0, 0), failing=frozenset({1})) as group:
         with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
-            group.forward([_sample(0, (1,), (2,)), _sample(1, (1,), (2,))])
+            group.forward(samples)
+        assert group.load(Path("/nowhere")) == 0  # rank 0 finished: the group still works
+        with pytest.raises(RayGroupError, match="rank 1's actor died"):
+            group.run_on_all_ranks(_crash_on_rank, 1)
         with pytest.raises(RayGroupError, match="broken"):
-            group.load(Path("/nowhere"))
+            group.run_on_rank0(_remember, "n", 1)
 
 
-def test_batch_must_split_over_data_parallel_micro_batches() -> None:
+def test_batch_must_split_over_data_parallel_micro_batches(ray_cluster: None) -> None:
     spec = _train_spec(Path("/unused"), ParallelSpec(1, 2), global_batch_size=3)
+    groups = len(placement_group_table())
     with pytest.raises(ConfigError, match="global_batch_size"):
         RayTrainGroup.start_training(spec, runtime=EchoRuntime((0, 0)))
+    assert len(placement_group_table()) == groups  # refused before reserving anything
 
 
 # -- the real Megatron backend -------------------------------------------------------------------
@@ -193,7 +230,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rlcore.tiny import build_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny_llama")
-    build_tiny_llama(folder, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    build_tiny_llama(
+        folder,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     return folder
 
 
@@ -203,8 +248,9 @@ class TensorParallelCpuRuntime:
     """:class:`MegatronRuntime` plus the CPU redirection for tensor-parallel gathers.
 
     Stand-in until ``rlcore_megatron.cpu.CPU_PATCHED_MODULES`` lists
-    ``megatron.core.tensor_parallel.mappings`` (``_gather_along_last_dim`` allocates on
-    ``torch.cuda.current_device()``): hands that module the ``torch`` the shim gave Megatron's utils.
+    ``megatron.core.tensor_parallel.mappings`` (its ``_gather_along_last_dim`` allocates on
+    ``torch.cuda.current_device()``): hands that module the ``torch`` the shim gave
+    ``megatron.core.utils``. A no-op once the shim covers it, and on GPUs.
     """
 
     def init(self, tensor_parallel_size: int, seed: int) -> None:
@@ -214,7 +260,7 @@ class TensorParallelCpuRuntime:
         utils = importlib.import_module("megatron.core.utils")
         mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
         shimmed = getattr(utils, "torch")
-        if getattr(mappings, "torch") is not shimmed:  # the shim is applied and misses mappings
+        if getattr(mappings, "torch") is not shimmed:
             setattr(mappings, "torch", shimmed)
 
     def backend(self) -> Backend:
@@ -222,7 +268,7 @@ class TensorParallelCpuRuntime:
 
 
 @pytest.fixture
-def backend() -> Iterator[RayMegatronBackend]:
+def backend(ray_cluster: None) -> Iterator[RayMegatronBackend]:
     options = GroupOptions(setup_timeout_s=300, call_timeout_s=300)
     with RayMegatronBackend(options, TensorParallelCpuRuntime()) as b:
         yield b
@@ -250,44 +296,60 @@ def _train_spec(checkpoint: Path, parallel: ParallelSpec, global_batch_size: int
 
 
 def _exported(context: RankContext[TrainingStack]) -> list[tuple[str, torch.Tensor]]:
-    return [(name, tensor.detach().cpu().clone()) for name, tensor in context.stack.export_weights()]
+    return [(name, t.detach().cpu().clone()) for name, t in context.stack.export_weights()]
 
 
 @pytest.mark.megatron
-def test_data_parallel_replicas_stay_identical(tiny_llama: Path, backend: RayMegatronBackend) -> None:
+def test_data_parallel_replicas_stay_identical(
+    tiny_llama: Path, backend: RayMegatronBackend, tmp_path: Path
+) -> None:
     import torch
 
     stack = backend.build_training_stack(_train_spec(tiny_llama, ParallelSpec(1, 2)))
     assert isinstance(stack, RayTrainingStack)
     samples = _samples(4)
-    advantages = tuple(tuple(1.0 if i % 2 else -1.0 for _ in s.response.token_ids) for i, s in enumerate(samples))
+    advantages = tuple(
+        tuple(1.0 if i % 2 else -1.0 for _ in s.response.token_ids) for i, s in enumerate(samples)
+    )
     batch = TrainBatch(tuple(samples), advantages)
     before = dict(stack.export_weights())
     for _ in range(3):
         metrics = stack.train_step(batch)
-        assert metrics.grad_norm > 0 and metrics.tokens == sum(len(a) for a in advantages)
+        assert metrics.grad_norm > 0
+        assert metrics.tokens == sum(len(a) for a in advantages)  # summed over both replicas
     assert "param_groups" in stack.optimizer.state_dict()
     rank0, rank1 = stack.group.run_on_all_ranks(_exported)
     assert [n for n, _ in rank0] == [n for n, _ in rank1] == list(before)
     for (name, a), (_, b) in zip(rank0, rank1, strict=True):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, before[name]) for name, a in rank0)
+    # save and load through the group: both ranks read the same rollout id back
+    (tmp_path / "ckpt").mkdir()
+    stack.save(tmp_path / "ckpt", 3)
+    assert stack.load(tmp_path / "ckpt") == 3
     backend.close()
     _assert_gone(stack.group)
 
 
 @pytest.mark.megatron
-def test_tensor_parallel_2_matches_tensor_parallel_1(tiny_llama: Path, backend: RayMegatronBackend) -> None:
+def test_tensor_parallel_2_matches_tensor_parallel_1(
+    tiny_llama: Path, backend: RayMegatronBackend
+) -> None:
     import torch
     from safetensors.torch import load_file
 
-    tp1 = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(1, 1))))
-    tp2 = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(2, 2))))
+    specs = [EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(n, n))) for n in (1, 2)]
+    with ThreadPoolExecutor(2) as pool:  # start both groups at once: actor start-up dominates
+        tp1, tp2 = pool.map(backend.build_eval_stack, specs)
     assert isinstance(tp2, RayEvalStack)
     samples = _samples(5)
     one, two = tp1.forward(samples), tp2.forward(samples)
-    assert [len(r) for r in one] == [len(r) for r in two] == [len(s.response.token_ids) for s in samples]
-    torch.testing.assert_close(torch.tensor(sum(two, ())), torch.tensor(sum(one, ())), rtol=1e-5, atol=1e-5)
+    lengths = [len(s.response.token_ids) for s in samples]
+    assert [len(r) for r in one] == [len(r) for r in two] == lengths
+    torch.testing.assert_close(
+        torch.tensor(sum(two, ())), torch.tensor(sum(one, ())), rtol=1e-5, atol=1e-5
+    )
+    # the gather over tensor parallel gives back exactly the checkpoint's weights
     hf = load_file(str(tiny_llama / "model.safetensors"))
     exported = dict(tp2.export_weights())
     assert exported.keys() == hf.keys()
