@@ -1,0 +1,271 @@
+"""The embedded HF rollout engine on a tiny local Llama: sampling, log-probs, padding, weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+
+from rlcore.data import HFTokenizer
+from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
+from rlcore.errors import RolloutError
+from rlcore.protocols import RolloutEngine
+from rlcore.samples import Generation, Prompt, SamplingParams
+from rlcore.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+
+ALPHABET = "0123456789+= "
+VOCAB = 3 + len(ALPHABET)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The tiny model gains nothing from threads, and on a busy shared host extra OpenMP threads
+    spin-wait for cores; one thread keeps these tests fast and their timing steady."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFTokenizer]:
+    folder = tmp_path_factory.mktemp("tiny")
+    hf_tok = build_char_tokenizer(folder / "tokenizer", ALPHABET)
+    build_tiny_llama(folder / "model", vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, seed=3)
+    return folder, HFTokenizer(hf_tok)
+
+
+def make_engine(assets: tuple[Path, HFTokenizer], seed: int = 0) -> EmbeddedEngine:
+    folder, tok = assets
+    engine = EmbeddedEngine.from_pretrained(folder / "model", tok, seed=seed)
+    # A freshly initialised model is nearly uniform; sharpen it so greedy choices are clear-cut
+    # (margins far above fp32 noise) and sampling still varies.
+    head = engine.model.state_dict()["lm_head.weight"]
+    engine.update_weights([("lm_head.weight", head * 40)], version=0)
+    return engine
+
+
+def prompts(tok: HFTokenizer, texts: Sequence[str]) -> list[Prompt]:
+    return [Prompt(index=i, text=t, token_ids=tuple(tok.encode(t))) for i, t in enumerate(texts)]
+
+
+TEXTS = ["12+34=", "1+2=", "99+1=", "7=", "45+45="]
+
+
+def full_forward_log_probs(model: PreTrainedModel, prompt: Prompt, gen: Generation) -> list[float]:
+    ids = torch.tensor([prompt.token_ids + gen.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    n = len(prompt.token_ids)
+    log_probs = torch.log_softmax(logits[n - 1 : -1], dim=-1)
+    return log_probs.gather(-1, torch.tensor(gen.token_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def test_is_a_rollout_engine(assets: tuple[Path, HFTokenizer]) -> None:
+    engine: RolloutEngine = make_engine(assets)
+    assert engine.weight_version == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=8),
+        SamplingParams(max_new_tokens=8, temperature=0.6, top_k=4),
+        SamplingParams(max_new_tokens=8, temperature=1.5, top_p=0.8),
+    ],
+)
+def test_log_probs_match_a_full_forward_at_temperature_1(
+    assets: tuple[Path, HFTokenizer], params: SamplingParams
+) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS) * 3
+    gens = engine.generate(batch, params)
+    assert len(gens) == len(batch)
+    for prompt, gen in zip(batch, gens):
+        assert len(gen.token_ids) == len(gen.log_probs) >= 1
+        expected = full_forward_log_probs(engine.model, prompt, gen)
+        assert gen.log_probs == pytest.approx(expected, abs=1e-5)
+
+
+def greedy_reference(model: PreTrainedModel, prompt: Prompt, max_new_tokens: int) -> tuple[int, ...]:
+    ids = torch.tensor([prompt.token_ids])
+    assert isinstance(model, GenerationMixin)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    response = out[0, ids.shape[1] :].tolist()
+    return tuple(response[: response.index(EOS_ID) + 1] if EOS_ID in response else response)
+
+
+def test_greedy_equals_hf_generate(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS)
+    gens = engine.generate(batch, SamplingParams(max_new_tokens=12, temperature=0.0))
+    for prompt, gen in zip(batch, gens):
+        assert gen.token_ids == greedy_reference(engine.model, prompt, 12)
+        assert gen.finish_reason == ("stop" if gen.token_ids[-1] == EOS_ID else "length")
+        assert gen.text == assets[1].decode(gen.token_ids)
+
+
+def test_top_k_1_equals_greedy(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS)
+    greedy = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0))
+    top1 = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=1.3, top_k=1))
+    assert [g.token_ids for g in top1] == [g.token_ids for g in greedy]
+    assert [g.log_probs for g in top1] == [g.log_probs for g in greedy]
+
+
+def test_left_padding_matches_one_by_one(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS)
+    assert len({len(p.token_ids) for p in batch}) > 1
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    together = engine.generate(batch, params)
+    for prompt, gen in zip(batch, together):
+        (alone,) = engine.generate([prompt], params)
+        assert gen.token_ids == alone.token_ids
+        assert gen.log_probs == pytest.approx(alone.log_probs, abs=1e-5)
+
+
+def test_stop_tokens_cut_responses(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS)
+    free = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(PAD_ID,)))
+    first = free[0].token_ids
+    stop = first[2]
+    cut = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+    for before, after in zip(free, cut):
+        if stop in before.token_ids:
+            end = before.token_ids.index(stop) + 1
+            assert after.token_ids == before.token_ids[:end]
+            assert after.finish_reason == "stop"
+        else:
+            assert after.token_ids == before.token_ids
+    assert cut[0].token_ids == first[: first.index(stop) + 1]
+
+
+def test_stops_early_when_every_response_ended(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    every_token = tuple(range(VOCAB))
+    gens = engine.generate(prompts(assets[1], TEXTS), SamplingParams(max_new_tokens=50, stop_token_ids=every_token))
+    assert all(len(g.token_ids) == 1 and g.finish_reason == "stop" for g in gens)
+
+
+class OtherEos:
+    """The test tokenizer with a different eos id, to see that the engine stops on the tokenizer's eos."""
+
+    def __init__(self, tok: HFTokenizer, eos: int) -> None:
+        self._tok, self.eos_token_id, self.pad_token_id = tok, eos, tok.pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(token_ids)
+
+
+def test_default_stop_is_the_tokenizers_eos(assets: tuple[Path, HFTokenizer]) -> None:
+    model = make_engine(assets).model
+    batch = prompts(assets[1], TEXTS)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(PAD_ID,))
+    free = EmbeddedEngine(model, assets[1]).generate(batch, params)
+    eos = free[0].token_ids[1]
+    engine = EmbeddedEngine(model, OtherEos(assets[1], eos))
+    gens = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert gens[0].token_ids == free[0].token_ids[: free[0].token_ids.index(eos) + 1]
+    assert gens[0].finish_reason == "stop"
+    for before, after in zip(free, gens):
+        assert after.token_ids[-1] == eos or after.token_ids == before.token_ids
+        assert after.text == assets[1].decode(after.token_ids)
+
+
+def test_sampling_is_seeded(assets: tuple[Path, HFTokenizer]) -> None:
+    batch = prompts(assets[1], TEXTS) * 4
+    params = SamplingParams(max_new_tokens=8)
+    a = make_engine(assets, seed=1).generate(batch, params)
+    b = make_engine(assets, seed=1).generate(batch, params)
+    c = make_engine(assets, seed=2).generate(batch, params)
+    assert a == b
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+    assert len({g.token_ids for g in a}) > 1  # it really samples
+
+
+def test_update_weights_changes_outputs_and_version(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    other = AutoModelForCausalLM.from_pretrained(str(assets[0] / "model"))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-3.0)
+    batch = prompts(assets[1], TEXTS)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = engine.generate(batch, params)
+    engine.update_weights(other.state_dict().items(), version=7)
+    after = engine.generate(batch, params)
+    assert engine.weight_version == 7
+    assert all(g.weight_version == 7 for g in after) and all(g.weight_version == 0 for g in before)
+    assert [g.log_probs for g in after] != [g.log_probs for g in before]
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], tensor), name
+
+
+def test_bad_weight_updates_raise_and_change_nothing(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    bad = [
+        ("lm_head.weight", torch.zeros(VOCAB, 32)),
+        ("model.layers.9.mlp.up_proj.weight", torch.zeros(3)),
+        ("model.norm.weight", torch.zeros(31)),
+    ]
+    with pytest.raises(RolloutError) as info:
+        engine.update_weights(bad, version=3)
+    message = str(info.value)
+    assert "unknown weight 'model.layers.9.mlp.up_proj.weight'" in message
+    assert "'model.norm.weight' has shape (31,), the model's is (32,)" in message
+    assert engine.weight_version == 0
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_bad_sampling_parameters(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS[:1])
+    for params in [
+        SamplingParams(max_new_tokens=0),
+        SamplingParams(max_new_tokens=2, temperature=-1),
+        SamplingParams(max_new_tokens=2, top_p=0.0),
+        SamplingParams(max_new_tokens=2, top_k=-1),
+    ]:
+        with pytest.raises(RolloutError, match="bad sampling parameters"):
+            engine.generate(batch, params)
+    with pytest.raises(RolloutError, match="prompt 0 .* has no tokens"):
+        engine.generate([Prompt(index=0, text="", token_ids=())], SamplingParams(max_new_tokens=2))
+    assert engine.generate([], SamplingParams(max_new_tokens=2)) == []
+
+
+def test_close_and_bad_folder(assets: tuple[Path, HFTokenizer], tmp_path: Path) -> None:
+    engine = make_engine(assets)
+    engine.close()
+    engine.close()
+    with pytest.raises(RolloutError, match="closed"):
+        engine.generate(prompts(assets[1], TEXTS[:1]), SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match=r"cannot load a causal LM from .*nothing"):
+        EmbeddedEngine.from_pretrained(tmp_path / "nothing", assets[1])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_p=0.75), gen)) for _ in range(300)}
+    assert seen == {0, 1}
+    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_p=0.1), gen)) for _ in range(50)}
+    assert seen == {0}
+    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_k=3), gen)) for _ in range(300)}
+    assert seen == {0, 1, 2}
