@@ -195,19 +195,15 @@ def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
         group.load(Path("/nowhere"))
 
 
-def test_load_disagreement_names_ranks_and_ids(ray_cluster: None) -> None:
-    with _echo_group((7, 5)) as group:
+def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
+    samples = [_sample(0, (1,), (2,)), _sample(1, (1,), (2,))]
+    with _echo_group((7, 5), failing=frozenset({1})) as group:
+        with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
+            group.forward(samples)
+        # rank 0 had finished: the group still works, and a disagreement names ranks and ids
         match = r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"
         with pytest.raises(CheckpointError, match=match):
             group.load(Path("/ckpt/iter_7"))
-
-
-def test_failing_and_dead_ranks(ray_cluster: None) -> None:
-    samples = [_sample(0, (1,), (2,)), _sample(1, (1,), (2,))]
-    with _echo_group((0, 0), failing=frozenset({1})) as group:
-        with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
-            group.forward(samples)
-        assert group.load(Path("/nowhere")) == 0  # rank 0 finished: the group still works
         with pytest.raises(RayGroupError, match="rank 1's actor died"):
             group.run_on_all_ranks(_crash_on_rank, 1)
         with pytest.raises(RayGroupError, match="broken"):
@@ -267,13 +263,6 @@ class TensorParallelCpuRuntime:
         return MegatronRuntime().backend()
 
 
-@pytest.fixture
-def backend(ray_cluster: None) -> Iterator[RayMegatronBackend]:
-    options = GroupOptions(setup_timeout_s=300, call_timeout_s=300)
-    with RayMegatronBackend(options, TensorParallelCpuRuntime()) as b:
-        yield b
-
-
 def _samples(count: int) -> list[Sample]:
     rng = random.Random(0)
     out = []
@@ -299,19 +288,46 @@ def _exported(context: RankContext[TrainingStack]) -> list[tuple[str, torch.Tens
     return [(name, t.detach().cpu().clone()) for name, t in context.stack.export_weights()]
 
 
+@final
+@attrs.frozen
+class MegatronStacks:
+    """Started once per module, at once: actor start-up (importing Megatron) dominates."""
+
+    data_parallel: RayTrainingStack
+    """Two tensor-parallel-1 ranks, data parallel 2."""
+    tensor_parallel: RayEvalStack
+    """Two ranks, tensor parallel 2."""
+    samples: tuple[Sample, ...]
+    reference: tuple[tuple[float, ...], ...]
+    """The untrained data-parallel stack's log-probs of ``samples``: each rank has the whole
+    model (tensor parallel 1) and scores half the samples."""
+
+
+@pytest.fixture(scope="module")
+def megatron(tiny_llama: Path, ray_cluster: None) -> Iterator[MegatronStacks]:
+    options = GroupOptions(setup_timeout_s=300, call_timeout_s=300)
+    with RayMegatronBackend(options, TensorParallelCpuRuntime()) as backend:
+        with ThreadPoolExecutor(2) as pool:
+            train_spec = _train_spec(tiny_llama, ParallelSpec(1, 2))
+            eval_spec = EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(2, 2)))
+            dp = pool.submit(backend.build_training_stack, train_spec)
+            tp = pool.submit(backend.build_eval_stack, eval_spec)
+            data_parallel, tensor_parallel = dp.result(), tp.result()
+        samples = tuple(_samples(5))
+        reference = tuple(data_parallel.forward(samples))
+        yield MegatronStacks(data_parallel, tensor_parallel, samples, reference)
+
+
 @pytest.mark.megatron
-def test_data_parallel_replicas_stay_identical(
-    tiny_llama: Path, backend: RayMegatronBackend, tmp_path: Path
-) -> None:
+def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_path: Path) -> None:
     import torch
 
-    stack = backend.build_training_stack(_train_spec(tiny_llama, ParallelSpec(1, 2)))
-    assert isinstance(stack, RayTrainingStack)
-    samples = _samples(4)
+    stack = megatron.data_parallel
+    samples = megatron.samples[:4]
     advantages = tuple(
         tuple(1.0 if i % 2 else -1.0 for _ in s.response.token_ids) for i, s in enumerate(samples)
     )
-    batch = TrainBatch(tuple(samples), advantages)
+    batch = TrainBatch(samples, advantages)
     before = dict(stack.export_weights())
     for _ in range(3):
         metrics = stack.train_step(batch)
@@ -327,31 +343,26 @@ def test_data_parallel_replicas_stay_identical(
     (tmp_path / "ckpt").mkdir()
     stack.save(tmp_path / "ckpt", 3)
     assert stack.load(tmp_path / "ckpt") == 3
-    backend.close()
+    stack.close()
     _assert_gone(stack.group)
 
 
 @pytest.mark.megatron
 def test_tensor_parallel_2_matches_tensor_parallel_1(
-    tiny_llama: Path, backend: RayMegatronBackend
+    megatron: MegatronStacks, tiny_llama: Path
 ) -> None:
     import torch
     from safetensors.torch import load_file
 
-    specs = [EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(n, n))) for n in (1, 2)]
-    with ThreadPoolExecutor(2) as pool:  # start both groups at once: actor start-up dominates
-        tp1, tp2 = pool.map(backend.build_eval_stack, specs)
-    assert isinstance(tp2, RayEvalStack)
-    samples = _samples(5)
-    one, two = tp1.forward(samples), tp2.forward(samples)
-    lengths = [len(s.response.token_ids) for s in samples]
-    assert [len(r) for r in one] == [len(r) for r in two] == lengths
-    torch.testing.assert_close(
-        torch.tensor(sum(two, ())), torch.tensor(sum(one, ())), rtol=1e-5, atol=1e-5
-    )
+    stack = megatron.tensor_parallel
+    scored = stack.forward(megatron.samples)
+    lengths = [len(s.response.token_ids) for s in megatron.samples]
+    assert [len(r) for r in megatron.reference] == [len(r) for r in scored] == lengths
+    flat, expected = torch.tensor(sum(scored, ())), torch.tensor(sum(megatron.reference, ()))
+    torch.testing.assert_close(flat, expected, rtol=1e-5, atol=1e-5)
     # the gather over tensor parallel gives back exactly the checkpoint's weights
     hf = load_file(str(tiny_llama / "model.safetensors"))
-    exported = dict(tp2.export_weights())
+    exported = dict(stack.export_weights())
     assert exported.keys() == hf.keys()
     for name, tensor in exported.items():
         assert torch.equal(tensor, hf[name]), name
