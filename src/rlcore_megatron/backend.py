@@ -23,7 +23,7 @@ from rlcore_megatron.model import LlamaArch, arch_from_hf_config, build_gpt, rea
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
-__all__ = ["MegatronBackend", "optimizer_config", "param_scheduler"]
+__all__ = ["MegatronBackend", "optimizer_config", "param_scheduler", "use_fused_cpu_adam"]
 
 
 def optimizer_config(spec: OptimizerSpec) -> OptimizerConfig:
@@ -67,6 +67,19 @@ def param_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule, weight_d
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
+
+
+def use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
+    """Switch the CPU fallback optimizer to torch's fused AdamW kernel.
+
+    Without Apex or Transformer Engine (always the case on the CPU) Megatron builds
+    ``torch.optim.AdamW`` with neither ``fused`` nor ``foreach``, and torch then loops over the
+    tensors one by one; the fused CPU kernel computes the same update several times faster. The
+    flag is read at every step, so it can be set before the first one.
+    """
+    for group in optimizer.param_groups:
+        group["fused"] = True
+        group["foreach"] = False
 
 
 @final
@@ -125,6 +138,8 @@ class MegatronBackend:
                 module=gpt,
             )
             optimizer = get_megatron_optimizer(optimizer_config(spec.optimizer), [ddp])
+            if not torch.cuda.is_available():
+                use_fused_cpu_adam(optimizer)
             scheduler = param_scheduler(optimizer, spec.optimizer.schedule, spec.optimizer.weight_decay)
         except RLCoreError:
             raise

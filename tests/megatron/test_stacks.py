@@ -38,6 +38,7 @@ def test_training_stack_holds_ddp_optimizer_and_scheduler(tiny_hf: Path) -> None
     assert isinstance(stack.optimizer, MegatronOptimizer)
     assert isinstance(stack.scheduler, OptimizerParamScheduler)
     assert stack.optimizer.config.min_lr == 1e-4
+    assert all(group["fused"] for group in stack.optimizer.param_groups)  # the fast CPU AdamW
 
 
 def test_eval_and_training_forward_agree_with_each_other(tiny_hf: Path) -> None:
