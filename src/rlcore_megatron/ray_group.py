@@ -173,6 +173,12 @@ class GroupOptions:
             return self.threads_per_rank
         return max(1, int(self.cpus_per_rank))
 
+    @staticmethod
+    def for_cluster(cpus_per_rank: float = 1.0) -> GroupOptions:
+        """One GPU per rank when the running Ray cluster has GPUs, else CPU-only ranks."""
+        resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        return GroupOptions(cpus_per_rank, gpus_per_rank=1 if resources.get("GPU", 0) > 0 else 0)
+
     def bundle(self) -> dict[str, float]:
         """One rank's placement-group bundle."""
         if self.gpus_per_rank:
@@ -212,13 +218,15 @@ class _RankWorker:
         self._tp = 1
         self._context: RankContext[EvalStack] | None = None
 
-    def node(self) -> tuple[str, str, tuple[str, ...]]:
-        """(node id, node IP, CUDA ordinals Ray assigned to this actor)."""
+    def node(self) -> tuple[str, str, int | None]:
+        """(node id, node IP, the CUDA ordinal of the GPU Ray assigned to this actor, if any)."""
         context = ray.get_runtime_context()
-        gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", []))
+        gpus = context.get_accelerator_ids().get("GPU", [])
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ordinal = _cuda_ordinal(str(gpus[0]), visible) if gpus else None
         # ray leaves get_node_ip_address unannotated
         ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return context.get_node_id(), ip, gpus
+        return context.get_node_id(), ip, ordinal
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -357,7 +365,7 @@ class RayTrainGroup(Generic[S]):
             ).remote(rank, self._world_size, options.threads, runtime)
             for rank in range(self._world_size)
         )
-        nodes: list[tuple[str, str, tuple[str, ...]]] = self._gather(
+        nodes: list[tuple[str, str, int | None]] = self._gather(
             [h.node.remote() for h in self._handles], "starting the rank actors", deadline
         )
         local_ranks = _local_ranks(nodes, gpu=bool(options.gpus_per_rank))
@@ -590,10 +598,20 @@ def _name(fn: Callable[..., object]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
 
-def _local_ranks(nodes: Sequence[tuple[str, str, tuple[str, ...]]], *, gpu: bool) -> list[int]:
+def _cuda_ordinal(gpu_id: str, visible: str | None) -> int:
+    """The CUDA device index of Ray's GPU ``gpu_id`` in a process that sees ``visible`` (the
+    node's ``CUDA_VISIBLE_DEVICES``, which Ray's ids refer to when it is set)."""
+    if visible:
+        ids = [v.strip() for v in visible.split(",")]
+        if gpu_id in ids:
+            return ids.index(gpu_id)
+    return int(gpu_id)
+
+
+def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> list[int]:
     """LOCAL_RANK per rank: its CUDA ordinal on GPUs, else its index among its node's ranks."""
     if gpu:
-        return [int(gpus[0]) if gpus else 0 for _, _, gpus in nodes]
+        return [ordinal or 0 for _, _, ordinal in nodes]
     seen: dict[str, int] = {}
     out = []
     for node_id, _, _ in nodes:

@@ -37,6 +37,8 @@ from rlcore_megatron.ray_group import (
     RankContext,
     RayGroupError,
     RayTrainGroup,
+    _cuda_ordinal,
+    _local_ranks,
     split_evenly,
 )
 from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend, RayTrainingStack
@@ -165,6 +167,24 @@ def test_split_evenly_keeps_order_and_sizes() -> None:
     assert split_evenly((1, 2, 3, 4, 5), 2) == [(1, 2, 3), (4, 5)]
     assert split_evenly((1,), 3) == [(1,), (), ()]
     assert split_evenly((), 2) == [(), ()]
+
+
+def test_group_options_bundles_and_threads() -> None:
+    assert GroupOptions().bundle() == {"CPU": 1.0} and GroupOptions().threads == 1
+    assert GroupOptions(cpus_per_rank=2.5).threads == 2
+    assert GroupOptions(cpus_per_rank=0.5).threads == 1
+    assert GroupOptions(cpus_per_rank=4, threads_per_rank=3).threads == 3
+    assert GroupOptions(cpus_per_rank=8, gpus_per_rank=1).bundle() == {"CPU": 8.0, "GPU": 1.0}
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        GroupOptions(threads_per_rank=0)
+
+
+def test_local_ranks_count_per_node_or_follow_the_gpu() -> None:
+    nodes = [("a", "10.0.0.1", None), ("a", "10.0.0.1", None), ("b", "10.0.0.2", None)]
+    assert _local_ranks(nodes, gpu=False) == [0, 1, 0]
+    assert _local_ranks([("a", "ip", 3), ("a", "ip", 1)], gpu=True) == [3, 1]
+    assert _cuda_ordinal("6", "4,6") == 1  # Ray's ids name devices of CUDA_VISIBLE_DEVICES
+    assert _cuda_ordinal("2", None) == 2
 
 
 def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
