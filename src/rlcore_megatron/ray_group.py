@@ -389,6 +389,8 @@ class RayTrainGroup(Generic[S]):
         if self._closed:
             return
         self._closed = True
+        if not ray.is_initialized():  # Ray shut down already took the actors and the group with it
+            return
         for handle in self._handles:
             try:
                 ray.kill(handle, no_restart=True)
