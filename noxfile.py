@@ -36,3 +36,41 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict with our stubs; no blanket ignore_missing_imports."""
     _install(session)
     session.run("mypy", *session.posargs)
+
+
+SGLANG_VERSION = "0.5.23"
+SGLANG_SHIMS = "tools/sglang_shims"
+
+
+@nox.session(python=PYTHON)
+def sglang(session: nox.Session) -> None:
+    """SGLang integration tests against real SGLang servers on the CPU (tests/sglang).
+
+    SGLang's wheel requires CUDA-only packages, so it is installed without them: CPU torch first,
+    SGLang's other requirements with torch pinned, SGLang itself with ``--no-deps``, and the
+    test-only shims in tools/sglang_shims put on ``sys.path`` of this virtualenv by a ``.pth``
+    file (see tools/sglang_shims/README.md). Caches stay under .nox/.
+    """
+    nox_dir = os.path.abspath(os.path.join(session.virtualenv.location, os.pardir))
+    session.env["PIP_CACHE_DIR"] = os.path.join(nox_dir, "sglang-pip-cache")
+    session.install(*CONSTRAINTS, "torch")
+    cpu_pins = ("-c", f"{SGLANG_SHIMS}/constraints-cpu.txt")
+    session.install(*cpu_pins, "-r", f"{SGLANG_SHIMS}/requirements-cpu.txt")
+    session.install("--no-deps", f"sglang=={SGLANG_VERSION}")
+    session.install(*cpu_pins, "-e", ".[torch]", *DEV)
+    site_packages = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    )
+    assert isinstance(site_packages, str)
+    pth = os.path.join(site_packages.strip(), "rlcore-sglang-shims.pth")
+    with open(pth, "w") as f:
+        f.write(os.path.abspath(SGLANG_SHIMS) + "\n")
+
+    cache = os.path.join(nox_dir, "sglang-cache")
+    env = {
+        "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+        "SGLANG_CACHE_DIR": cache,
+        "XDG_CACHE_HOME": cache,
+    }
+    session.run("mypy", "stubs/sglang", "tests/sglang")
+    session.run("pytest", "tests/sglang", "-p", "no:cacheprovider", "--durations=10", *session.posargs, env=env)

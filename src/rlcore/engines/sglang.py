@@ -197,12 +197,17 @@ class SGLangEngine:
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """Each server's tensor-parallel size (ranks in the weight-update group)."""
+        return self._tp_sizes
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         """One generation per prompt, in order; batches are spread over the servers."""
         self._check_open()
         step = self.options.max_prompts_per_request
         chunks = [list(prompts[i : i + step]) for i in range(0, len(prompts), step)]
-        sampling = _sampling_payload(params, self.options.extra_sampling_params)
+        sampling = sampling_payload(params, self.options.extra_sampling_params)
         jobs = [partial(self._generate_chunk, self._pick_server(), c, sampling) for c in chunks]
         results = _run_all(jobs, self.options.max_concurrent_requests)
         return [generation for chunk_result in results for generation in chunk_result]
@@ -386,15 +391,17 @@ class SGLangEngine:
         def body() -> None:
             for index, bucket in enumerate(buckets):
                 last = index + 1 == len(buckets)
-                payloads = self._tensor_payloads(bucket)
+                shared = self._share(bucket)
                 request = {
                     "flush_cache": last,
                     "weight_version": str(version) if last else None,
                 }
 
                 def send(server: SGLangServer, tp_size: int) -> None:
-                    # One payload per tensor-parallel rank; each rank reads its own entry.
-                    body_ = dict(request, serialized_named_tensors=[payloads] * tp_size)
+                    # One pickle per receiving rank: pickling takes a reference on the shared
+                    # memory and each unpickling releases one, so a payload must be read once.
+                    payloads = [pickle_b64(shared) for _ in range(tp_size)]
+                    body_ = dict(request, serialized_named_tensors=payloads)
                     self._post_ok(server, "/update_weights_from_tensor", body_)
 
                 pairs = zip(self.servers, self._tp_sizes, strict=True)
@@ -402,20 +409,16 @@ class SGLangEngine:
 
         self._weight_session(body)
 
-    def _tensor_payloads(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        """Pickle ``bucket`` with torch's multiprocessing reductions, base64 for JSON.
+    def _share(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Tensors another process on this machine can map without a further copy.
 
-        CPU tensors are first copied into one reusable shared-memory buffer, so the servers map a
-        single segment and the data is copied once on each side; CUDA tensors travel as CUDA IPC
-        handles without a copy.
+        CPU tensors are copied once into one reusable shared-memory buffer (one segment for the
+        servers to map, no fresh pages to fault in on every sync); CUDA tensors travel as CUDA IPC
+        handles as they are.
         """
         if any(t.is_cuda for _, t in bucket):
-            shared = [(name, t.contiguous()) for name, t in bucket]
-        else:
-            shared = self._fill_shared_bucket(bucket)
-        buffer = io.BytesIO()
-        ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(shared)
-        return base64.b64encode(buffer.getvalue()).decode("ascii")
+            return [(name, t.contiguous()) for name, t in bucket]
+        return self._fill_shared_bucket(bucket)
 
     def _fill_shared_bucket(
         self, bucket: list[tuple[str, torch.Tensor]]
@@ -671,9 +674,8 @@ class DistributedWeightSender:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _sampling_payload(
-    params: SamplingParams, extra: Mapping[str, object]
-) -> dict[str, object]:
+def sampling_payload(params: SamplingParams, extra: Mapping[str, object]) -> dict[str, object]:
+    """rlcore's :class:`SamplingParams` as SGLang's ``/generate`` ``sampling_params``."""
     payload: dict[str, object] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -705,6 +707,14 @@ def _message_of(body: str) -> str:
     if isinstance(decoded, dict):
         return str(decoded.get("message") or decoded.get("error") or decoded)
     return str(decoded)
+
+
+def pickle_b64(obj: object) -> str:
+    """Pickle with torch's multiprocessing reductions (tensors as shared-memory handles), base64
+    for JSON: SGLang's ``MultiprocessingSerializer`` format."""
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:

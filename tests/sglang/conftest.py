@@ -1,0 +1,122 @@
+"""Fixtures for the SGLang tests: a tiny Llama built locally and real SGLang servers on the CPU.
+
+Servers start once per session, all at the same time (their start-up is mostly Python imports):
+two data-parallel servers behind ``SGLangEngine.launch`` and one more that a test kills. Tests of
+other weight-sync modes connect to the same servers by URL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from rlcore.engines.sglang import EngineOptions, LaunchSettings, SGLangEngine
+from rlcore.engines.sglang_server import SGLangServer
+from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+
+ALPHABET = "0123456789+= abcdefghijklmnopqrstuvwxyz"
+STARTUP_TIMEOUT_S = float(os.environ.get("RLCORE_SGLANG_STARTUP_TIMEOUT", "900"))
+
+Weights = dict[str, torch.Tensor]
+
+
+def _peaked_llama(folder: Path, vocab_size: int, seed: int) -> Weights:
+    """A tiny Llama whose output layer is scaled up, so that greedy decoding has clear winners
+    (a freshly initialised model is nearly uniform and its argmax would hinge on rounding)."""
+    build_tiny_llama(folder, vocab_size=vocab_size, seed=seed)
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """The transformers references here are tiny: one thread, no contention with the servers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def vocab_size() -> int:
+    return 3 + len(ALPHABET)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, vocab_size: int) -> Path:
+    """The model the servers start with (its weights are :func:`weights_a`)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-a")
+    tokenizer = build_char_tokenizer(folder, ALPHABET)
+    assert len(tokenizer) == vocab_size
+    _peaked_llama(folder, vocab_size, seed=0)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def weights_a(tiny_model: Path) -> Weights:
+    model = LlamaForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def weights_b(tmp_path_factory: pytest.TempPathFactory, vocab_size: int) -> Weights:
+    """Same architecture, other weights (seed 1)."""
+    return _peaked_llama(tmp_path_factory.mktemp("tiny-llama-b"), vocab_size, seed=1)
+
+
+@pytest.fixture(scope="session")
+def launch_settings(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LaunchSettings:
+    return LaunchSettings(
+        model_path=tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=8192,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        log_dir=tmp_path_factory.mktemp("sglang-logs"),
+        # Three servers and pytest share a small CI machine; a tiny model gains nothing from more
+        # threads, and spinning OpenMP threads on busy cores slow every decode step.
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="session")
+def _servers(launch_settings: LaunchSettings) -> Iterator[tuple[SGLangEngine, SGLangServer]]:
+    victim = SGLangServer.launch(launch_settings, index=2)  # starts while the others start
+    try:
+        engine = SGLangEngine.launch(
+            launch_settings,
+            num_servers=2,
+            options=EngineOptions(max_prompts_per_request=2, max_concurrent_requests=4),
+        )
+        try:
+            victim.wait_until_healthy(launch_settings.startup_timeout_s)
+            yield engine, victim
+        finally:
+            engine.close()
+    finally:
+        victim.shutdown()
+
+
+@pytest.fixture(scope="session")
+def dp_engine(_servers: tuple[SGLangEngine, SGLangServer]) -> SGLangEngine:
+    """Two launched servers (data parallel), tensor weight sync, two prompts per request."""
+    return _servers[0]
+
+
+@pytest.fixture(scope="session")
+def dp_urls(dp_engine: SGLangEngine) -> list[str]:
+    return [server.url for server in dp_engine.servers]
+
+
+@pytest.fixture(scope="session")
+def victim_server(_servers: tuple[SGLangEngine, SGLangServer]) -> SGLangServer:
+    """A launched server of its own, for the test that kills it."""
+    return _servers[1]

@@ -1,0 +1,54 @@
+"""Failures of a real server: a kill mid-rollout, a closed engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rlcore.engines.sglang import EngineOptions, SGLangEngine
+from rlcore.engines.sglang_server import SGLangServer
+from rlcore.errors import RolloutError
+from rlcore.samples import SamplingParams
+from tests.sglang.test_generate import prompts
+
+pytestmark = pytest.mark.sglang
+
+
+def test_killed_server_mid_rollout_raises_with_its_log_tail(victim_server: SGLangServer) -> None:
+    options = EngineOptions(
+        max_prompts_per_request=2, max_concurrent_requests=2, connect_retries=2, retry_backoff_s=0.1
+    )
+    engine = SGLangEngine([victim_server], options)
+    params = SamplingParams(max_new_tokens=100, temperature=1.0)
+    assert engine.generate(prompts(2), SamplingParams(max_new_tokens=2))  # alive and serving
+    process = victim_server.process
+    assert process is not None
+
+    def kill_soon() -> None:
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon)
+    started = time.monotonic()
+    killer.start()
+    with pytest.raises(RolloutError) as caught:
+        engine.generate(prompts(400), params)
+    killer.join()
+    message = str(caught.value)
+    assert time.monotonic() - started < 60
+    assert victim_server.url in message
+    assert "exited with code -9" in message
+    assert "--- last lines of the server log ---" in message
+    assert "sglang" in message.split("--- last lines of the server log ---")[1].lower()
+
+    # Afterwards the engine keeps failing fast, and closing it twice is fine.
+    with pytest.raises(RolloutError, match="exited with code"):
+        engine.generate(prompts(1), params)
+    engine.close()
+    engine.close()
+    with pytest.raises(RolloutError, match="closed"):
+        engine.generate(prompts(1), params)

@@ -1,0 +1,87 @@
+"""Engine behaviour that needs no SGLang install: bounded waits, clear errors, options."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlcore.engines.sglang import EngineOptions, LaunchSettings, SGLangEngine
+from rlcore.engines.sglang_server import SGLangServer, free_port
+from rlcore.errors import RolloutError
+from rlcore.samples import Prompt, SamplingParams
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def test_connect_to_nothing_times_out_naming_the_url() -> None:
+    url = dead_url()
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match="was not healthy after 1 s") as caught:
+        SGLangEngine.connect([url], EngineOptions(health_timeout_s=1.0))
+    assert url in str(caught.value)
+    assert time.monotonic() - started < 10
+
+
+def test_generate_retries_with_backoff_then_raises() -> None:
+    url = dead_url()
+    options = EngineOptions(connect_retries=2, retry_backoff_s=0.2)
+    engine = SGLangEngine([SGLangServer(url)], options)
+    started = time.monotonic()
+    with pytest.raises(RolloutError) as caught:
+        engine.generate([Prompt(0, "", (1, 2))], SamplingParams(max_new_tokens=1))
+    elapsed = time.monotonic() - started
+    assert url in str(caught.value)
+    assert "gave up after 3 attempts" in str(caught.value)
+    assert 0.2 + 0.4 <= elapsed < 10  # two backoffs happened, nothing hung
+
+
+def test_launch_with_a_python_without_sglang_reports_the_log(tmp_path: Path) -> None:
+    settings = LaunchSettings(
+        model_path=tmp_path,
+        python=sys.executable,
+        env={"PYTHONPATH": str(tmp_path)},  # no sglang here -> the process exits at once
+        extra_args=(),
+        log_dir=tmp_path / "logs",
+        startup_timeout_s=60,
+    )
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(
+        "import sys\nprint('boom: no real server here', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    with pytest.raises(RolloutError) as caught:
+        SGLangEngine.launch(settings, num_servers=2)
+    message = str(caught.value)
+    assert "exited with code 3" in message
+    assert "boom: no real server here" in message
+
+
+def test_launch_command_binds_localhost_and_caps_the_kv_pool(tmp_path: Path) -> None:
+    settings = LaunchSettings(model_path=tmp_path)
+    cmd = settings.command(port=30001, base_gpu_id=0)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "8192"
+    assert cmd[cmd.index("--device") + 1] == "cpu"
+    env = settings.environment()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+
+
+def test_options_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="weight_sync"):
+        EngineOptions(weight_sync="carrier-pigeon")  # type: ignore[arg-type]  # the point of the test
+    with pytest.raises(ValueError):
+        EngineOptions(max_concurrent_requests=0)
+
+
+def test_closed_engine_refuses_work() -> None:
+    engine = SGLangEngine([SGLangServer(dead_url())])
+    engine.close()
+    engine.close()
+    with pytest.raises(RolloutError, match="closed"):
+        engine.generate([], SamplingParams(max_new_tokens=1))

@@ -1,0 +1,44 @@
+"""What the engine sends, checked with SGLang's own parsers (in-process, no server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcore.engines.sglang import pickle_b64, sampling_payload
+from rlcore.samples import SamplingParams
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=8),
+        SamplingParams(max_new_tokens=8, temperature=0.0),
+        SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=(2,)),
+    ],
+)
+def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    theirs = SGLangSamplingParams(**sampling_payload(params, {}))  # type: ignore[arg-type]  # a dict of known keys
+    theirs.verify(vocab_size=42)
+    assert theirs.max_new_tokens == params.max_new_tokens
+    assert theirs.temperature == params.temperature
+    assert theirs.top_k == (params.top_k or -1)
+    assert set(theirs.stop_token_ids or ()) == set(params.stop_token_ids)
+
+
+def test_tensor_payload_passes_sglang_safe_unpickler() -> None:
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
+    buffer = torch.arange(12, dtype=torch.float32)
+    buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+    named = [("a.weight", buffer[:6].view(2, 3)), ("b.bias", buffer[6:])]
+    decoded = MultiprocessingSerializer.deserialize(pickle_b64(named))
+    assert isinstance(decoded, list)
+    assert [name for name, _ in decoded] == ["a.weight", "b.bias"]
+    for (_, ours), (_, theirs) in zip(named, decoded, strict=True):
+        assert torch.equal(ours, theirs)
