@@ -136,6 +136,21 @@ def test_left_padding_matches_one_by_one(assets: tuple[Path, HFTokenizer]) -> No
         assert gen.log_probs == pytest.approx(alone.log_probs, abs=1e-5)
 
 
+def test_repeated_prompts_share_a_prefill_but_sample_independently(
+    assets: tuple[Path, HFTokenizer],
+) -> None:
+    engine = make_engine(assets)
+    same_length = prompts(assets[1], ["12+34=", "99+11="])
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    alone = [engine.generate([p], greedy)[0] for p in same_length]
+    repeated = engine.generate(same_length * 4, greedy)
+    for i, gen in enumerate(repeated):
+        assert gen.token_ids == alone[i % 2].token_ids
+        assert gen.log_probs == pytest.approx(alone[i % 2].log_probs, abs=1e-5)
+    sampled = engine.generate(same_length[:1] * 16, SamplingParams(max_new_tokens=8))
+    assert len({g.token_ids for g in sampled}) > 1
+
+
 def test_stop_tokens_cut_responses(assets: tuple[Path, HFTokenizer]) -> None:
     engine = make_engine(assets)
     batch = prompts(assets[1], TEXTS)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import final
+from typing import cast, final
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -171,38 +171,42 @@ class EmbeddedEngine:
         """The decode loop: ``(tokens, log_probs)``, both ``Tensor[B, T]`` with ``T <= max_new_tokens``;
         positions after a row's stop token hold padding and are cut by the caller."""
         device, batch = self._device, len(prompts)
-        lengths = [len(p.token_ids) for p in prompts]
+        # Prefill each distinct prompt once, then copy its KV cache rows to every repeat: RL batches
+        # sample each prompt n_samples_per_prompt times, so this removes most of the prefill.
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(p.token_ids, len(distinct)) for p in prompts]
+        lengths = [len(ids) for ids in distinct]
         width = max(lengths)
-        padded = any(n != width for n in lengths)
-        input_ids = torch.full((batch, width), self._tokenizer.pad_token_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - lengths[row] :] = torch.tensor(prompt.token_ids, dtype=torch.long)
+        input_ids = torch.full((len(distinct), width), self._tokenizer.pad_token_id, dtype=torch.long)
+        for row, ids in enumerate(distinct):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         input_ids = input_ids.to(device)
         cache = DynamicCache(config=model.config)
         mask: torch.Tensor | None = None
         positions: torch.Tensor | None = None
-        if padded:
+        if any(n != width for n in lengths):
             # Left padding: mask the pads and count positions from each row's first real token.
             # Without padding both are left to the model (plain causal attention, the fast path).
-            mask = torch.zeros((batch, width), dtype=torch.long)
+            mask = torch.zeros((len(distinct), width), dtype=torch.long)
             for row, n in enumerate(lengths):
                 mask[row, width - n :] = 1  # by length: a prompt may itself contain the pad id
             mask = mask.to(device)
             positions = (mask.cumsum(dim=-1) - 1).clamp_(min=0)
+        logits = self._forward(model, input_ids, cache, mask, positions)
+        if len(distinct) < batch:
+            index = torch.tensor(rows, dtype=torch.long, device=device)
+            # reorder_cache is beam search's row gather; its annotation asks for the legacy LongTensor type.
+            cache.reorder_cache(cast("torch.LongTensor", index))
+            logits = logits[index]
+            mask = None if mask is None else mask[index]
+            positions = None if positions is None else positions[index]
 
         stop_ids = torch.tensor(list(stops), dtype=torch.long, device=device)
         pad = torch.tensor(self._tokenizer.pad_token_id, dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         out_tokens: list[torch.Tensor] = []
         out_log_probs: list[torch.Tensor] = []
-        step_input = input_ids
         for step in range(params.max_new_tokens):
-            kwargs: dict[str, object] = {self._cache_kwarg: cache}
-            if mask is not None:
-                kwargs["attention_mask"] = mask
-                kwargs["position_ids"] = positions
-            output = model(input_ids=step_input, use_cache=True, logits_to_keep=1, **kwargs)
-            logits = output.logits[:, -1, :].float()
             token = sample_next_tokens(logits, params, self._generator)
             log_prob = torch.log_softmax(logits, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
             token = torch.where(finished, pad, token)
@@ -211,11 +215,29 @@ class EmbeddedEngine:
             finished |= torch.isin(token, stop_ids)
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
-            step_input = token.unsqueeze(-1)
             if mask is not None and positions is not None:
                 mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
                 positions = positions[:, -1:] + 1
+            logits = self._forward(model, token.unsqueeze(-1), cache, mask, positions)
         return torch.stack(out_tokens, dim=1), torch.stack(out_log_probs, dim=1)
+
+    def _forward(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One forward step over ``input_ids: Tensor[B, S]`` appending to ``cache``; returns the
+        last position's logits, ``Tensor[B, V]`` in fp32."""
+        kwargs: dict[str, object] = {self._cache_kwarg: cache}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = positions
+        output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **kwargs)
+        logits: torch.Tensor = output.logits[:, -1, :]
+        return logits.float()
 
     def _to_generations(
         self, tokens: list[list[int]], log_probs: list[list[float]], stops: set[int]
