@@ -30,7 +30,6 @@ from rlcore.engines.sglang import (
     EngineOptions,
     LaunchSettings,
     SGLangEngine,
-    WeightSyncMode,
 )
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.tiny import build_char_tokenizer, build_tiny_llama
@@ -68,7 +67,9 @@ def median_seconds(run: Callable[[int], None], repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=list(WEIGHT_SYNC_MODES))
+    parser.add_argument(
+        "--modes", nargs="+", choices=WEIGHT_SYNC_MODES, default=list(WEIGHT_SYNC_MODES)
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args()
@@ -107,8 +108,9 @@ def main() -> None:
     rows: list[tuple[str, float]] = []
     try:
         urls = [server.url for server in launcher.servers]
-        for mode_name in args.modes:
-            mode: WeightSyncMode = mode_name
+        for mode in WEIGHT_SYNC_MODES:
+            if mode not in args.modes:
+                continue
             options = EngineOptions(weight_sync=mode, sync_dir=work / "sync")
             with SGLangEngine.connect(urls, options) as engine:
                 version = 100 * (1 + WEIGHT_SYNC_MODES.index(mode))
@@ -132,8 +134,8 @@ def main() -> None:
     print()
     print(f"{'mode':12s} {'s/sync':>8s} {'x copy':>8s}")
     print(f"{'copy':12s} {floor_s:8.3f} {1.0:8.2f}")
-    for mode, seconds in rows:
-        print(f"{mode:12s} {seconds:8.3f} {seconds / floor_s:8.2f}")
+    for name, seconds in rows:
+        print(f"{name:12s} {seconds:8.3f} {seconds / floor_s:8.2f}")
     tensor = dict(rows).get("tensor")
     if tensor is not None:
         verdict = "meets" if tensor <= 3 * floor_s else "misses"

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 
 def hf_model(config_folder: str, weights: Mapping[str, torch.Tensor]) -> LlamaForCausalLM:
-    config = LlamaConfig.from_pretrained(config_folder)
-    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves __init__ unannotated
+    model = LlamaForCausalLM.from_pretrained(config_folder, dtype=torch.float32)
     model.load_state_dict(dict(weights))
     model.train(False)
     return model
