@@ -85,3 +85,18 @@ def test_closed_engine_refuses_work() -> None:
     engine.close()
     with pytest.raises(RolloutError, match="closed"):
         engine.generate([], SamplingParams(max_new_tokens=1))
+
+
+def test_a_server_that_never_answers_times_out_without_retrying() -> None:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # connections complete in the backlog; nobody ever answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        options = EngineOptions(request_timeout_s=0.5, connect_retries=3, retry_backoff_s=1.0)
+        engine = SGLangEngine([SGLangServer(url)], options)
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="did not answer POST /generate within 0.5 s"):
+            engine.generate([Prompt(0, "", (1, 2))], SamplingParams(max_new_tokens=1))
+        assert time.monotonic() - started < 3  # one timeout, no retry of a call that may still run

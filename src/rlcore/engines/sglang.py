@@ -55,6 +55,7 @@ from rlcore.engines.sglang_server import (
     LaunchSettings,
     SGLangHTTPError,
     SGLangServer,
+    ServerTimeoutError,
     ServerUnreachableError,
     free_port,
 )
@@ -334,6 +335,9 @@ class SGLangEngine:
                         f"running and reachable{server.log_tail_text()}"
                     ) from exc
                 time.sleep(self.options.retry_backoff_s * 2**attempt)
+            except ServerTimeoutError as exc:
+                server.raise_if_exited(f"during {path}")
+                raise RolloutError(f"{exc}{server.log_tail_text()}") from exc
             except SGLangHTTPError as exc:
                 if exc.status != 503 or attempt + 1 == attempts:
                     raise

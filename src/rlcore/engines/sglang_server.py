@@ -33,6 +33,7 @@ __all__ = [
     "LaunchSettings",
     "SGLangHTTPError",
     "SGLangServer",
+    "ServerTimeoutError",
     "ServerUnreachableError",
 ]
 
@@ -100,6 +101,10 @@ class LaunchSettings:
 
 class ServerUnreachableError(RolloutError):
     """The server did not answer at the transport level (refused, reset, timed out)."""
+
+
+class ServerTimeoutError(RolloutError):
+    """The server accepted the call but did not answer in time (not retried: it may still run)."""
 
 
 class SGLangHTTPError(RolloutError):
@@ -274,8 +279,14 @@ class SGLangServer:
             ) from exc
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if isinstance(reason, TimeoutError):
+                raise ServerTimeoutError(
+                    f"{self.describe()} did not answer {method} {path} within {timeout_s:g} s; "
+                    "raise the timeout (EngineOptions.request_timeout_s / weight_sync_timeout_s) "
+                    "if the server is just slow"
+                ) from exc
             raise ServerUnreachableError(
-                f"{self.describe()} did not answer {method} {path} within {timeout_s:.0f} s: "
+                f"{self.describe()} did not answer {method} {path} within {timeout_s:g} s: "
                 f"{reason!r}"
             ) from exc
 
