@@ -1,4 +1,4 @@
-"""``MegatronBackend``: builds Megatron stacks from the planner's specs (the ``rlcore.Backend`` protocol).
+"""``MegatronBackend``: builds Megatron stacks from the planner's specs (``rlcore.Backend``).
 
 Per rank: call it in every Megatron rank with the same spec (:mod:`rlcore_megatron.ray_group` does
 that for Ray actors). It initialises ``torch.distributed`` and Megatron's parallel state through
@@ -49,7 +49,9 @@ def optimizer_config(spec: OptimizerSpec) -> OptimizerConfig:
     )
 
 
-def param_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule, weight_decay: float) -> OptimizerParamScheduler:
+def param_scheduler(
+    optimizer: MegatronOptimizer, schedule: LRSchedule, weight_decay: float
+) -> OptimizerParamScheduler:
     """Megatron's scheduler for ``schedule``: warmup from 0 to ``lr``, then the decay style down
     to ``min_lr`` at ``decay_steps`` (the same curve as :meth:`LRSchedule.lr_at`)."""
     return OptimizerParamScheduler(
@@ -102,7 +104,8 @@ class MegatronBackend:
                     ConfigProblem(
                         "model.hf_checkpoint",
                         "no HF checkpoint and no architecture to build",
-                        "set ModelSpec.hf_checkpoint, or pass MegatronBackend(hf_config=...) for random weights",
+                        "set ModelSpec.hf_checkpoint, or pass MegatronBackend(hf_config=...) "
+                        "for random weights",
                     )
                 ]
             )
@@ -122,7 +125,9 @@ class MegatronBackend:
         except RLCoreError:
             raise
         except Exception as exc:  # Megatron internals: translated at the edge
-            raise RLCoreError(f"building the Megatron eval stack for {spec.model.role} failed: {exc}") from exc
+            raise RLCoreError(
+                f"building the Megatron eval stack for {spec.model.role} failed: {exc}"
+            ) from exc
         model.requires_grad_(False)
         model.eval()
         return MegatronEvalStack(spec, model, arch, device())
@@ -144,5 +149,7 @@ class MegatronBackend:
         except RLCoreError:
             raise
         except Exception as exc:  # Megatron internals: translated at the edge
-            raise RLCoreError(f"building the Megatron training stack for {spec.model.role} failed: {exc}") from exc
+            raise RLCoreError(
+                f"building the Megatron training stack for {spec.model.role} failed: {exc}"
+            ) from exc
         return MegatronTrainingStack(spec, ddp, optimizer, scheduler, arch, device())

@@ -9,7 +9,8 @@ Layout of ``path`` (the loop writes it inside a temporary folder and moves ``lat
 
 A folder without ``rollout.json`` is a half-written save and is refused as corrupt. ``model``
 records the head (``lm`` or ``value``) and the architecture numbers, so a critic checkpoint is not
-loaded into an actor (Megatron's loader would not notice: both heads are ``output_layer.weight``). Every failure
+loaded into an actor (Megatron's loader would not notice: both heads are ``output_layer.weight``).
+Every failure
 raises :class:`~rlcore.errors.CheckpointError` naming the path; ranks that loaded different
 rollout ids raise one too.
 """
@@ -137,7 +138,8 @@ def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
     if int(ids[0]) != -int(ids[1]):
         raise CheckpointError(
             f"ranks disagree on the rollout id loaded from {path}: rank {_rank()} read {rollout_id}, "
-            f"others between {-int(ids[1])} and {int(ids[0])} (every rank must load the same checkpoint)"
+            f"others between {-int(ids[1])} and {int(ids[0])} "
+            "(every rank must load the same checkpoint)"
         )
 
 

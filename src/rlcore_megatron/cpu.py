@@ -4,8 +4,8 @@ Megatron assumes a GPU in a handful of places that our fp32, non-distributed-opt
 reaches. Found on a CPU-only machine with megatron-core 0.16.1:
 
 - ``torch.cuda.current_device()`` as a tensor device: the attention scratch buffer
-  (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first use), the tensor-parallel gathers
-  (``tensor_parallel.mappings``), the DDP grad buffers
+  (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first
+  use), the tensor-parallel gathers (``tensor_parallel.mappings``), the DDP grad buffers
   (``distributed.param_and_grad_buffer``), the dist-ckpt save finalize
   (``dist_checkpointing.strategies.*``);
 - literal ``device="cuda"`` tensors: the default causal mask (``transformer.utils``),
@@ -146,6 +146,8 @@ def apply() -> None:
         module.torch = cpu_torch  # type: ignore[attr-defined]  # the module's own global
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]  # replaced on purpose
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]  # imported by name there
+    # Replaced in the defining module and in optimizer.py, which imported it by name.
+    # The stubs declare neither module attribute: we set them on purpose.
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
     _applied = True

@@ -123,7 +123,9 @@ def _local_shard(
     return full.chunk(size, dim=0)[rank]
 
 
-def _full_tensors(entry: ParamMapping, shards: list[torch.Tensor], arch: LlamaArch) -> list[torch.Tensor]:
+def _full_tensors(
+    entry: ParamMapping, shards: list[torch.Tensor], arch: LlamaArch
+) -> list[torch.Tensor]:
     """Inverse of :func:`_local_shard`: the HF tensors from every TP rank's shard."""
     if entry.kind == "replicated":
         return [shards[0]]
@@ -178,7 +180,9 @@ class HFReader:
                 tensor: torch.Tensor = f.get_tensor(name)
                 return tensor
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read tensor {name!r} from {self._files[name]}: {exc}") from exc
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {self._files[name]}: {exc}"
+            ) from exc
 
 
 def _tp() -> tuple[int, int]:
@@ -210,7 +214,9 @@ def load_hf_tensors(
             continue
         missing = [n for n in entry.hf if n not in names]
         if missing:
-            raise CheckpointError(f"{source} has no tensor {missing[0]!r} (needed for {entry.megatron})")
+            raise CheckpointError(
+                f"{source} has no tensor {missing[0]!r} (needed for {entry.megatron})"
+            )
         shard = _local_shard(entry, [get(n) for n in entry.hf], arch, rank, size)
         param = params[entry.megatron]
         if shard.shape != param.shape:
@@ -227,7 +233,9 @@ def load_hf_weights(model: torch.nn.Module, folder: Path, arch: LlamaArch, role:
     load_hf_tensors(model, reader.get, reader.names(), arch, role, str(folder))
 
 
-def load_named_tensors(model: torch.nn.Module, named: NamedTensors, arch: LlamaArch, role: Role) -> None:
+def load_named_tensors(
+    model: torch.nn.Module, named: NamedTensors, arch: LlamaArch, role: Role
+) -> None:
     """Copy ``(hf_name, tensor)`` pairs (e.g. another stack's ``export_weights()``) into ``model``."""
     tensors = dict(named)
     load_hf_tensors(model, tensors.__getitem__, set(tensors), arch, role, "the given weights")
@@ -242,7 +250,9 @@ def _gather(local: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, arch: LlamaArch, role: Role) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model: torch.nn.Module, arch: LlamaArch, role: Role
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under HF names, gathered over TP (every TP rank must iterate this).
 
     With TP = 1 the tensors are views of the live parameters (no copy): copy them if you keep them
@@ -277,6 +287,7 @@ def save_hf(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(_hf_config_for_save(hf_config), indent=2, sort_keys=True))
+    config = _hf_config_for_save(hf_config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return folder
 

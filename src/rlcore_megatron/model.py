@@ -65,7 +65,9 @@ def _rope_theta(cfg: Mapping[str, Any], problems: list[ConfigProblem]) -> float:
         if rope_type != "default":
             field = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
             problems.append(
-                ConfigProblem(f"{field}.rope_type", f"RoPE scaling {rope_type!r} is not supported", "use default RoPE")
+                ConfigProblem(
+                    f"{field}.rope_type", f"RoPE scaling {rope_type!r} is not supported", "use default RoPE"
+                )
             )
         if "rope_theta" in params:
             return float(params["rope_theta"])
@@ -79,7 +81,8 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> 
     def need(field: str, expected: object, hint: str) -> None:
         value = cfg.get(field, expected)
         if value != expected:
-            problems.append(ConfigProblem(field, f"{value!r} is not supported (expected {expected!r})", hint))
+            message = f"{value!r} is not supported (expected {expected!r})"
+            problems.append(ConfigProblem(field, message, hint))
 
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -93,7 +96,8 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> 
     need("hidden_act", "silu", "Llama models use SwiGLU (silu)")
     need("attention_bias", False, "biases in attention are not supported")
     need("mlp_bias", False, "biases in the MLP are not supported")
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for field in sizes:
         if not isinstance(cfg.get(field), int) or cfg[field] < 1:
             problems.append(ConfigProblem(field, f"must be a positive integer, got {cfg.get(field)!r}"))
     rope_theta = _rope_theta(cfg, problems)
@@ -104,7 +108,9 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> 
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     if heads % kv_heads:
         problems.append(
-            ConfigProblem("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}")
+            ConfigProblem(
+                "num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}"
+            )
         )
     if problems:
         raise ConfigError(problems, source)
@@ -133,7 +139,13 @@ def read_hf_config(folder: Path) -> LlamaArch:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(
-            [ConfigProblem("config.json", f"cannot read {path}: {exc}", "point ModelSpec.hf_checkpoint at an HF model folder")],
+            [
+                ConfigProblem(
+                    "config.json",
+                    f"cannot read {path}: {exc}",
+                    "point ModelSpec.hf_checkpoint at an HF model folder",
+                )
+            ],
             str(path),
         ) from exc
     return arch_from_hf_config(cfg, str(path))
@@ -152,7 +164,10 @@ def check_parallel(arch: LlamaArch, tp_size: int) -> None:
         )
     if arch.ffn_hidden_size % tp_size:
         problems.append(
-            ConfigProblem("intermediate_size", f"{arch.ffn_hidden_size} is not divisible by tensor_model_parallel_size {tp_size}")
+            ConfigProblem(
+                "intermediate_size",
+                f"{arch.ffn_hidden_size} is not divisible by tensor_model_parallel_size {tp_size}",
+            )
         )
     if problems:
         raise ConfigError(problems, "ParallelSpec")
@@ -203,7 +218,10 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.weight, mean=0.0, std=std)
 
     def forward(
-        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, None]:
         return F.linear(hidden_states, self.weight), None
 

@@ -44,7 +44,8 @@ def _init_process_group() -> None:
             f"(set all of {', '.join(_ENV_VARS)} for a multi-rank run, or none for one process)"
         )
     # One process: an in-memory store, no port to pick.
-    store = dist.HashStore()  # type: ignore[attr-defined]  # exported at runtime, absent from torch.distributed.__all__
+    # HashStore is exported at runtime but absent from torch.distributed's __all__.
+    store = dist.HashStore()  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 

@@ -57,7 +57,9 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
 
 
-def model_output(model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool) -> torch.Tensor:
+def model_output(
+    model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool
+) -> torch.Tensor:
     """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
@@ -109,7 +111,12 @@ class MegatronEvalStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self.model, samples, self.arch, self.spec.role == "critic", self.device, self.forward_micro_batch
+            self.model,
+            samples,
+            self.arch,
+            self.spec.role == "critic",
+            self.device,
+            self.forward_micro_batch,
         )
 
     def load(self, path: Path) -> int:
@@ -133,7 +140,9 @@ class MegatronTrainingStack:
         device: torch.device,
     ) -> None:
         if not isinstance(model.module, GPTModel):
-            raise TypeError(f"MegatronTrainingStack needs DDP around a GPTModel, got {type(model.module)}")
+            raise TypeError(
+                f"MegatronTrainingStack needs DDP around a GPTModel, got {type(model.module)}"
+            )
         self.train_spec = spec
         self.model = model
         self._gpt = model.module
@@ -162,7 +171,9 @@ class MegatronTrainingStack:
         return self._gpt
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return score_samples(self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch)
+        return score_samples(
+            self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
+        )
 
     def export_weights(self) -> NamedTensors:
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
@@ -216,7 +227,8 @@ class MegatronTrainingStack:
             result = losses.critic_loss(batching.gather_response(out, mb), mb, self.train_spec.loss)
         else:
             log_probs = batching.token_log_probs(out, mb)
-            entropy = batching.entropy_from_logits(out, mb) if self.train_spec.loss.entropy_coef > 0 else None
+            wants_entropy = self.train_spec.loss.entropy_coef > 0
+            entropy = batching.entropy_from_logits(out, mb) if wants_entropy else None
             result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
         return result.loss, result.metrics
 
