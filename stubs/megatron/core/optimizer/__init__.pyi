@@ -5,9 +5,7 @@ import torch
 from megatron.core.dist_checkpointing import ShardedStateDict
 
 class OptimizerConfig:
-    lr: float | None
     min_lr: float | None
-    clip_grad: float
     def __init__(
         self,
         *,

@@ -5,11 +5,7 @@ import torch
 class ModuleSpec: ...
 
 class TransformerConfig:
-    num_layers: int
-    hidden_size: int
-    tensor_model_parallel_size: int
     init_method_std: float
-    calculate_per_token_loss: bool
     def __init__(
         self,
         *,
