@@ -134,3 +134,19 @@ def test_rollout_json_records_the_format(tiny_hf: Path, tmp_path: Path) -> None:
     _stack(tiny_hf).save(tmp_path / "ckpt", rollout_id=9)
     meta = json.loads((tmp_path / "ckpt" / "rollout.json").read_text())
     assert meta["rollout_id"] == 9 and meta["format"].startswith("rlcore-megatron/")
+
+
+def test_saving_without_psutil_is_a_clear_error(
+    tiny_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "psutil" else real_find_spec(name)
+
+    stack = _stack(tiny_hf)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(CheckpointError, match="psutil"):  # dist_checkpointing would hang instead
+        stack.save(tmp_path / "ckpt", rollout_id=0)

@@ -160,3 +160,13 @@ def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
     assert "score.weight" in exported and "lm_head.weight" not in exported
     hf_state = transformers.LlamaForCausalLM.from_pretrained(tiny_hf).state_dict()
     assert torch.equal(exported["model.layers.1.mlp.up_proj.weight"], hf_state["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_tensor_parallel_sizes_that_do_not_divide_the_heads_are_refused() -> None:
+    from rlcore_megatron.model import check_parallel
+
+    arch = arch_from_hf_config(_config())
+    check_parallel(arch, 2)
+    with pytest.raises(ConfigError) as info:
+        check_parallel(arch, 4)
+    assert "num_key_value_heads" in info.value.paths
