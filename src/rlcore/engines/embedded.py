@@ -1,10 +1,13 @@
 """The embedded rollout engine: a Hugging Face causal LM sampling on the local device.
 
 The default engine (``--rollout-engine embedded``): no server, no extra process. It runs its own
-decode loop over ``model(input_ids, cache=..., use_cache=True)`` instead of ``model.generate``,
-which measured faster on bench-tiny (see ``benchmarks/`` and the module's tests): the loop does
-only what RL rollouts need (temperature / top-k / top-p sampling, stop tokens, log-probs of the
-sampled tokens) and skips ``generate``'s logits-processor and stopping-criteria machinery.
+decode loop over ``model(input_ids, cache=..., use_cache=True)`` rather than ``model.generate``:
+the loop does only what RL rollouts need (temperature / top-k / top-p sampling, stop tokens,
+log-probs of the sampled tokens), and it prefills each *distinct* prompt once and gathers its KV
+cache rows for the repeats, since an RL batch samples every prompt ``n_samples_per_prompt``
+times. On bench-tiny (128 = 16 x 8 sequences, 8 new tokens, 2 threads) that measured about 85 ms
+per batch against about 130 ms for ``model.generate`` (165 ms when it also returns the logits for
+log-probs) and 150 ms for a plain KV-cache sampling loop over all 128 rows.
 
 Log-probs are those of the sampled tokens under the model's *unscaled* logits (temperature 1),
 whatever temperature, top-k or top-p shaped the sampling distribution: the trainer recomputes
