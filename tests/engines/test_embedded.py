@@ -262,7 +262,19 @@ def test_bad_sampling_parameters(assets: tuple[Path, HFTokenizer]) -> None:
             engine.generate(batch, params)
     with pytest.raises(RolloutError, match="prompt 0 .* has no tokens"):
         engine.generate([Prompt(index=0, text="", token_ids=())], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match=rf"prompt 4 .*outside the model's vocabulary \[0, {VOCAB}\)"):
+        engine.generate([Prompt(index=4, text="x", token_ids=(1, VOCAB))], SamplingParams(max_new_tokens=2))
     assert engine.generate([], SamplingParams(max_new_tokens=2)) == []
+
+
+def test_model_failures_become_rollout_errors(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS[:2])
+    # A stop id beyond the vocabulary is harmless; NaN weights make sampling fail inside torch.
+    engine.update_weights([("lm_head.weight", torch.full((VOCAB, 32), float("nan")))], version=1)
+    with pytest.raises(RolloutError, match="generation failed for 2 prompts") as info:
+        engine.generate(batch, SamplingParams(max_new_tokens=3))
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_close_and_bad_folder(assets: tuple[Path, HFTokenizer], tmp_path: Path) -> None:

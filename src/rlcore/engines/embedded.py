@@ -154,14 +154,26 @@ class EmbeddedEngine:
         _check_params(params)
         if not prompts:
             return []
+        embedding = model.get_input_embeddings().weight
+        assert isinstance(embedding, torch.Tensor)  # an embedding table: Tensor[vocab, hidden]
+        vocab = embedding.shape[0]
         for prompt in prompts:
-            if not prompt.token_ids:
+            if not prompt.token_ids or not 0 <= min(prompt.token_ids) <= max(prompt.token_ids) < vocab:
                 raise RolloutError(
-                    f"EmbeddedEngine: prompt {prompt.index} ({prompt.text[:40]!r}) has no tokens"
+                    f"EmbeddedEngine: prompt {prompt.index} ({prompt.text[:40]!r}) has no tokens or "
+                    f"a token id outside the model's vocabulary [0, {vocab}); was it encoded with "
+                    "this model's tokenizer?"
                 )
         stops = params.stop_token_ids or (self._tokenizer.eos_token_id,)
-        with torch.inference_mode():
-            tokens, log_probs = self._decode(model, prompts, params, stops)
+        try:
+            with torch.inference_mode():
+                tokens, log_probs = self._decode(model, prompts, params, stops)
+        except (RuntimeError, ValueError, IndexError) as exc:  # torch's errors, out of memory included
+            raise RolloutError(
+                f"EmbeddedEngine: generation failed for {len(prompts)} prompts "
+                f"(longest {max(len(p.token_ids) for p in prompts)} tokens, max_new_tokens "
+                f"{params.max_new_tokens}): {type(exc).__name__}: {exc}"
+            ) from exc
         return self._to_generations(tokens.tolist(), log_probs.tolist(), set(stops))
 
     def _decode(
