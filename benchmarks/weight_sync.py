@@ -4,7 +4,8 @@ Builds a ~100M-parameter Llama locally (random weights, fp32; no download), laun
 server on it (CPU unless ``--device cuda``), then for each weight-sync mode (``tensor``,
 ``distributed``, ``disk``) times ``SGLangEngine.update_weights`` of the full state dict. The
 floor is the time to copy the same tensors into preallocated memory in this process
-(``dst.copy_(src)`` per tensor), measured in the same run. It prints the median seconds of each
+(``dst.copy_(src)`` per tensor), measured in the same run, alternating round by round with the
+syncs. It prints the median seconds of each
 and the ratio to the floor; the target for the ``tensor`` mode on the CPU is <= 3x.
 
 Every sync is checked: after it, the server generates with the version just pushed.
@@ -55,7 +56,7 @@ def build_model(folder: Path, vocab_size: int) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def median_seconds(run: Callable[[int], None], repeats: int) -> list[float]:
+def timed(run: Callable[[int], None], repeats: int) -> list[float]:
     times = []
     for i in range(repeats):
         start = time.perf_counter()
@@ -90,9 +91,6 @@ def main() -> None:
             destination[name].copy_(tensor)
 
     copy_floor(0)  # fault the destination pages in once, as a warm buffer would be
-    floor = median_seconds(copy_floor, max(args.repeats, 5))
-    floor_s = statistics.median(floor)
-    print(f"in-memory copy: {floor_s:.3f} s ({nbytes / floor_s / 2**30:.2f} GiB/s)")
 
     settings = LaunchSettings(
         model_path=work / "model",
@@ -105,31 +103,41 @@ def main() -> None:
     launcher = SGLangEngine.launch(settings, num_servers=1)
     print(f"server up in {time.perf_counter() - start:.0f} s: {launcher.servers[0].url}")
     prompt = [Prompt(0, "", (1, 5, 6, 7))]
-    rows: list[tuple[str, float]] = []
+    modes = [mode for mode in WEIGHT_SYNC_MODES if mode in args.modes]
+    times: dict[str, list[float]] = {"copy": []}
+    engines: dict[str, SGLangEngine] = {}
     try:
         urls = [server.url for server in launcher.servers]
-        for mode in WEIGHT_SYNC_MODES:
-            if mode not in args.modes:
-                continue
+        for mode in modes:
             options = EngineOptions(weight_sync=mode, sync_dir=work / "sync")
-            with SGLangEngine.connect(urls, options) as engine:
-                version = 100 * (1 + WEIGHT_SYNC_MODES.index(mode))
+            engines[mode] = SGLangEngine.connect(urls, options)
+            engines[mode].update_weights(pushed.items(), 1)  # warm-up: group join, buffer, folder
+            times[mode] = []
+        # Rounds alternate the floor and every mode, so that a busy machine hurts them alike.
+        for round_ in range(args.repeats):
+            times["copy"] += timed(copy_floor, 1)
+            for name, engine in engines.items():
+                version = 10 + round_
 
-                def sync(i: int, engine: SGLangEngine = engine, base: int = version) -> None:
-                    engine.update_weights(pushed.items(), base + i)
+                def sync(_: int, engine: SGLangEngine = engine, version: int = version) -> None:
+                    engine.update_weights(pushed.items(), version)
 
-                sync(-1)  # warm-up: group join, buffer allocation, first file
-                times = median_seconds(sync, args.repeats)
+                times[name] += timed(sync, 1)
                 generation = engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0))
-                assert generation[0].weight_version == version + args.repeats - 1, generation
-            seconds = statistics.median(times)
-            rows.append((mode, seconds))
-            print(
-                f"{mode:12s} {seconds:7.3f} s/sync (min {min(times):.3f}, max {max(times):.3f})"
-                f"  = {seconds / floor_s:5.2f}x the copy"
-            )
+                assert generation[0].weight_version == version, generation
     finally:
+        for engine in engines.values():
+            engine.close()
         launcher.close()
+
+    floor_s = statistics.median(times["copy"])
+    print(f"in-memory copy: {floor_s:.3f} s ({nbytes / floor_s / 2**30:.2f} GiB/s)")
+    rows = [(mode, statistics.median(times[mode])) for mode in modes]
+    for mode, seconds in rows:
+        print(
+            f"{mode:12s} {seconds:7.3f} s/sync (min {min(times[mode]):.3f}, "
+            f"max {max(times[mode]):.3f})  = {seconds / floor_s:5.2f}x the copy"
+        )
 
     print()
     print(f"{'mode':12s} {'s/sync':>8s} {'x copy':>8s}")

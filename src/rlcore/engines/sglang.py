@@ -38,12 +38,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import timedelta
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Final, Literal, TypeVar, final
+from typing import Final, Literal, final
 
 import attrs
 import torch
@@ -53,6 +53,10 @@ from torch._C._distributed_c10d import TCPStore
 
 from rlcore.engines.sglang_server import (
     LaunchSettings,
+    first_error,
+    run_all,
+    start_all,
+    wait_all,
     SGLangHTTPError,
     SGLangServer,
     ServerTimeoutError,
@@ -76,9 +80,9 @@ WEIGHT_SYNC_MODES: Final[tuple[WeightSyncMode, ...]] = ("tensor", "distributed",
 _GROUP_NAME: Final = "rlcore_weight_sync"
 _ALIGN: Final = 64
 _POLL_S: Final = 0.2
-_T = TypeVar("_T")
 
 
+@final
 @attrs.frozen
 class EngineOptions:
     """How the engine talks to its servers. Every wait is bounded by one of the timeouts."""
@@ -210,7 +214,7 @@ class SGLangEngine:
         chunks = [list(prompts[i : i + step]) for i in range(0, len(prompts), step)]
         sampling = sampling_payload(params, self.options.extra_sampling_params)
         jobs = [partial(self._generate_chunk, self._pick_server(), c, sampling) for c in chunks]
-        results = _run_all(jobs, self.options.max_concurrent_requests)
+        results = run_all(jobs, self.options.max_concurrent_requests)
         return [generation for chunk_result in results for generation in chunk_result]
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
@@ -363,7 +367,7 @@ class SGLangEngine:
             )
 
     def _on_all_servers(self, call: Callable[[SGLangServer], object]) -> None:
-        _run_all([partial(call, s) for s in self.servers], len(self.servers))
+        run_all([partial(call, s) for s in self.servers], len(self.servers))
 
     def _weight_session(self, body: Callable[[], None]) -> None:
         """Run ``body`` between ``/begin_weight_update`` and ``/end_weight_update`` on every server."""
@@ -409,7 +413,7 @@ class SGLangEngine:
                     self._post_ok(server, "/update_weights_from_tensor", body_)
 
                 pairs = zip(self.servers, self._tp_sizes, strict=True)
-                _run_all([partial(send, s, n) for s, n in pairs], len(self.servers))
+                run_all([partial(send, s, n) for s, n in pairs], len(self.servers))
 
         self._weight_session(body)
 
@@ -458,14 +462,14 @@ class SGLangEngine:
                     "weight_version": str(version) if last else None,
                 }
                 path = "/update_weights_from_distributed"
-                calls = _start_all([partial(self._post_ok, s, path, payload) for s in self.servers])
+                calls = start_all([partial(self._post_ok, s, path, payload) for s in self.servers])
                 try:
                     sender.broadcast([t for _, t in bucket], calls, timeout)
                 except RolloutError:
                     # The group is in an unknown state: rebuild it on the next sync.
                     self._drop_group()
                     raise
-                _wait_all(calls)
+                wait_all(calls)
 
         self._weight_session(body)
 
@@ -492,7 +496,7 @@ class SGLangEngine:
             calls.append(partial(self._post_ok, server, "/init_weights_update_group", payload))
             rank_offset += tp_size
         # The servers' init calls block until rank 0 (this process) joins: run them concurrently.
-        pending = _start_all(calls)
+        pending = start_all(calls)
         try:
             sender = DistributedWeightSender.join(
                 options.master_address,
@@ -501,12 +505,12 @@ class SGLangEngine:
                 backend=backend,
                 group_name=self._group_name,
                 timeout_s=options.weight_sync_timeout_s,
-                abort_if=lambda: _first_error(pending),
+                abort_if=lambda: first_error(pending),
             )
         except BaseException:
-            _wait_all(pending, swallow=True)
+            wait_all(pending, swallow=True)
             raise
-        _wait_all(pending)
+        wait_all(pending)
         self._sender = sender
         return sender
 
@@ -654,7 +658,7 @@ class DistributedWeightSender:
         for work in works:
             assert work is not None
             while not work.is_completed():
-                failure = _first_error(watch)
+                failure = first_error(watch)
                 if failure is not None:
                     raise RolloutError(f"weight broadcast abandoned: {failure}") from failure
                 if time.monotonic() > deadline:
@@ -745,57 +749,3 @@ def _buckets(
         size += nbytes
     if bucket:
         yield bucket
-
-
-def _start_all(calls: Sequence[Callable[[], object]]) -> list[Future[None]]:
-    """Run each call in its own daemon thread; the futures complete with its outcome."""
-    futures: list[Future[None]] = []
-    for call in calls:
-        future: Future[None] = Future()
-
-        def run(call: Callable[[], object] = call, future: Future[None] = future) -> None:
-            try:
-                call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-        threading.Thread(target=run, daemon=True).start()
-        futures.append(future)
-    return futures
-
-
-def _first_error(futures: Sequence[Future[None]]) -> BaseException | None:
-    for future in futures:
-        if future.done() and future.exception() is not None:
-            return future.exception()
-    return None
-
-
-def _wait_all(futures: Sequence[Future[None]], *, swallow: bool = False) -> None:
-    """Wait for every future (each HTTP call has its own timeout) and re-raise the first error."""
-    first: BaseException | None = None
-    for future in futures:
-        exc = future.exception()
-        if exc is not None and first is None:
-            first = exc
-    if first is not None and not swallow:
-        raise first
-
-
-def _run_all(calls: Sequence[Callable[[], _T]], max_workers: int) -> list[_T]:
-    """Run ``calls`` on a bounded pool; return results in order or raise the first failure
-    (cancelling what has not started)."""
-    if not calls:
-        return []
-    if len(calls) == 1:
-        return [calls[0]()]
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(calls))) as pool:
-        futures = [pool.submit(call) for call in calls]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise

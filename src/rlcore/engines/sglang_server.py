@@ -18,12 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Final, final
+from typing import IO, Final, TypeVar, final
 
 import attrs
 
@@ -35,12 +37,19 @@ __all__ = [
     "SGLangServer",
     "ServerTimeoutError",
     "ServerUnreachableError",
+    "first_error",
+    "free_port",
+    "run_all",
+    "start_all",
+    "wait_all",
 ]
 
 LOG_TAIL_LINES: Final = 40
 _POLL_S: Final = 0.5
+_T = TypeVar("_T")
 
 
+@final
 @attrs.frozen
 class LaunchSettings:
     """How to start ``python -m sglang.launch_server`` (one process per data-parallel server).
@@ -296,3 +305,60 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# -- calls to several servers at once -------------------------------------------------------
+
+
+def start_all(calls: Sequence[Callable[[], object]]) -> list[Future[None]]:
+    """Run each call in its own daemon thread; the futures complete with its outcome."""
+    futures: list[Future[None]] = []
+    for call in calls:
+        future: Future[None] = Future()
+
+        def run(call: Callable[[], object] = call, future: Future[None] = future) -> None:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        futures.append(future)
+    return futures
+
+
+def first_error(futures: Sequence[Future[None]]) -> BaseException | None:
+    for future in futures:
+        if future.done() and future.exception() is not None:
+            return future.exception()
+    return None
+
+
+def wait_all(futures: Sequence[Future[None]], *, swallow: bool = False) -> None:
+    """Wait for every future (each HTTP call has its own timeout) and re-raise the first error."""
+    first: BaseException | None = None
+    for future in futures:
+        exc = future.exception()
+        if exc is not None and first is None:
+            first = exc
+    if first is not None and not swallow:
+        raise first
+
+
+def run_all(calls: Sequence[Callable[[], _T]], max_workers: int) -> list[_T]:
+    """Run ``calls`` on a bounded pool; return results in order or raise the first failure
+    (cancelling what has not started)."""
+    if not calls:
+        return []
+    if len(calls) == 1:
+        return [calls[0]()]
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(calls))) as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
