@@ -382,11 +382,19 @@ class SGLangEngine:
                 self._post_ok(server, "/end_weight_update", {})
                 self._post_ok(server, "/begin_weight_update", {})
 
+        def end(server: SGLangServer) -> None:
+            self._post_ok(server, "/end_weight_update", {})
+
         self._on_all_servers(begin)
         try:
             body()
-        finally:
-            self._on_all_servers(lambda s: self._post_ok(s, "/end_weight_update", {}))
+        except BaseException:
+            try:
+                self._on_all_servers(end)
+            except RolloutError:
+                pass  # best effort: the first failure is the one to report
+            raise
+        self._on_all_servers(end)
 
     # -- weight sync: tensor -----------------------------------------------------------------
 
