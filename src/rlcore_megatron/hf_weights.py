@@ -278,13 +278,16 @@ def save_hf(
     """Write ``model.safetensors`` and ``config.json`` into ``folder`` so that
     ``transformers.LlamaForCausalLM.from_pretrained(folder)`` loads them. Returns ``folder``.
 
-    ``source`` is a stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs.
+    ``source`` is a stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs. With several
+    ranks, call it on every rank (the export gathers over tensor parallel); only rank 0 writes.
     """
     pairs: Iterable[tuple[str, torch.Tensor]] = (
         source.export_weights() if isinstance(source, EvalStack) else source
     )
     tensors = {name: t.detach().to("cpu", torch.float32).clone().contiguous() for name, t in pairs}
     folder = Path(folder)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return folder
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = _hf_config_for_save(hf_config)
