@@ -64,6 +64,14 @@ def test_tensor_parallel_export_gathers_the_full_weights(two_ranks: Path, tiny_h
             assert torch.equal(tensor, hf_state[name]), name
 
 
+def test_tensor_parallel_save_hf_writes_a_loadable_checkpoint(two_ranks: Path, tiny_hf: Path) -> None:
+    saved = transformers.LlamaForCausalLM.from_pretrained(two_ranks / "tp2_hf").state_dict()
+    original = transformers.LlamaForCausalLM.from_pretrained(tiny_hf).state_dict()
+    assert saved.keys() == original.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, original[name]), name
+
+
 def test_tensor_parallel_log_probs_match_one_process(two_ranks: Path, tiny_hf: Path) -> None:
     single = MegatronBackend().build_eval_stack(EvalSpec(ModelSpec("actor", tiny_hf)))
     expected = single.forward(make_samples(4, seed=21))
