@@ -65,8 +65,8 @@ def test_load_jsonl(tmp_path: Path) -> None:
     )
     prompts = load_prompts(path, tokenizer=CharTokenizer())
     assert prompts == (
-        Prompt(index=0, text="12+34=", token_ids=(1, 4, 5, 13, 6, 7, 14), label="46"),
-        Prompt(index=1, text="1+1=", token_ids=(1, 4, 13, 4, 14), label="2"),
+        Prompt(index=0, text="12+34=", token_ids=(1, 4, 5, 13, 6, 7, 14), label="46", target_token_ids=(7, 9, 2)),
+        Prompt(index=1, text="1+1=", token_ids=(1, 4, 13, 4, 14), label="2", target_token_ids=(5, 2)),
     )
 
 
@@ -258,3 +258,18 @@ def test_every_epoch_shows_each_prompt_once(n: int, batch_size: int, seed: int) 
     stream = [p.index for batch in itertools.islice(sampler, 3 * n) for p in batch]
     for e in range(3):
         assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))
+
+
+def test_labels_become_sft_targets_in_context(tmp_path: Path) -> None:
+    from rlcore.tiny import build_char_tokenizer
+
+    hf = build_char_tokenizer(tmp_path / "tok", "0123456789>")
+    from rlcore.data import HFTokenizer
+
+    tokenizer = HFTokenizer(hf)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "123>", "label": "321"}\n{"input": "9>", "label": ""}\n')
+    first, unlabelled = load_prompts(path, tokenizer=tokenizer)
+    assert first.target_token_ids == (*tokenizer.encode("321")[1:], tokenizer.eos_token_id)
+    assert tokenizer.decode(first.token_ids + first.target_token_ids) == "123>321"
+    assert unlabelled.target_token_ids == ()

@@ -323,6 +323,16 @@ def load_prompts(
     return _load_prompts(path, tokenizer, input_key, label_key, apply_chat_template)
 
 
+def _target_ids(prompt_ids: Sequence[int], full_ids: Sequence[int], eos: int) -> tuple[int, ...]:
+    """The label's tokens as they follow the prompt, plus eos: ``encode(prompt + label)`` minus the
+    prompt's own tokens (so the label is tokenized in context). Empty when tokenization merges
+    across the boundary, since then no continuation of exactly the prompt's tokens spells the label."""
+    n = len(prompt_ids)
+    if len(full_ids) <= n or list(full_ids[:n]) != list(prompt_ids):
+        return ()
+    return (*full_ids[n:], eos)
+
+
 def _load_prompts(
     path: Path,
     tokenizer: Tokenizer,
@@ -355,13 +365,23 @@ def _load_prompts(
             messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
             text = tokenizer.render_chat(messages)
             ids = tokenizer.encode_rendered(text)
+            full = tokenizer.encode_rendered(text + label)
         else:
             assert isinstance(value, str)  # _prompt_input accepts only strings without a template
             text = value
             ids = tokenizer.encode(text)
+            full = tokenizer.encode(text + label)
         if not ids:
             raise DataError(f"{where}: the prompt {_excerpt(text)} encodes to no tokens")
-        prompts.append(Prompt(index=len(prompts), text=text, token_ids=tuple(ids), label=label))
+        prompts.append(
+            Prompt(
+                index=len(prompts),
+                text=text,
+                token_ids=tuple(ids),
+                label=label,
+                target_token_ids=_target_ids(ids, full, tokenizer.eos_token_id) if label else (),
+            )
+        )
     if not prompts:
         raise DataError(f"{path}: the file holds no prompts; point the flag at a non-empty file")
     return tuple(prompts)
