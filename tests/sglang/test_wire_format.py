@@ -25,9 +25,14 @@ def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
     theirs = SGLangSamplingParams(**sampling_payload(params, {}))  # type: ignore[arg-type]  # a dict of known keys
     theirs.verify(vocab_size=42)
     assert theirs.max_new_tokens == params.max_new_tokens
-    assert theirs.temperature == params.temperature
-    assert theirs.top_k == (params.top_k or -1)
+    assert theirs.top_p == params.top_p
     assert set(theirs.stop_token_ids or ()) == set(params.stop_token_ids)
+    if params.temperature == 0.0:
+        assert theirs.top_k == 1  # SGLang's spelling of greedy
+    else:
+        assert theirs.temperature == params.temperature
+        # rlcore's "off" (0) must reach SGLang as "all tokens", never as "top-0".
+        assert theirs.top_k == params.top_k if params.top_k else theirs.top_k >= 2**20
 
 
 def test_tensor_payload_passes_sglang_safe_unpickler() -> None:
