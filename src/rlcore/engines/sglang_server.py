@@ -9,6 +9,7 @@ the tail of its log. :mod:`rlcore.engines.sglang` builds the data-parallel engin
 
 from __future__ import annotations
 
+import atexit
 import collections
 import http.client
 import json
@@ -148,6 +149,7 @@ class SGLangServer:
         self.process = process
         self.log_path = log_path
         self._log_file: IO[bytes] | None = None
+        self._stopped = False
 
     # -- launching and stopping -------------------------------------------------------------
 
@@ -179,6 +181,9 @@ class SGLangServer:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         server = cls(f"http://{host}:{port}", process=process, log_path=log_path)
         server._log_file = log_file
+        # The server runs in its own session, so it would outlive a run that dies without
+        # closing its engine: stop it at interpreter exit too (a no-op once shut down).
+        atexit.register(server.shutdown, 10.0)
         return server
 
     def wait_until_healthy(self, timeout_s: float) -> None:
@@ -214,6 +219,9 @@ class SGLangServer:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop a launched server's process group (SIGTERM, then SIGKILL). Safe to call twice;
         a no-op for servers we only connected to."""
+        if self._stopped:
+            return
+        self._stopped = True
         process = self.process
         if process is not None and process.poll() is None:
             _signal_group(process, signal.SIGTERM)
