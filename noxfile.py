@@ -75,4 +75,7 @@ def sglang(session: nox.Session) -> None:
     # Its own cache: this mypy sees different third-party versions than the typecheck session's.
     mypy_cache = os.path.join(nox_dir, "sglang-mypy-cache")
     session.run("mypy", "--cache-dir", mypy_cache, "stubs/sglang", "tests/sglang")
-    session.run("pytest", "tests/sglang", "-p", "no:cacheprovider", "--durations=10", *session.posargs, env=env)
+    session.run(
+        "pytest", "tests/sglang", "-p", "no:cacheprovider", "--durations=10", *session.posargs,
+        env=env,
+    )

@@ -79,7 +79,10 @@ def main() -> None:
     weights = build_model(work / "model", args.vocab_size)
     params = sum(t.numel() for t in weights.values())
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB in {len(weights)} tensors")
+    print(
+        f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB "
+        f"in {len(weights)} tensors"
+    )
 
     # A second set of weights to push: the server must end up with exactly these.
     pushed = {name: t * 1.01 for name, t in weights.items()}
@@ -123,7 +126,8 @@ def main() -> None:
                     engine.update_weights(pushed.items(), version)
 
                 times[name] += timed(sync, 1)
-                generation = engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0))
+                greedy = SamplingParams(max_new_tokens=2, temperature=0)
+                generation = engine.generate(prompt, greedy)
                 assert generation[0].weight_version == version, generation
     finally:
         for engine in engines.values():

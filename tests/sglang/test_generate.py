@@ -78,7 +78,9 @@ def test_sampled_log_probs_are_at_temperature_one(
         assert generation.log_probs == pytest.approx(expected, abs=2e-4)
 
 
-def test_stop_token_ends_the_response_and_is_kept(dp_engine: SGLangEngine, weights_a: Weights) -> None:
+def test_stop_token_ends_the_response_and_is_kept(
+    dp_engine: SGLangEngine, weights_a: Weights
+) -> None:
     dp_engine.update_weights(weights_a.items(), version=4)
     prompt = prompts(1)
     free_run = dp_engine.generate(prompt, GREEDY)[0].token_ids

@@ -79,7 +79,8 @@ def test_update_from_an_exported_folder(
 ) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in weights_b.items()}, str(tmp_path / "model.safetensors"))
+    tensors = {k: v.contiguous() for k, v in weights_b.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
     with SGLangEngine.connect(dp_urls, EngineOptions(weight_sync="tensor")) as engine:
         engine.update_weights_from_disk(tmp_path, version=21)
         assert_serves(engine, tiny_model, weights_b, version=21)

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.sglang
 def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
     from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
 
-    theirs = SGLangSamplingParams(**sampling_payload(params, {}))  # type: ignore[arg-type]  # a dict of known keys
+    payload = sampling_payload(params, {})
+    # A dict[str, object] of keys the stub lists; their values are checked by SGLang itself.
+    theirs = SGLangSamplingParams(**payload)  # type: ignore[arg-type]  # see above
     theirs.verify(vocab_size=42)
     assert theirs.max_new_tokens == params.max_new_tokens
     assert theirs.top_p == params.top_p
@@ -38,9 +40,11 @@ def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
 def test_tensor_payload_passes_sglang_safe_unpickler() -> None:
     from sglang.srt.utils.common import MultiprocessingSerializer
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
+    # torch leaves set_sharing_strategy and share_memory_ unannotated.
+    set_strategy = torch.multiprocessing.set_sharing_strategy
+    set_strategy("file_system")  # type: ignore[no-untyped-call]  # see above
     buffer = torch.arange(12, dtype=torch.float32)
-    buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+    buffer.share_memory_()  # type: ignore[no-untyped-call]  # see above
     named = [("a.weight", buffer[:6].view(2, 3)), ("b.bias", buffer[6:])]
     decoded = MultiprocessingSerializer.deserialize(pickle_b64(named))
     assert isinstance(decoded, list)

@@ -117,7 +117,9 @@ class EngineOptions:
 
     def __attrs_post_init__(self) -> None:
         if self.weight_sync not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
+            raise ValueError(
+                f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}"
+            )
         if self.max_concurrent_requests < 1 or self.max_prompts_per_request < 1:
             raise ValueError("max_concurrent_requests and max_prompts_per_request must be >= 1")
 
@@ -358,7 +360,8 @@ class SGLangEngine:
             )
         except SGLangHTTPError as exc:
             raise RolloutError(
-                f"{server.describe()} failed {path}: {_message_of(exc.body)}{server.log_tail_text()}"
+                f"{server.describe()} failed {path}: {_message_of(exc.body)}"
+                + server.log_tail_text()
             ) from exc
         if isinstance(answer, dict) and answer.get("success") is False:
             raise RolloutError(
@@ -370,7 +373,7 @@ class SGLangEngine:
         run_all([partial(call, s) for s in self.servers], len(self.servers))
 
     def _weight_session(self, body: Callable[[], None]) -> None:
-        """Run ``body`` between ``/begin_weight_update`` and ``/end_weight_update`` on every server."""
+        """Run ``body`` between ``/begin_weight_update`` and ``/end_weight_update`` everywhere."""
 
         def begin(server: SGLangServer) -> None:
             try:
@@ -400,8 +403,10 @@ class SGLangEngine:
 
     def _sync_by_tensor(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         # With the default file_descriptor strategy the handles need a live connection to this
-        # process, which SGLang's scheduler cannot make over HTTP: it dies. Process-wide, on purpose.
-        torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
+        # process, which SGLang's scheduler cannot make over HTTP: it dies. Process-wide, on
+        # purpose. (torch leaves set_sharing_strategy unannotated.)
+        set_strategy = torch.multiprocessing.set_sharing_strategy
+        set_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
         buckets = list(_buckets(named, self.options.bucket_bytes))
 
         def body() -> None:
@@ -442,7 +447,8 @@ class SGLangEngine:
         offsets, total = _layout(bucket)
         if self._shm_bucket is None or self._shm_bucket.numel() < total:
             buffer = torch.empty(total, dtype=torch.uint8)
-            self._shm_bucket = buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+            # torch leaves share_memory_ unannotated
+            self._shm_bucket = buffer.share_memory_()  # type: ignore[no-untyped-call]  # see above
         out: list[tuple[str, torch.Tensor]] = []
         for (name, tensor), offset in zip(bucket, offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
@@ -624,7 +630,9 @@ class DistributedWeightSender:
             waiter.join(_POLL_S)
             failure = abort_if()
             if failure is not None:
-                raise RolloutError(f"the weight-update group was not joined: {failure}") from failure
+                raise RolloutError(
+                    f"the weight-update group was not joined: {failure}"
+                ) from failure
             if time.monotonic() > deadline:
                 raise RolloutError(
                     f"the SGLang servers did not join the weight-update group at "
@@ -632,7 +640,9 @@ class DistributedWeightSender:
                     "reach this address (EngineOptions.master_address)"
                 )
         if error_box:
-            raise RolloutError(f"could not host the weight-update rendezvous: {error_box[0]}") from error_box[0]
+            raise RolloutError(
+                f"could not host the weight-update rendezvous: {error_box[0]}"
+            ) from error_box[0]
         store = PrefixStore(group_name, store_box[0])
         # Private torch API, the same call SGLang makes on its side: a group outside the default
         # world, so a trainer that already runs torch.distributed (Megatron) is not disturbed.

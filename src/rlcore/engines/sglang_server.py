@@ -55,9 +55,10 @@ _T = TypeVar("_T")
 class LaunchSettings:
     """How to start ``python -m sglang.launch_server`` (one process per data-parallel server).
 
-    ``port = 0`` picks a free port per server. ``device="cpu"`` also sets ``SGLANG_USE_CPU_ENGINE=1``;
-    on the CPU keep ``max_total_tokens`` small (SGLang otherwise sizes its KV pool from free RAM,
-    about 14 GB). ``python`` is the interpreter that has SGLang installed (default: this one).
+    ``port = 0`` picks a free port per server. ``device="cpu"`` also sets
+    ``SGLANG_USE_CPU_ENGINE=1``; on the CPU keep ``max_total_tokens`` small (SGLang otherwise
+    sizes its KV pool from free RAM, about 14 GB). ``python`` is the interpreter that has SGLang
+    installed (default: this one).
     ``log_dir`` receives ``sglang-<i>.log`` per server (default: a fresh temporary folder).
     ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` is always set so that returned log-probs are at
     temperature 1, as :class:`~rlcore.samples.Generation` promises.
@@ -136,7 +137,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @final
 class SGLangServer:
-    """An SGLang HTTP endpoint; owns its process (and log) when it was launched by :meth:`launch`."""
+    """An SGLang HTTP endpoint; owns its process and log when :meth:`launch` started it."""
 
     def __init__(
         self,
