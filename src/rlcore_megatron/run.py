@@ -24,7 +24,7 @@ from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
 from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunResult, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
-from rlcore.plan import EvalPlan, Plan, TrainPlan, plan, resolve_num_rollout
+from rlcore.plan import Plan, TrainPlan, plan, resolve_num_rollout
 from rlcore.protocols import MetricsSink, RolloutEngine
 from rlcore.rewards import get_reward_fn
 from rlcore.samples import Prompt
@@ -140,9 +140,6 @@ def execute(config: RunConfig) -> RunResult:
     the_plan = plan(config)
     reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
-    if isinstance(the_plan, EvalPlan):
-        for line in the_plan.skipped:
-            log.info("eval-only: not building the %s", line)
     started_ray = not ray.is_initialized()
     _start_ray(config)
     threads = max(1, (os.cpu_count() or 1))
@@ -180,9 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RLCoreError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    summary = {k: round(v, 4) for k, v in result.last_eval.items()}
-    print(f"done: trained rollouts {result.trained[:1]}..{result.trained[-1:]}, saved {list(result.saved)}, "
-          f"last eval {summary}", file=sys.stderr)
+    evals = {k: round(v, 4) for k, v in result.last_eval.items()}
+    trained = f"rollouts {result.trained[0]}..{result.trained[-1]}" if result.trained else "nothing (eval-only)"
+    print(f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, last eval {evals}",
+          file=sys.stderr)
     return 0
 
 

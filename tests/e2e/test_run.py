@@ -77,7 +77,7 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     rows = read_jsonl_metrics(tmp_path / "c" / "metrics.jsonl")
     assert {"eval/heldout/reward", "eval/heldout/pass@2"} <= set(rows[0])
     log = (tmp_path / "c" / "run.log").read_text()
-    assert "not building the critic" in log and "not building the reference model" in log
+    assert "not built: critic" in log and "not built: reference model" in log
 
 
 def test_ppo_with_critic_and_kl(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
