@@ -21,7 +21,7 @@ from rlcore.algorithms.batching import (
 )
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 
-from .strategies import VOCAB, rows_for, samples
+from tests.strategies import VOCAB, rows_for, samples
 
 PAD = 0
 

@@ -14,7 +14,7 @@ from rlcore.algorithms.batching import TensorBatch
 from rlcore.algorithms.losses import actor_loss, critic_loss, policy_loss, value_loss
 from rlcore.specs import LossSpec
 
-from .strategies import finite, masked_floats
+from tests.strategies import finite, masked_floats
 
 
 def batch_of(
