@@ -51,3 +51,9 @@ def test_tensor_payload_passes_sglang_safe_unpickler() -> None:
     assert [name for name, _ in decoded] == ["a.weight", "b.bias"]
     for (_, ours), (_, theirs) in zip(named, decoded, strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_this_environment_runs_the_sglang_the_engine_targets() -> None:
+    import sglang
+
+    assert sglang.__version__.startswith("0.5."), sglang.__version__
