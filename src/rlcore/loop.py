@@ -216,7 +216,9 @@ def supervised_step(prompts: Sequence[Prompt], actor: TrainingStack, plan: Train
     )
     batch = TrainBatch(samples, advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
                        rollout_id=rollout_id)
-    return {**actor.train_step(batch).as_dict("train/actor"), "rollout/supervised": 1.0}
+    metrics = actor.train_step(batch).as_dict("train/actor")
+    metrics.pop("train/actor/logprob_mismatch", None)  # the labels have no engine log-probs
+    return {**metrics, "rollout/supervised": 1.0}
 
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -139,7 +139,6 @@ class LossSpec:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: KLType = "low_var_kl"
-    sft_coef: float = 0.0
 
 
 @attrs.frozen

@@ -130,42 +130,30 @@ def test_actor_loss_without_old_log_probs_is_bench_tiny_and_has_its_gradient(
     assert out.metrics["loss"] == pytest.approx(reference.item(), abs=1e-6)
 
 
-def test_actor_loss_with_kl_entropy_and_sft_terms_by_hand() -> None:
+def test_actor_loss_with_kl_and_entropy_terms_by_hand() -> None:
     # One sequence of 2 tokens, ratio 1 (old = None), A = [1, 1]:
-    #   pg = -1; k1 KL = logp - ref = [0.5, 0.5] -> 0.5; entropy mean 2; logp mean -1.
-    #   loss = -1 + 0.1 * 0.5 - 0.01 * 2 + 0.5 * 1 = -0.47
+    #   pg = -1; k1 KL = logp - ref = [0.5, 0.5] -> 0.5; entropy mean 2.
+    #   loss = -1 + 0.1 * 0.5 - 0.01 * 2 = -0.97
     mask = torch.ones(1, 2, dtype=torch.bool)
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     batch = batch_of(mask, torch.ones(1, 2), ref_log_probs=torch.tensor([[-1.5, -1.5]]))
-    spec = LossSpec(
-        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01, sft_coef=0.5
-    )
+    spec = LossSpec(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01)
     out = actor_loss(logp, batch, spec, entropy=torch.tensor([[1.0, 3.0]]))
-    assert out.loss.item() == pytest.approx(-0.47)
+    assert out.loss.item() == pytest.approx(-0.97)
     assert out.metrics == pytest.approx(
-        {
-            "pg_loss": -1.0,
-            "clipfrac": 0.0,
-            "approx_kl": 0.0,
-            "kl_loss": 0.5,
-            "entropy": 2.0,
-            "sft_loss": 1.0,
-            "loss": -0.47,
-        }
+        {"pg_loss": -1.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl_loss": 0.5, "entropy": 2.0, "loss": -0.97}
     )
     (grad,) = torch.autograd.grad(out.loss, logp)
-    # d/dlogp: pg -A/n = -0.5, KL 0.1/n = 0.05, SFT -0.5/n = -0.25.
-    assert torch.allclose(grad, torch.tensor([[-0.7, -0.7]]))
+    # d/dlogp: pg -A/n = -0.5, KL 0.1/n = 0.05.
+    assert torch.allclose(grad, torch.tensor([[-0.45, -0.45]]))
 
 
-def test_sft_term_has_the_gradient_of_the_policy_loss_with_unit_advantages() -> None:
-    mask = torch.tensor([[True, True, True], [True, False, False]])
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, 0.0, 0.0]], requires_grad=True)
-    sft = actor_loss(logp, batch_of(mask, torch.zeros(2, 3)), LossSpec(sft_coef=1.0))
-    (g_sft,) = torch.autograd.grad(sft.loss, logp)
-    pg = actor_loss(logp, batch_of(mask, mask.float()), LossSpec())
-    (g_pg,) = torch.autograd.grad(pg.loss, logp)
-    assert torch.allclose(g_sft, g_pg)
+def test_actor_loss_reports_the_rollout_log_prob_mismatch() -> None:
+    mask = torch.tensor([[True, True], [True, False]])
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    rollout = torch.tensor([[-1.5, -2.0], [-0.25, -9.0]])  # the padded entry must not count
+    out = actor_loss(logp, attrs.evolve(batch_of(mask, torch.ones(2, 2)), rollout_log_probs=rollout), LossSpec())
+    assert out.metrics["logprob_mismatch"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
 
 
 def test_actor_loss_uses_old_log_probs_when_present() -> None:

@@ -53,6 +53,8 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     rows = read_jsonl_metrics(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1, 2]
     assert all("train/actor/grad_norm" in r and r["train/actor/lr"] > 0 for r in rows if "rollout/reward" in r)
+    # The engine (HF) and the actor (Megatron) hold the same fp32 weights: their log-probs agree.
+    assert all(r["train/actor/logprob_mismatch"] < 1e-3 for r in rows if "rollout/reward" in r)
     assert sum("eval/heldout/reward" in r for r in rows) == 3
     meta = read_meta(find_checkpoint(ckpt))
     assert (meta.rollout_id, meta.consumed_prompts, meta.stacks) == (2, 12, ("actor",))

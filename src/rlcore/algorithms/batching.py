@@ -47,7 +47,8 @@ class TensorBatch:
     """A batch of samples as right-padded tensors (shapes in the module docstring).
 
     ``returns``, ``old_log_probs``, ``ref_log_probs`` and ``old_values`` are ``None`` when the
-    :class:`~rlcore.samples.TrainBatch` field they come from is empty. Build one with
+    :class:`~rlcore.samples.TrainBatch` field they come from is empty; ``rollout_log_probs`` (the
+    engine's, from each sample's :class:`~rlcore.samples.Generation`) is set by :func:`tensorize`. Build one with
     :func:`tensorize` or :func:`tensorize_samples`.
     """
 
@@ -60,6 +61,8 @@ class TensorBatch:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    """The rollout engine's log-probs of the response tokens, for the mismatch metric."""
 
     def __attrs_post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -75,6 +78,7 @@ class TensorBatch:
             "old_log_probs": self.old_log_probs,
             "ref_log_probs": self.ref_log_probs,
             "old_values": self.old_values,
+            "rollout_log_probs": self.rollout_log_probs,
         }
         want = tuple(self.response_index.shape)
         if len(want) != 2 or want[0] != b:
@@ -109,6 +113,7 @@ class TensorBatch:
             old_log_probs=pick(self.old_log_probs),
             ref_log_probs=pick(self.ref_log_probs),
             old_values=pick(self.old_values),
+            rollout_log_probs=pick(self.rollout_log_probs),
         )
 
 
@@ -134,6 +139,7 @@ def tensorize(batch: TrainBatch, pad_id: int, device: torch.device | str = "cpu"
         old_log_probs=floats(batch.old_log_probs),
         ref_log_probs=floats(batch.ref_log_probs),
         old_values=floats(batch.old_values),
+        rollout_log_probs=floats(tuple(s.response.log_probs for s in batch.samples)),
     )
 
 

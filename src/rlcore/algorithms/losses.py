@@ -127,18 +127,19 @@ def actor_loss(
         loss = policy_loss(log_probs, old, A)
              + kl_loss_coef * sum_i mean_t kl(log_probs, ref)     if spec.use_kl_loss
              - entropy_coef * sum_i mean_t entropy                if entropy_coef > 0
-             - sft_coef     * sum_i mean_t log_probs              if sft_coef > 0
 
     ``old`` is ``batch.old_log_probs``, or ``log_probs.detach()`` when that is ``None`` (one
     optimizer step per rollout: the ratio is exactly 1, nothing is clipped, and
     ``loss / B`` is bench-tiny's ``mean_i sum_t(mask * -exp(logp - sg(logp)) A) / n_i``, with
     gradient ``-mean_i (A_i / n_i) sum_t grad logp_it``). The KL loss (GRPO's, arXiv:2402.03300)
     needs ``batch.ref_log_probs``; the entropy bonus needs ``entropy: Tensor[B, T]`` (from
-    :func:`~rlcore.algorithms.batching.entropy_from_logits`). The SFT term is a supervised warm
-    start: its gradient equals that of the policy loss with every advantage 1 and ratio 1.
+    :func:`~rlcore.algorithms.batching.entropy_from_logits`). A supervised warm start needs no
+    term of its own: the policy loss with every advantage 1 and ratio 1 has the SFT gradient.
 
-    Metrics: ``pg_loss``, ``clipfrac``, ``approx_kl``, and when used ``kl_loss``, ``entropy``,
-    ``sft_loss``; plus ``loss``. Raises ``ValueError`` when a term's input is missing.
+    Metrics: ``pg_loss``, ``clipfrac``, ``approx_kl``, and when used ``kl_loss``, ``entropy``;
+    ``logprob_mismatch`` (mean |rollout engine's log-prob - this pass's|, over response tokens)
+    when ``batch.rollout_log_probs`` is set; plus ``loss``. Raises ``ValueError`` when a term's
+    input is missing.
     """
     mask = batch.response_mask
     b = max(batch.num_sequences, 1)
@@ -170,10 +171,9 @@ def actor_loss(
         if spec.entropy_coef > 0:
             loss = loss - spec.entropy_coef * mean_entropy
         metrics["entropy"] = float(mean_entropy.detach()) / b
-    if spec.sft_coef > 0:
-        sft_loss = -_sequence_sum_of_token_means(log_probs, mask)
-        loss = loss + spec.sft_coef * sft_loss
-        metrics["sft_loss"] = float(sft_loss.detach()) / b
+    if batch.rollout_log_probs is not None:
+        gap = (log_probs.detach() - batch.rollout_log_probs).abs()
+        metrics["logprob_mismatch"] = float(gap[mask].mean()) if bool(mask.any()) else 0.0
     metrics["loss"] = float(loss.detach()) / b
     return LossOut(loss=loss, metrics=metrics)
 
