@@ -11,8 +11,6 @@ import pytest
 from rlcore.tiny import build_tiny_llama
 from tests.megatron.helpers import TINY
 
-pytest.importorskip("megatron.core")
-
 
 @pytest.fixture(scope="session")
 def megatron_rank() -> Iterator[None]:
