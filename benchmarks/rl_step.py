@@ -43,20 +43,11 @@ PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 # The floor
 
 
-def _reward(text: str, answer: str) -> float:
-    if text.startswith(answer):
-        return 1.0
-    k = 0
-    for a, b in zip(text, answer):
-        if a != b:
-            break
-        k += 1
-    return k / len(answer)
-
-
 def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
     """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5)."""
     from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+    from rlcore.rewards import prefix_credit  # the workload's reward, a pure text function
 
     tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
     model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
@@ -87,7 +78,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         eos_seen = (completion == 2).cumsum(1)
         mask = (eos_seen == 0) | ((completion == 2) & (eos_seen == 1))
         texts = [tok.decode(c[m].tolist(), skip_special_tokens=True) for c, m in zip(completion, mask)]
-        rewards = torch.tensor([_reward(t, a) for t, a in zip(texts, answers)]).view(PROMPTS, SAMPLES)
+        rewards = torch.tensor([prefix_credit(t, a) for t, a in zip(texts, answers)]).view(PROMPTS, SAMPLES)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
         model.train()
         full = torch.cat([prompt_ids, completion], 1)

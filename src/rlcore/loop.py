@@ -130,9 +130,9 @@ def evaluate(
     response length per eval set, as ``eval/NAME/...``."""
     metrics: dict[str, float] = {}
     for eval_set in eval_sets:
-        prompts = [p for p in eval_set.prompts for _ in range(n_samples)]
-        generations = engine.generate(prompts, params)
-        rewards = score_samples(prompts, generations, reward_fn)
+        generations = generate(engine, eval_set.prompts, n_samples, params)
+        samples = score(eval_set.prompts, generations, reward_fn, n_samples)
+        rewards = [s.reward for s in samples]
         groups = [rewards[i : i + n_samples] for i in range(0, len(rewards), n_samples)]
         prefix = f"eval/{eval_set.name}"
         metrics[f"{prefix}/reward"] = _mean(rewards)

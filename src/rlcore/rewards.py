@@ -37,6 +37,7 @@ __all__ = [
     "get_reward_fn",
     "load_custom_reward",
     "math_reward",
+    "prefix_credit",
     "prefix_partial",
     "score_samples",
 ]
@@ -67,7 +68,12 @@ def prefix_partial(prompt: Prompt, generation: Generation) -> float:
     that agree with the label's, divided by the label's length. ``generation.text`` is already the
     decoded response up to and including the first stop token, without special tokens.
     """
-    answer, text = prompt.label, generation.text
+    return prefix_credit(generation.text, prompt.label)
+
+
+def prefix_credit(text: str, answer: str) -> float:
+    """1.0 when ``text`` starts with ``answer``, else the fraction of ``answer``'s leading
+    characters that ``text`` matches (the text-level core of :func:`prefix_partial`)."""
     if text.startswith(answer):
         return 1.0
     agree = 0

@@ -1,20 +1,10 @@
-"""Import-only shim (see torchvision/__init__.py)."""
+"""Import-only shim (see torchvision/__init__.py). As in torchvision, v2 shares ``InterpolationMode``."""
 
 from __future__ import annotations
 
-import enum
-
 from torchvision._placeholder import placeholder_getattr
+from torchvision.transforms import InterpolationMode
 
-
-class InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
-
+__all__ = ["InterpolationMode"]
 
 __getattr__ = placeholder_getattr(__name__)
