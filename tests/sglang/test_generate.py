@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlcore.engines.sglang import EngineOptions, SGLangEngine
@@ -109,3 +111,26 @@ def test_connected_engine_reads_the_tensor_parallel_size(dp_urls: list[str]) -> 
     with SGLangEngine.connect(dp_urls) as engine:
         assert engine.tp_sizes == (1, 1)
         assert engine.generate(prompts(2), GREEDY)[1].token_ids
+
+
+def test_idle_launched_servers_sleep_instead_of_spinning(dp_engine: SGLangEngine) -> None:
+    """Launched servers pass ``--sleep-on-idle``: between rollouts (while the trainer runs) an
+    idle server's processes block on their sockets. Without it each scheduler spins a core, which
+    on a 2-core machine starved the Megatron rank beside it (CI: start-up past its 600 s limit)."""
+    dp_engine.generate(prompts(2), GREEDY)  # the servers have just been busy
+    processes = []
+    for server in dp_engine.servers:
+        assert server.process is not None
+        parent = psutil.Process(server.process.pid)
+        processes += [parent, *parent.children(recursive=True)]
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    time.sleep(1.0)  # let a just-finished request settle
+    before, started = cpu_seconds(), time.monotonic()
+    time.sleep(4.0)
+    used, elapsed = cpu_seconds() - before, time.monotonic() - started
+    # Measured on this machine, one idle server: 1.01 CPU-s per second spinning, 0.02 sleeping
+    # (it wakes once a second to poll). Two spinning servers would use up to 2 per second.
+    assert used < 0.25 * elapsed, f"idle servers used {used:.2f} CPU-s in {elapsed:.1f} s"

@@ -62,6 +62,10 @@ class LaunchSettings:
     ``log_dir`` receives ``sglang-<i>.log`` per server (default: a fresh temporary folder).
     ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` is always set so that returned log-probs are at
     temperature 1, as :class:`~rlcore.samples.Generation` promises.
+    ``sleep_on_idle`` (SGLang's ``--sleep-on-idle``) lets the scheduler block on its sockets
+    instead of spinning a core while no request is pending (measured on the CPU: 1.0 CPU-second
+    per second idle without it, 0.02 with it). An RL run leaves its servers idle during every
+    train step, often on the trainer's machine, where a spinning scheduler takes CPU from it.
     """
 
     model_path: Path
@@ -78,6 +82,7 @@ class LaunchSettings:
     env: Mapping[str, str] = attrs.field(factory=dict)
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None
+    sleep_on_idle: bool = True
 
     def command(self, port: int, base_gpu_id: int) -> list[str]:
         """The argv that starts one server on ``port`` (GPU servers start at ``base_gpu_id``)."""
@@ -99,6 +104,8 @@ class LaunchSettings:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device != "cpu":
             cmd += ["--base-gpu-id", str(base_gpu_id)]
+        if self.sleep_on_idle:
+            cmd.append("--sleep-on-idle")
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
