@@ -35,7 +35,8 @@ Failures: a call fails as soon as one rank fails. Errors a stack raises on purpo
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
 :class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
 ranks were still busy (stuck in a collective) after a failure, the group is *broken*: later calls
-raise at once, and the only way on is :meth:`RayTrainGroup.close` and a new group.
+raise at once, and the only way on is :meth:`RayTrainGroup.close` and a new group. A timeout's
+error carries the late ranks' Python stacks, read through the actors' second concurrency group.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import (
@@ -106,6 +109,8 @@ class RayGroupError(RLCoreError):
 
 _GRACE_S: Final = 10.0
 """After one rank fails, how long the others get to finish before the group counts as broken."""
+_DIAGNOSTICS: Final = "diagnostics"
+"""The actors' second concurrency group: a late rank can still say where it is stuck."""
 
 
 class RankRuntime(Protocol):
@@ -274,9 +279,23 @@ class _RankWorker:
             raise RayGroupError(f"rank {self._rank} has no stack yet: build() did not run")
         return fn(self._context, *args, **kwargs)
 
+    @ray.method(concurrency_group=_DIAGNOSTICS)
+    def stacks(self) -> str:
+        """Every thread's Python stack: answered from its own thread while a call is stuck."""
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(
+            f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items()
+            if ident != me
+        )
 
-_ACTOR_CLASS: Final[Any] = ray.remote(_RankWorker)
-"""Ray types ``ray.remote(cls)`` as ``cls``; the value is an ``ActorClass`` with ``options``."""
+
+# Ray's typed overloads of ray.remote omit concurrency_groups, which it accepts for actor classes.
+_ACTOR_CLASS: Final[Any] = ray.remote(concurrency_groups={_DIAGNOSTICS: 1})(  # type: ignore[call-overload]
+    _RankWorker
+)
+"""An ``ActorClass`` whose methods, but :meth:`_RankWorker.stacks`, run one call at a time."""
 
 
 @final
@@ -565,7 +584,7 @@ class RayTrainGroup(Generic[S]):
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
                 self._broken = f"{what}: ranks {late} did not finish in time"
-                raise RayGroupError(self._broken)
+                raise RayGroupError(self._broken + self._stacks_of(late))
             rank = rank_of[ready[0]]
             try:
                 ray.get(ready[0])
@@ -578,6 +597,18 @@ class RayTrainGroup(Generic[S]):
                 self._broken = f"{what}: rank {rank}'s actor died"
                 raise RayGroupError(f"{self._broken}: {exc}") from exc
         return list(ray.get(list(refs)))
+
+    def _stacks_of(self, ranks: Sequence[int]) -> str:
+        """Where the given ranks are stuck (their Python stacks), for a timeout's message."""
+        refs = {rank: self._handles[rank].stacks.remote() for rank in ranks}
+        parts = []
+        for rank, ref in refs.items():
+            try:
+                stacks: str = ray.get(ref, timeout=_GRACE_S)
+            except RayError as exc:  # GetTimeoutError included
+                stacks = f"(no answer: {exc!r})"
+            parts.append(f"\n--- rank {rank} is at ---\n{stacks}")
+        return "".join(parts)
 
     def _check_others(self, pending: list[Any], rank_of: Mapping[Any, int], failure: str) -> None:
         """Give the ranks still running :data:`_GRACE_S` to finish; if they do not, the group is

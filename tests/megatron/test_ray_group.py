@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,11 +115,15 @@ class EchoRuntime:
 
 
 def _echo_group(
-    rollout_ids: tuple[int, ...], tp: int = 1, failing: frozenset[int] = frozenset()
+    rollout_ids: tuple[int, ...],
+    tp: int = 1,
+    failing: frozenset[int] = frozenset(),
+    call_timeout_s: float | None = None,
 ) -> RayTrainGroup[EvalStack]:
     spec = EvalSpec(ModelSpec("actor", None, parallel=ParallelSpec(tp, len(rollout_ids))))
     runtime = EchoRuntime(rollout_ids, failing)
-    return RayTrainGroup.start_eval(spec, GroupOptions(setup_timeout_s=120), runtime)
+    options = GroupOptions(setup_timeout_s=120, call_timeout_s=call_timeout_s)
+    return RayTrainGroup.start_eval(spec, options, runtime)
 
 
 def _sample(index: int, prompt: Sequence[int], response: Sequence[int]) -> Sample:
@@ -151,6 +156,11 @@ def _remember(context: RankContext[EvalStack], key: str, value: int) -> int:
 def _crash_on_rank(context: RankContext[EvalStack], rank: int) -> None:
     if context.rank == rank:
         os._exit(1)
+
+
+def _wait_for_a_peer_that_never_comes(context: RankContext[EvalStack], rank: int) -> None:
+    if context.rank == rank:
+        time.sleep(600)
 
 
 def _assert_gone(group: RayTrainGroup[Any]) -> None:
@@ -226,6 +236,19 @@ def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
             group.load(Path("/ckpt/iter_7"))
         with pytest.raises(RayGroupError, match="rank 1's actor died"):
             group.run_on_all_ranks(_crash_on_rank, 1)
+        with pytest.raises(RayGroupError, match="broken"):
+            group.run_on_rank0(_remember, "n", 1)
+
+
+def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -> None:
+    with _echo_group((0, 0), call_timeout_s=5) as group:
+        with pytest.raises(RayGroupError) as caught:
+            group.run_on_all_ranks(_wait_for_a_peer_that_never_comes, 1)
+        message = str(caught.value)
+        assert "ranks [1] did not finish in time" in message
+        # rank 1's own stack, read while it sleeps: the function and the line it waits on
+        stuck = message.split("--- rank 1 is at ---", 1)[1]
+        assert "in _wait_for_a_peer_that_never_comes" in stuck and "time.sleep(600)" in stuck
         with pytest.raises(RayGroupError, match="broken"):
             group.run_on_rank0(_remember, "n", 1)
 
