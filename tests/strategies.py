@@ -122,6 +122,8 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
             "kl_loss_coef": draw(st.sampled_from([0.0, 0.01])),
             "kl_loss_type": draw(st.sampled_from(KL_TYPES)),
             "sft_warmup_rollouts": draw(st.integers(min_value=0, max_value=max(num_rollout - 1, 0))),
+            "normalize_std": draw(st.booleans()),
+            "normalize_advantages": draw(st.booleans()),
         },
         "optim": {"lr": 1e-5, "lr_warmup_iters": warmup, "lr_decay_style": draw(st.sampled_from(["constant", "linear", "cosine"]))},
         "train": {"global_batch_size": global_batch, "micro_batch_size": micro},

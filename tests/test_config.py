@@ -64,6 +64,13 @@ def test_ppo_implies_a_critic() -> None:
     assert config.algorithm.critic and not config.algorithm.use_critic
 
 
+def test_advantage_normalisation_flags() -> None:
+    default = load_config(TRAIN).algorithm
+    assert default.normalize_std and not default.normalize_advantages
+    changed = load_config([*TRAIN, "--disable-grpo-std-normalization", "--normalize-advantages"]).algorithm
+    assert not changed.normalize_std and changed.normalize_advantages
+
+
 def test_eval_prompt_data_takes_name_path_pairs() -> None:
     config = load_config([*TRAIN, "--eval-prompt-data", "a", "a.jsonl", "b", "b.jsonl"])
     assert [(d.name, d.path) for d in config.eval.prompt_data] == [("a", Path("a.jsonl")), ("b", Path("b.jsonl"))]

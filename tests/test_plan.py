@@ -42,6 +42,10 @@ def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
     if result.critic is not None:
         assert result.critic.model.role == "critic"
     assert result.actor.steps_per_rollout * result.actor.global_batch_size == config.samples_per_rollout
+    advantage, algorithm = result.advantage, config.algorithm
+    assert advantage.estimator == algorithm.advantage_estimator
+    assert advantage.group_size == config.rollout.n_samples_per_prompt
+    assert (advantage.normalize_std, advantage.whiten) == (algorithm.normalize_std, algorithm.normalize_advantages)
 
 
 def test_eval_plan_says_what_it_skipped() -> None:

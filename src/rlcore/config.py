@@ -91,6 +91,9 @@ class AlgorithmConfig:
     normalize_std: bool = _opt(
         True, "--disable-grpo-std-normalization", "Dr. GRPO: do not divide by the group std", invert=True
     )
+    normalize_advantages: bool = _opt(
+        False, "--normalize-advantages", "whiten advantages over the rollout's response tokens (usual for PPO)"
+    )
     kl_coef: float = _opt(0.0, "--kl-coef", "KL penalty on the reward (needs a reference model)")
     kl_penalty_type: KLType = _opt("k1", "--kl-penalty-type", "KL estimator for --kl-coef")
     use_kl_loss: bool = _opt(False, "--use-kl-loss", "add a KL loss against the reference model")

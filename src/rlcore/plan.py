@@ -169,6 +169,7 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
             kl_coef=a.kl_coef,
             kl_type=a.kl_penalty_type,
             normalize_std=a.normalize_std,
+            whiten=a.normalize_advantages,
         ),
         rollout_params=SamplingParams(
             max_new_tokens=r.max_response_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k

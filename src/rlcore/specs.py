@@ -148,7 +148,9 @@ class AdvantageSpec:
     ``group_size`` is ``n_samples_per_prompt``: consecutive samples of one prompt form a group
     (GRPO, REINFORCE++-baseline). ``kl_coef`` > 0 subtracts ``kl_coef * KL_t`` (estimator
     ``kl_type``, against the reference model) from the per-token reward. ``normalize_std = False``
-    is Dr. GRPO (no division by the group's std).
+    is Dr. GRPO (no division by the group's std). ``whiten`` rescales the final advantages to mean
+    0 and variance 1 over every response token of the rollout (slime's ``--normalize-advantages``;
+    verl and OpenRLHF do this for PPO); critic returns are taken before it.
     """
 
     estimator: AdvantageEstimator
@@ -158,6 +160,7 @@ class AdvantageSpec:
     kl_coef: float = 0.0
     kl_type: KLType = "k1"
     normalize_std: bool = True
+    whiten: bool = False
 
 
 @attrs.frozen

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -267,6 +268,42 @@ def test_estimate_ppo_runs_gae_with_the_critic_values() -> None:
     assert got.returns[0] == pytest.approx((0.71712, 0.846, 1.0))
     assert got.advantages[1] == pytest.approx((1.5,))
     assert got.returns[1] == pytest.approx((2.0,))
+
+
+def test_whitened_ppo_advantages_keep_the_critic_returns() -> None:
+    samples = [sample(1.0, 3), sample(2.0, 1)]
+    values = ((0.5, 0.6, 0.7), (0.5,))
+    plain = AdvantageSpec(estimator="ppo", group_size=1, gamma=0.9, lambd=0.8)
+    got = estimate_advantages(samples, attrs.evolve(plain, whiten=True), values=values)
+    # GAE gives 0.21712, 0.246, 0.3 and 1.5 (the test above); whitened over those four tokens:
+    raw = [0.21712, 0.246, 0.3, 1.5]
+    mean = sum(raw) / 4
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 4)
+    flat = [a for row in got.advantages for a in row]
+    assert flat == pytest.approx([(a - mean) / std for a in raw])
+    assert got.returns == estimate_advantages(samples, plain, values=values).returns
+
+
+@given(st.data(), grouped_samples(), st.sampled_from(ESTIMATORS))
+def test_whitening_gives_mean_zero_unit_variance_over_response_tokens(
+    data: st.DataObject, case: tuple[list[Sample], int], estimator: AdvantageEstimator
+) -> None:
+    samples, group_size = case
+    spec = AdvantageSpec(estimator=estimator, group_size=group_size, gamma=0.9, lambd=0.95)
+    values = rows_for(data, samples)
+    plain = estimate_advantages(samples, spec, values=values)
+    got = estimate_advantages(samples, attrs.evolve(spec, whiten=True), values=values)
+    flat = [a for row in got.advantages for a in row]
+    raw = [a for row in plain.advantages for a in row]
+    assert [len(r) for r in got.advantages] == [len(r) for r in plain.advantages]
+    assert got.returns == plain.returns
+    if not flat:
+        return
+    mean = sum(raw) / len(raw)
+    var = sum((a - mean) ** 2 for a in raw) / len(raw)
+    assert sum(flat) / len(flat) == pytest.approx(0.0, abs=1e-9)
+    if var > 1e-6:  # otherwise the 1e-8 floor on the variance keeps it from reaching 1
+        assert sum(a * a for a in flat) / len(flat) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_estimate_names_what_is_missing_or_wrong() -> None:

@@ -156,6 +156,9 @@ def estimate_advantages(
     - ``reinforce_plus_plus``: discounted token returns (``spec.gamma``), whitened.
     - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
 
+    ``spec.whiten`` then whitens the advantages over all response tokens of ``samples`` (mean 0,
+    biased variance 1); returns are left as they were, so the critic's targets do not change.
+
     Samples with empty responses get empty rows (a grouped estimator still counts their reward in
     their group's statistics). Raises ``ValueError`` for a missing input, rows of the wrong length,
     or (grouped estimators) a sample count that is not a multiple of ``group_size`` or a group of
@@ -208,6 +211,8 @@ def estimate_advantages(
         adv, ret = gae(token_rewards, _pad(values, mask, dtype), mask, spec.gamma, spec.lambd)
     else:
         raise ValueError(f"unknown advantage estimator {spec.estimator!r}")
+    if spec.whiten:
+        adv = _masked_whiten(adv, mask)
     return Advantages(advantages=_rows(adv, lengths), returns=_rows(ret, lengths), kl=kl_mean)
 
 
