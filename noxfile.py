@@ -16,7 +16,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", "constraints.txt")
-DEV = ("pytest>=8", "hypothesis>=6.100", "mypy>=1.15")
+DEV = ("pytest>=8", "hypothesis>=6.100", "mypy>=1.15", "types-psutil")
 
 
 def _install(session: nox.Session) -> None:
