@@ -20,7 +20,7 @@ DEV = ("pytest>=8", "hypothesis>=6.100", "mypy>=1.15", "types-psutil")
 
 
 def _install(session: nox.Session) -> None:
-    session.install(*CONSTRAINTS, "-e", ".[megatron]", *DEV)
+    session.install(*CONSTRAINTS, "-e", ".[megatron,wandb]", *DEV)
 
 
 @nox.session(python=PYTHON)

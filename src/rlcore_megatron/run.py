@@ -112,12 +112,26 @@ def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
 def _start_ray(config: RunConfig) -> None:
     import ray
 
+    from rlcore_megatron.ray_group import RayGroupError
+
     if ray.is_initialized():
         return
     if config.ray_address is not None:
-        ray.init(address=config.ray_address, log_to_driver=False)
+        try:
+            ray.init(address=config.ray_address, log_to_driver=False)
+        except ConnectionError as exc:
+            cause = str(exc.__cause__ or "").strip().splitlines()[-1:]  # Ray's reason, on its last line
+            raise RayGroupError(
+                f"--ray-address {config.ray_address}: could not join the Ray cluster: {exc}"
+                + "".join(f"\n{line}" for line in cause) + "\n"
+                "Is it running (`ray status --address ...`)? A cluster with token authentication (what "
+                "Ray starts by default) also needs RAY_AUTH_MODE=token here, with its token in "
+                "~/.ray/auth_token or RAY_AUTH_TOKEN: Ray sends no token to an explicit address unasked."
+            ) from exc
+        log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False)
+        log.info("ray: started a local instance at %s", ray.get_runtime_context().gcs_address)
 
 
 def write_summary(path: Path, result: RunResult) -> None:

@@ -5,8 +5,10 @@ with a critic and a reference model, and bad data stopping the run before any mo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,71 @@ def test_ppo_with_critic_and_kl(demo: Path, tmp_path: Path, ray_cluster: None) -
     for row in rows:
         assert row["train/critic/loss"] is not None and row["train/critic/loss"] >= 0
         assert "train/actor/kl_loss" in row
+
+
+_RAY_HEAD = """
+import sys, ray
+ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+ray.shutdown()  # stops the cluster this process started
+"""
+
+
+@pytest.fixture
+def other_ray_cluster() -> Iterator[str]:
+    """A Ray cluster started by another process (as ``ray start`` would), its GCS address."""
+    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert head.stdin is not None and head.stdout is not None
+    try:
+        address = head.stdout.readline().strip()  # "" if the process died
+        assert address, f"the Ray head process exited with {head.wait(timeout=60)}"
+        yield address
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            raise
+
+
+def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(demo: Path, tmp_path: Path,
+                                                               other_ray_cluster: str) -> None:
+    out = tmp_path / "out"
+    flags = _flags(demo, out, "--num-rollout", "2", "--skip-eval-before-train", "--ray-address", other_ray_cluster,
+                   "--use-tensorboard", "--use-wandb", "--advantage-estimator", "reinforce_plus_plus",
+                   "--normalize-advantages")
+    # No WANDB_API_KEY: wandb runs offline. The head enabled Ray's token authentication (its default
+    # for a cluster ray.init starts, token in ~/.ray/auth_token); Ray sends that token to an
+    # explicit address only when RAY_AUTH_MODE=token says so.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RAY_AUTH_"))}
+    command = [sys.executable, "-m", "rlcore_megatron.run", *flags]
+    refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 1
+    assert f"--ray-address {other_ray_cluster}: could not join the Ray cluster" in refused.stderr
+    assert "RAY_AUTH_MODE=token" in refused.stderr
+
+    run = subprocess.run(command, capture_output=True, text=True, env={**env, "RAY_AUTH_MODE": "token"}, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"ray: joined the cluster at {other_ray_cluster}" in (out / "run.log").read_text()
+    rewards = [r["rollout/reward"] for r in read_jsonl_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    assert len(rewards) == 2
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == [
+        (0, pytest.approx(rewards[0])), (1, pytest.approx(rewards[1]))]
+
+    # wandb's offline run: its record file holds the run's config and metric names (wandb 0.31
+    # ships no Python reader for it; `wandb sync` uploads it later).
+    (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    for name in (b"normalize_advantages", b"rollout/reward", b"train/actor/loss", b"train/actor/logprob_mismatch"):
+        assert name in data, name
 
 
 def test_bad_data_stops_before_any_model_is_built(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
