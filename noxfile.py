@@ -57,7 +57,8 @@ def sglang(session: nox.Session) -> None:
     cpu_pins = ("-c", f"{SGLANG_SHIMS}/constraints-cpu.txt")
     session.install(*cpu_pins, "-r", f"{SGLANG_SHIMS}/requirements-cpu.txt")
     session.install("--no-deps", f"sglang=={SGLANG_VERSION}")
-    # The Megatron extra too: the CLI end-to-end test runs `rlcore_megatron.run --rollout-engine sglang`.
+    # The Megatron extra too: the CLI end-to-end test runs
+    # `rlcore_megatron.run --rollout-engine sglang`.
     session.install(*cpu_pins, "-e", ".[megatron]", *DEV)
     site_packages = session.run(
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
@@ -77,6 +78,11 @@ def sglang(session: nox.Session) -> None:
     mypy_cache = os.path.join(nox_dir, "sglang-mypy-cache")
     session.run("mypy", "--cache-dir", mypy_cache, "stubs/sglang", "tests/sglang")
     session.run(
-        "pytest", "tests/sglang", "-p", "no:cacheprovider", "--durations=10", *session.posargs,
+        "pytest",
+        "tests/sglang",
+        "-p",
+        "no:cacheprovider",
+        "--durations=10",
+        *session.posargs,
         env=env,
     )

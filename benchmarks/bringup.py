@@ -62,7 +62,9 @@ def child(side: str, args: argparse.Namespace) -> dict[str, float]:
     samples = [
         Sample(
             Prompt(i, "", tuple(rng.randrange(1, args.vocab) for _ in range(half))),
-            Generation(tuple(rng.randrange(1, args.vocab) for _ in range(half)), (-1.0,) * half, ""),
+            Generation(
+                tuple(rng.randrange(1, args.vocab) for _ in range(half)), (-1.0,) * half, ""
+            ),
             reward=1.0,
             group=i,
         )
@@ -80,7 +82,9 @@ def child(side: str, args: argparse.Namespace) -> dict[str, float]:
     else:
         spec = TrainSpec(
             model=model,
-            optimizer=OptimizerSpec(LRSchedule(lr=1e-5, min_lr=1e-6, warmup_steps=0, decay_steps=10)),
+            optimizer=OptimizerSpec(
+                LRSchedule(lr=1e-5, min_lr=1e-6, warmup_steps=0, decay_steps=10)
+            ),
             loss=LossSpec(),
             global_batch_size=args.batch,
             micro_batch_size=args.batch,
@@ -103,7 +107,9 @@ def child(side: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child", choices=["eval", "train"], help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=768)
@@ -127,8 +133,11 @@ def main() -> None:
         results[side] = json.loads(out.stdout.strip().splitlines()[-1])
 
     ev, tr = results["eval"], results["train"]
-    print(f"bring-up, Megatron on the CPU: {ev['params_m']:.1f}M-parameter Llama, batch {args.batch} x {args.seq} tokens, "
-          f"{int(ev['threads'])} threads")
+    print(
+        f"bring-up, Megatron on the CPU: {ev['params_m']:.1f}M-parameter Llama, "
+        f"batch {args.batch} x {args.seq} tokens, "
+        f"{int(ev['threads'])} threads"
+    )
     print(f"{'':26}{'eval stack':>14}{'training stack':>16}{'eval/train':>12}")
     rows = [
         ("build (s)", "build_s"),

@@ -33,7 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import torch  # noqa: E402  (after OMP_NUM_THREADS)
+import torch
 
 THREADS = 2
 PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
@@ -52,13 +52,17 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
     tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
     model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
     rows = [json.loads(line) for line in (assets / "prompts.jsonl").read_text().splitlines()]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
+    )
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
     last = time.perf_counter()
     for step in range(steps):
-        batch = rows[((offset + step) * PROMPTS) % len(rows):][:PROMPTS]
-        prompt_ids = torch.tensor([tok.encode(r["prompt"]) for r in batch]).repeat_interleave(SAMPLES, 0)
+        batch = rows[((offset + step) * PROMPTS) % len(rows) :][:PROMPTS]
+        prompt_ids = torch.tensor([tok.encode(r["prompt"]) for r in batch]).repeat_interleave(
+            SAMPLES, 0
+        )
         answers = [r["answer"] for r in batch for _ in range(SAMPLES)]
         n = prompt_ids.shape[0]
         model.eval()
@@ -66,7 +70,8 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
             cache = DynamicCache(config=model.config)
             x, done, out = prompt_ids, torch.zeros(n, dtype=torch.bool), []
             for _ in range(NEW_TOKENS):
-                logits = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                out_step = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+                logits = out_step.logits[:, -1]
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
                 nxt = torch.where(done, torch.zeros_like(nxt), nxt)
                 out.append(nxt)
@@ -77,9 +82,16 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         completion = torch.stack(out, 1)
         eos_seen = (completion == 2).cumsum(1)
         mask = (eos_seen == 0) | ((completion == 2) & (eos_seen == 1))
-        texts = [tok.decode(c[m].tolist(), skip_special_tokens=True) for c, m in zip(completion, mask)]
-        rewards = torch.tensor([prefix_credit(t, a) for t, a in zip(texts, answers)]).view(PROMPTS, SAMPLES)
-        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+        texts = [
+            tok.decode(c[m].tolist(), skip_special_tokens=True)
+            for c, m in zip(completion, mask, strict=True)
+        ]
+        rewards = torch.tensor(
+            [prefix_credit(t, a) for t, a in zip(texts, answers, strict=True)]
+        ).view(PROMPTS, SAMPLES)
+        adv = (
+            (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        ).view(-1)
         model.train()
         full = torch.cat([prompt_ids, completion], 1)
         attn = torch.cat([torch.ones_like(prompt_ids), mask.long()], 1)
@@ -117,7 +129,9 @@ class _StepClock:
         pass
 
 
-def rlcore_steps(model_dir: Path, prompts: Path, steps: int, offset: int, out: Path) -> tuple[list[float], list[dict[str, float]]]:
+def rlcore_steps(
+    model_dir: Path, prompts: Path, steps: int, offset: int, out: Path
+) -> tuple[list[float], list[dict[str, float]]]:
     from rlcore.flags import load_config
     from rlcore.loop import run
     from rlcore.plan import plan
@@ -126,14 +140,42 @@ def rlcore_steps(model_dir: Path, prompts: Path, steps: int, offset: int, out: P
     from rlcore_megatron.ray_stacks import RayMegatronBackend
     from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
 
-    config = load_config([
-        "--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--input-key", "prompt",
-        "--label-key", "answer", "--rm-type", "prefix_partial",
-        "--num-rollout", str(steps), "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
-        "--global-batch-size", str(PROMPTS * SAMPLES), "--micro-batch-size", str(PROMPTS * SAMPLES),
-        "--rollout-max-response-len", str(NEW_TOKENS), "--rollout-temperature", "1.0",
-        "--lr", "1e-4", "--clip-grad", "1.0", "--seed", str(offset), "--output-dir", str(out),
-    ])
+    config = load_config(
+        [
+            "--hf-checkpoint",
+            str(model_dir),
+            "--prompt-data",
+            str(prompts),
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "answer",
+            "--rm-type",
+            "prefix_partial",
+            "--num-rollout",
+            str(steps),
+            "--rollout-batch-size",
+            str(PROMPTS),
+            "--n-samples-per-prompt",
+            str(SAMPLES),
+            "--global-batch-size",
+            str(PROMPTS * SAMPLES),
+            "--micro-batch-size",
+            str(PROMPTS * SAMPLES),
+            "--rollout-max-response-len",
+            str(NEW_TOKENS),
+            "--rollout-temperature",
+            "1.0",
+            "--lr",
+            "1e-4",
+            "--clip-grad",
+            "1.0",
+            "--seed",
+            str(offset),
+            "--output-dir",
+            str(out),
+        ]
+    )
     tokenizer = _tokenizer(config)
     data = load_run_data(config, tokenizer)
     clock = _StepClock()
@@ -144,7 +186,7 @@ def rlcore_steps(model_dir: Path, prompts: Path, steps: int, offset: int, out: P
             run(plan(config), backend, engine, get_reward_fn("prefix_partial"), data, clock)
         finally:
             engine.close()
-    times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    times = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
     return times, clock.perf
 
 
@@ -152,15 +194,26 @@ def _summary(name: str, per_round: list[list[float]]) -> float:
     medians = [statistics.median(r) for r in per_round]
     flat = [t for r in per_round for t in r]
     med = statistics.median(medians)
-    print(f"{name:>7}: median {med:.3f} s/step (per-round medians {', '.join(f'{m:.3f}' for m in medians)}; "
-          f"min {min(flat):.3f}, max {max(flat):.3f}, {len(flat)} steps)")
+    print(
+        f"{name:>7}: median {med:.3f} s/step "
+        f"(per-round medians {', '.join(f'{m:.3f}' for m in medians)}; "
+        f"min {min(flat):.3f}, max {max(flat):.3f}, {len(flat)} steps)"
+    )
     return med
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--assets", type=Path, default=Path(__file__).resolve().parents[2] / "shared/bench-tiny/assets")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per round (after 2 warm-up steps)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--assets",
+        type=Path,
+        default=Path(__file__).resolve().parents[2] / "shared/bench-tiny/assets",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="measured steps per round (after 2 warm-up steps)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
@@ -179,21 +232,31 @@ def main() -> None:
     perf: list[dict[str, float]] = []
     try:
         for r in range(args.rounds):
-            ours, split = rlcore_steps(model_dir, args.assets / "prompts.jsonl", warm + args.steps, r, tmp / f"run{r}")
+            ours, split = rlcore_steps(
+                model_dir, args.assets / "prompts.jsonl", warm + args.steps, r, tmp / f"run{r}"
+            )
             ours_rounds.append(ours[warm:])
             perf += split[warm:]
             floor_rounds.append(floor_steps(args.assets, warm + args.steps, r)[warm:])
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, {THREADS} threads, "
-          f"{args.rounds} alternating rounds of {args.steps} steps")
+    print(
+        f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
+        f"{THREADS} threads, {args.rounds} alternating rounds of {args.steps} steps"
+    )
     floor = _summary("floor", floor_rounds)
     ours_med = _summary("rlcore", ours_rounds)
     print(f"  ratio: {ours_med / floor:.2f}x the floor (target <= 1.15x)")
     keys = sorted({k for p in perf for k in p})
-    print("  rlcore split (median s): " + ", ".join(
-        f"{k.removeprefix('perf/').removesuffix('_s')} {statistics.median(p[k] for p in perf):.3f}" for k in keys))
+    print(
+        "  rlcore split (median s): "
+        + ", ".join(
+            f"{k.removeprefix('perf/').removesuffix('_s')} "
+            f"{statistics.median(p[k] for p in perf):.3f}"
+            for k in keys
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,7 @@ def main() -> None:
     params = sum(t.numel() for t in weights.values())
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     print(
-        f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB "
-        f"in {len(weights)} tensors"
+        f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB in {len(weights)} tensors"
     )
 
     # A second set of weights to push: the server must end up with exactly these.

@@ -20,7 +20,15 @@ import torch
 from torch import nn
 
 import rlcore
-from rlcore.algorithms import actor_loss, critic_loss, gather_response, tensorize, tensorize_samples, token_log_probs, unpad
+from rlcore.algorithms import (
+    actor_loss,
+    critic_loss,
+    gather_response,
+    tensorize,
+    tensorize_samples,
+    token_log_probs,
+    unpad,
+)
 from rlcore.errors import CheckpointError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import EvalSet, Prompt, Sample, TrainBatch, TrainMetrics
@@ -49,7 +57,9 @@ def _scores(model: Bigram, role: str, samples: Sequence[Sample]) -> list[tuple[f
     tb = tensorize_samples(samples, PAD)
     with torch.no_grad():
         out = model(tb.tokens)
-        per_token = gather_response(out.squeeze(-1), tb) if role == "critic" else token_log_probs(out, tb)
+        per_token = (
+            gather_response(out.squeeze(-1), tb) if role == "critic" else token_log_probs(out, tb)
+        )
     return unpad(per_token, tb)
 
 
@@ -94,8 +104,11 @@ class TorchTrainingStack:
         self.model = Bigram(spec.model.seed, value_head=spec.model.role == "critic")
         o = spec.optimizer
         self._optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.schedule.lr, betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps, weight_decay=o.weight_decay,
+            self.model.parameters(),
+            lr=o.schedule.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            weight_decay=o.weight_decay,
         )
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: o.schedule.lr_at(step) / o.schedule.lr
@@ -126,14 +139,20 @@ class TorchTrainingStack:
             step = tb.select(slice(start, start + size))
             out = self.model(step.tokens)
             if self.spec.role == "critic":
-                result = critic_loss(gather_response(out.squeeze(-1), step), step, self.train_spec.loss)
+                result = critic_loss(
+                    gather_response(out.squeeze(-1), step), step, self.train_spec.loss
+                )
             else:
                 result = actor_loss(token_log_probs(out, step), step, self.train_spec.loss)
             loss = result.loss / step.num_sequences
             self._optimizer.zero_grad()
             torch.autograd.backward(loss)
             clip = self.train_spec.optimizer.clip_grad
-            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf")))
+            grad_norm = float(
+                nn.utils.clip_grad_norm_(
+                    self.model.parameters(), clip if clip > 0 else float("inf")
+                )
+            )
             lr = float(self._scheduler.get_last_lr()[0])
             self._optimizer.step()
             self._scheduler.step()
@@ -143,10 +162,15 @@ class TorchTrainingStack:
 
     def save(self, path: Path, rollout_id: int) -> None:
         path.mkdir(parents=True)
-        state = {"model": self.model.state_dict(), "optimizer": self._optimizer.state_dict(),
-                 "scheduler": self._scheduler.state_dict()}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "scheduler": self._scheduler.state_dict(),
+        }
         torch.save(state, path / "state.pt")
-        (path / "meta.json").write_text(json.dumps({"rollout_id": rollout_id}))  # last: marks it complete
+        (path / "meta.json").write_text(
+            json.dumps({"rollout_id": rollout_id})
+        )  # last: marks it complete
 
     def load(self, path: Path) -> int:
         rollout_id, state = _load_model(self.model, path)
@@ -170,8 +194,12 @@ class TorchBackend:
 
 
 def _data() -> rlcore.RunData:
-    prompts = tuple(Prompt(index=i, text=f"{i}+{i}=", token_ids=(1, 2, 3), label=str(2 * i)) for i in range(16))
-    return rlcore.RunData(train_prompts=prompts, eval_sets=(EvalSet("doubles", prompts[:4]),), seed=0)
+    prompts = tuple(
+        Prompt(index=i, text=f"{i}+{i}=", token_ids=(1, 2, 3), label=str(2 * i)) for i in range(16)
+    )
+    return rlcore.RunData(
+        train_prompts=prompts, eval_sets=(EvalSet("doubles", prompts[:4]),), seed=0
+    )
 
 
 def _reward(prompt: Prompt, generation: rlcore.Generation) -> float:
@@ -181,20 +209,73 @@ def _reward(prompt: Prompt, generation: rlcore.Generation) -> float:
 def main(folder: Path) -> tuple[rlcore.RunResult, rlcore.RunResult]:
     """Train 4 PPO rollouts with a critic and save, then evaluate the checkpoint (eval-only)."""
     save = folder / "ckpt"
-    train_flags = ["--num-rollout", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                   "--global-batch-size", "4", "--micro-batch-size", "4", "--advantage-estimator", "ppo",
-                   "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--save", str(save),
-                   "--eval-interval", "2", "--eval-prompt-data", "doubles", "unused.jsonl"]
-    trained = rlcore.run(rlcore.plan(rlcore.load_config(train_flags)), TorchBackend(), ScriptedEngine(), _reward, _data())
-    eval_flags = ["--num-rollout", "0", "--load", str(save), "--eval-prompt-data", "doubles", "unused.jsonl"]
-    evaluated = rlcore.run(rlcore.plan(rlcore.load_config(eval_flags)), TorchBackend(), ScriptedEngine(), _reward, _data())
+    train_flags = [
+        "--num-rollout",
+        "4",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--advantage-estimator",
+        "ppo",
+        "--lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "2",
+        "--lr-decay-style",
+        "cosine",
+        "--save",
+        str(save),
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        "doubles",
+        "unused.jsonl",
+    ]
+    trained = rlcore.run(
+        rlcore.plan(rlcore.load_config(train_flags)),
+        TorchBackend(),
+        ScriptedEngine(),
+        _reward,
+        _data(),
+    )
+    eval_flags = [
+        "--num-rollout",
+        "0",
+        "--load",
+        str(save),
+        "--eval-prompt-data",
+        "doubles",
+        "unused.jsonl",
+    ]
+    evaluated = rlcore.run(
+        rlcore.plan(rlcore.load_config(eval_flags)),
+        TorchBackend(),
+        ScriptedEngine(),
+        _reward,
+        _data(),
+    )
     return trained, evaluated
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         trained, evaluated = main(Path(tmp))
-    print("trained rollouts:", trained.trained, "saved:", trained.saved, "evaluated after:", trained.evaluated)
-    print("last train metrics:", {k: round(v, 4) for k, v in trained.last_train.items() if k.startswith("train/")})
+    print(
+        "trained rollouts:",
+        trained.trained,
+        "saved:",
+        trained.saved,
+        "evaluated after:",
+        trained.evaluated,
+    )
+    print(
+        "last train metrics:",
+        {k: round(v, 4) for k, v in trained.last_train.items() if k.startswith("train/")},
+    )
     print("eval-only on the checkpoint:", dict(evaluated.last_eval))
     sys.exit(0)

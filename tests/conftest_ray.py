@@ -22,6 +22,7 @@ RAY_TEST_CPUS: Final = 4
 def ray_cluster() -> Iterator[None]:
     """A local Ray instance with :data:`RAY_TEST_CPUS` logical CPUs, shut down after the session."""
     import ray  # a missing Ray fails the tests that need it instead of skipping them
+
     if ray.is_initialized():  # someone else's cluster: use it, leave it alone
         yield
         return

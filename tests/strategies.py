@@ -15,7 +15,9 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
 @st.composite
-def config_dicts(draw: st.DrawFn, *, eval_data: bool | None = None, save: bool | None = None) -> dict[str, Any]:
+def config_dicts(
+    draw: st.DrawFn, *, eval_data: bool | None = None, save: bool | None = None
+) -> dict[str, Any]:
     """Nested config data (as a TOML file would give) over the settings that decide the plan and
     the loop: counts from 0 up (including invalid ones), critic, estimator, KL, warmup/decay,
     batch sizes, eval and save intervals, start_rollout_id."""
@@ -23,7 +25,11 @@ def config_dicts(draw: st.DrawFn, *, eval_data: bool | None = None, save: bool |
     n_samples = draw(st.integers(min_value=0, max_value=4))
     rollout_batch = draw(st.integers(min_value=0, max_value=4))
     samples = max(n_samples * rollout_batch, 1)
-    global_batch = draw(st.one_of(st.sampled_from(sorted({d for d in range(1, samples + 1) if samples % d == 0})), small))
+    global_batch = draw(
+        st.one_of(
+            st.sampled_from(sorted({d for d in range(1, samples + 1) if samples % d == 0})), small
+        )
+    )
     has_eval = draw(st.booleans()) if eval_data is None else eval_data
     has_save = draw(st.booleans()) if save is None else save
     data: dict[str, Any] = {
@@ -72,8 +78,12 @@ def config_dicts(draw: st.DrawFn, *, eval_data: bool | None = None, save: bool |
 def junk() -> st.SearchStrategy[Any]:
     """Values of the wrong type or shape, to mix into config data."""
     return st.one_of(
-        st.text(max_size=5), st.floats(allow_nan=True), st.booleans(), st.none(),
-        st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+        st.text(max_size=5),
+        st.floats(allow_nan=True),
+        st.booleans(),
+        st.none(),
+        st.lists(st.integers(), max_size=2),
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     )
 
 
@@ -99,7 +109,9 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     group_based = estimator in ("grpo", "reinforce_plus_plus_baseline")
     n_samples = draw(st.integers(min_value=2 if group_based else 1, max_value=4))
     rollout_batch = draw(st.integers(min_value=1, max_value=4))
-    prompts_per_step = draw(st.sampled_from([d for d in range(1, rollout_batch + 1) if rollout_batch % d == 0]))
+    prompts_per_step = draw(
+        st.sampled_from([d for d in range(1, rollout_batch + 1) if rollout_batch % d == 0])
+    )
     global_batch = n_samples * prompts_per_step
     micro = draw(st.sampled_from([d for d in range(1, global_batch + 1) if global_batch % d == 0]))
     num_rollout = draw(st.integers(min_value=0, max_value=6))
@@ -113,7 +125,11 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     has_save = save_interval is not None or draw(st.booleans())
     start = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=max(num_rollout - 1, 0))))
     data: dict[str, Any] = {
-        "rollout": {"num_rollout": num_rollout, "rollout_batch_size": rollout_batch, "n_samples_per_prompt": n_samples},
+        "rollout": {
+            "num_rollout": num_rollout,
+            "rollout_batch_size": rollout_batch,
+            "n_samples_per_prompt": n_samples,
+        },
         "algorithm": {
             "advantage_estimator": estimator,
             "use_critic": draw(st.booleans()),
@@ -121,11 +137,17 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
             "use_kl_loss": draw(st.booleans()),
             "kl_loss_coef": draw(st.sampled_from([0.0, 0.01])),
             "kl_loss_type": draw(st.sampled_from(KL_TYPES)),
-            "sft_warmup_rollouts": draw(st.integers(min_value=0, max_value=max(num_rollout - 1, 0))),
+            "sft_warmup_rollouts": draw(
+                st.integers(min_value=0, max_value=max(num_rollout - 1, 0))
+            ),
             "normalize_std": draw(st.booleans()),
             "normalize_advantages": draw(st.booleans()),
         },
-        "optim": {"lr": 1e-5, "lr_warmup_iters": warmup, "lr_decay_style": draw(st.sampled_from(["constant", "linear", "cosine"]))},
+        "optim": {
+            "lr": 1e-5,
+            "lr_warmup_iters": warmup,
+            "lr_decay_style": draw(st.sampled_from(["constant", "linear", "cosine"])),
+        },
         "train": {"global_batch_size": global_batch, "micro_batch_size": micro},
         "eval": {"skip_eval_before_train": draw(st.booleans())},
         "checkpoint": {},

@@ -14,7 +14,12 @@ def test_unknown_backend_lists_the_known_ones() -> None:
 
 
 def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(KNOWN_BACKENDS, "nowhere", ("rlcore_nowhere.backend", "Backend", "rlcore[nowhere]"))
-    with pytest.raises(BackendUnavailableError, match=r"needs packages that are not installed \(rlcore_nowhere\)"
-                       r": pip install 'rlcore\[nowhere\]'"):
+    monkeypatch.setitem(
+        KNOWN_BACKENDS, "nowhere", ("rlcore_nowhere.backend", "Backend", "rlcore[nowhere]")
+    )
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"needs packages that are not installed \(rlcore_nowhere\)"
+        r": pip install 'rlcore\[nowhere\]'",
+    ):
         load_backend("nowhere")

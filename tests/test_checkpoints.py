@@ -36,7 +36,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) 
         raise OSError("disk full")
 
     with pytest.raises(CheckpointError, match="rollout_000001.*disk full"):
-        write_checkpoint(tmp_path, CheckpointMeta(1, 8, ("actor", "critic")), {"actor": _writer("x"), "critic": crash})
+        write_checkpoint(
+            tmp_path,
+            CheckpointMeta(1, 8, ("actor", "critic")),
+            {"actor": _writer("x"), "critic": crash},
+        )
     assert find_checkpoint(tmp_path) == good
     assert (good / "actor" / "weights").read_text() == "good"
     assert not (tmp_path / "rollout_000001").exists()

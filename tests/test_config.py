@@ -14,8 +14,18 @@ from rlcore.errors import ConfigError
 from rlcore.flags import build_parser, load_config
 from tests.strategies import config_dicts, corrupted_config_dicts
 
-TRAIN = ["--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-         "--global-batch-size", "16", "--micro-batch-size", "4"]
+TRAIN = [
+    "--num-rollout",
+    "3",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--micro-batch-size",
+    "4",
+]
 
 
 def _problems(argv: list[str]) -> list[str]:
@@ -35,7 +45,9 @@ def test_loading_yields_a_config_or_a_config_error(data: dict[str, Any]) -> None
 
 
 @given(corrupted_config_dicts())
-def test_junk_values_and_unknown_keys_are_config_errors_naming_the_path(data: dict[str, Any]) -> None:
+def test_junk_values_and_unknown_keys_are_config_errors_naming_the_path(
+    data: dict[str, Any],
+) -> None:
     try:
         structure_config(data)
     except ConfigError as exc:
@@ -44,8 +56,10 @@ def test_junk_values_and_unknown_keys_are_config_errors_naming_the_path(data: di
 
 def test_flags_override_the_toml_file(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('[rollout]\nnum_rollout = 5\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n'
-                    '[train]\nglobal_batch_size = 16\nmicro_batch_size = 4\n[optim]\nlr = 2e-6\n')
+    toml.write_text(
+        "[rollout]\nnum_rollout = 5\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n"
+        "[train]\nglobal_batch_size = 16\nmicro_batch_size = 4\n[optim]\nlr = 2e-6\n"
+    )
     config = load_config(["--config", str(toml), "--num-rollout", "7"])
     assert config.rollout.num_rollout == 7
     assert config.optim.lr == 2e-6
@@ -54,8 +68,10 @@ def test_flags_override_the_toml_file(tmp_path: Path) -> None:
 
 def test_flags_and_toml_give_the_same_config(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('[rollout]\nnum_rollout = 3\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n'
-                    '[train]\nglobal_batch_size = 16\nmicro_batch_size = 4\n')
+    toml.write_text(
+        "[rollout]\nnum_rollout = 3\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n"
+        "[train]\nglobal_batch_size = 16\nmicro_batch_size = 4\n"
+    )
     assert load_config(["--config", str(toml)]) == load_config(TRAIN)
 
 
@@ -67,19 +83,38 @@ def test_ppo_implies_a_critic() -> None:
 def test_advantage_normalisation_flags() -> None:
     default = load_config(TRAIN).algorithm
     assert default.normalize_std and not default.normalize_advantages
-    changed = load_config([*TRAIN, "--disable-grpo-std-normalization", "--normalize-advantages"]).algorithm
+    changed = load_config(
+        [*TRAIN, "--disable-grpo-std-normalization", "--normalize-advantages"]
+    ).algorithm
     assert not changed.normalize_std and changed.normalize_advantages
 
 
 def test_eval_prompt_data_takes_name_path_pairs() -> None:
     config = load_config([*TRAIN, "--eval-prompt-data", "a", "a.jsonl", "b", "b.jsonl"])
-    assert [(d.name, d.path) for d in config.eval.prompt_data] == [("a", Path("a.jsonl")), ("b", Path("b.jsonl"))]
+    assert [(d.name, d.path) for d in config.eval.prompt_data] == [
+        ("a", Path("a.jsonl")),
+        ("b", Path("b.jsonl")),
+    ]
     assert any("NAME PATH" in p for p in _problems([*TRAIN, "--eval-prompt-data", "a"]))
 
 
 def test_all_problems_are_reported_together_with_paths_and_flags() -> None:
-    problems = _problems(["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                          "--global-batch-size", "8", "--eval-interval", "1", "--save-interval", "1"])
+    problems = _problems(
+        [
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--eval-interval",
+            "1",
+            "--save-interval",
+            "1",
+        ]
+    )
     joined = "\n".join(problems)
     assert "train.global_batch_size (--global-batch-size)" in joined
     assert "eval.prompt_data" in joined and "--eval-prompt-data" in joined
@@ -89,8 +124,22 @@ def test_all_problems_are_reported_together_with_paths_and_flags() -> None:
 
 def test_lr_decay_steps_below_one_is_refused_at_load_time() -> None:
     # 1 rollout x 1 step: decay 1 step, and warmup 1 is not shorter.
-    problems = _problems(["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                          "--global-batch-size", "4", "--micro-batch-size", "4", "--lr-warmup-iters", "1"])
+    problems = _problems(
+        [
+            "--num-rollout",
+            "1",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "4",
+            "--lr-warmup-iters",
+            "1",
+        ]
+    )
     assert any("lr_warmup_iters" in p for p in problems)
     problems = _problems([*TRAIN, "--lr-decay-iters", "0"])
     assert any("lr_decay_iters" in p and ">= 1" in p for p in problems)
@@ -98,8 +147,18 @@ def test_lr_decay_steps_below_one_is_refused_at_load_time() -> None:
 
 def test_num_rollout_zero_needs_something_to_evaluate() -> None:
     assert any("nothing to evaluate" in p for p in _problems(["--num-rollout", "0"]))
-    config = load_config(["--num-rollout", "0", "--eval-prompt-data", "x", "x.jsonl", "--use-critic",
-                          "--global-batch-size", "1000"])
+    config = load_config(
+        [
+            "--num-rollout",
+            "0",
+            "--eval-prompt-data",
+            "x",
+            "x.jsonl",
+            "--use-critic",
+            "--global-batch-size",
+            "1000",
+        ]
+    )
     assert config.is_eval_only  # batch sizes do not matter when nothing trains
 
 
@@ -130,12 +189,35 @@ def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
 def test_every_field_has_a_flag_and_help() -> None:
     parser = build_parser()
     flags = {o for a in parser._actions for o in a.option_strings}
-    for name in ("--num-rollout", "--num-epoch", "--rollout-batch-size", "--n-samples-per-prompt",
-                 "--global-batch-size", "--use-critic", "--advantage-estimator", "--kl-coef", "--use-kl-loss",
-                 "--kl-loss-coef", "--kl-loss-type", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters",
-                 "--lr-decay-style", "--clip-grad", "--eps-clip", "--eps-clip-high", "--eval-interval",
-                 "--eval-prompt-data", "--skip-eval-before-train", "--save", "--save-interval", "--load",
-                 "--start-rollout-id", "--seed"):
+    for name in (
+        "--num-rollout",
+        "--num-epoch",
+        "--rollout-batch-size",
+        "--n-samples-per-prompt",
+        "--global-batch-size",
+        "--use-critic",
+        "--advantage-estimator",
+        "--kl-coef",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "--kl-loss-type",
+        "--lr",
+        "--min-lr",
+        "--lr-warmup-iters",
+        "--lr-decay-iters",
+        "--lr-decay-style",
+        "--clip-grad",
+        "--eps-clip",
+        "--eps-clip-high",
+        "--eval-interval",
+        "--eval-prompt-data",
+        "--skip-eval-before-train",
+        "--save",
+        "--save-interval",
+        "--load",
+        "--start-rollout-id",
+        "--seed",
+    ):
         assert name in flags
     for section in attrs.fields(RunConfig):
         fields = attrs.fields(section.type) if attrs.has(section.type) else [section]  # type: ignore[arg-type]

@@ -65,8 +65,16 @@ def test_load_jsonl(tmp_path: Path) -> None:
     )
     prompts = load_prompts(path, tokenizer=CharTokenizer())
     assert prompts == (
-        Prompt(index=0, text="12+34=", token_ids=(1, 4, 5, 13, 6, 7, 14), label="46", target_token_ids=(7, 9, 2)),
-        Prompt(index=1, text="1+1=", token_ids=(1, 4, 13, 4, 14), label="2", target_token_ids=(5, 2)),
+        Prompt(
+            index=0,
+            text="12+34=",
+            token_ids=(1, 4, 5, 13, 6, 7, 14),
+            label="46",
+            target_token_ids=(7, 9, 2),
+        ),
+        Prompt(
+            index=1, text="1+1=", token_ids=(1, 4, 13, 4, 14), label="2", target_token_ids=(5, 2)
+        ),
     )
 
 
@@ -102,7 +110,10 @@ def test_load_parquet(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"input": "1=", "label": "1"}\n{"input": "2=", "label": \n', r"p\.jsonl:2: not valid JSON"),
+        (
+            '{"input": "1=", "label": "1"}\n{"input": "2=", "label": \n',
+            r"p\.jsonl:2: not valid JSON",
+        ),
         ('{"input": "1=", "label": "1"}\n\n{"label": "1"}\n', r"p\.jsonl:3: missing key 'input'"),
         ('{"input": "1="}\n', r"p\.jsonl:1: missing key 'label'.*--label-key"),
         ('{"input": 12, "label": "1"}\n', r"p\.jsonl:1: 'input' must be a string, got int"),
@@ -139,7 +150,10 @@ def test_chat_template(tmp_path: Path) -> None:
         tmp_path / "p.jsonl",
         [
             {"input": "1+1", "label": "2"},
-            {"input": [{"role": "user", "content": "2"}, {"role": "user", "content": "+3"}], "label": "5"},
+            {
+                "input": [{"role": "user", "content": "2"}, {"role": "user", "content": "+3"}],
+                "label": "5",
+            },
         ],
     )
     a, b = load_prompts(path, tokenizer=ChatCharTokenizer(), apply_chat_template=True)
@@ -155,7 +169,9 @@ def test_chat_template(tmp_path: Path) -> None:
 
 def test_load_eval_sets(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [{"input": "1=", "label": "1"}])
-    b = write_jsonl(tmp_path / "b.jsonl", [{"input": "2=", "label": "2"}, {"input": "3=", "label": "3"}])
+    b = write_jsonl(
+        tmp_path / "b.jsonl", [{"input": "2=", "label": "2"}, {"input": "3=", "label": "3"}]
+    )
     sets = load_eval_sets([("a", a), ("b", b)], tokenizer=CharTokenizer())
     assert [(s.name, len(s.prompts)) for s in sets] == [("a", 1), ("b", 2)]
     with pytest.raises(DataError, match="'a' is used twice"):

@@ -12,13 +12,51 @@ import rlcore
 import rlcore.testing
 
 EXPECTED = {
-    "AdvantageSpec", "Backend", "BackendUnavailableError", "CheckpointError", "ConfigError", "ConfigProblem",
-    "DataError", "EvalPlan", "EvalSet", "EvalSpec", "EvalStack", "Generation", "LRSchedule", "LossSpec",
-    "MetricsSink", "ModelSpec", "NamedTensors", "Optimizer", "OptimizerSpec", "ParallelSpec", "Plan",
-    "PlanError", "Prompt", "RLCoreError", "RewardError", "RewardFn", "RolloutEngine", "RolloutError",
-    "RunConfig", "RunData", "RunResult", "Sample", "SamplingParams", "Scheduler", "TrainBatch",
-    "TrainMetrics", "TrainPlan", "TrainSpec", "TrainingStack", "load_backend", "load_config", "plan", "run",
-    "should_eval", "should_save",
+    "AdvantageSpec",
+    "Backend",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "ConfigError",
+    "ConfigProblem",
+    "DataError",
+    "EvalPlan",
+    "EvalSet",
+    "EvalSpec",
+    "EvalStack",
+    "Generation",
+    "LRSchedule",
+    "LossSpec",
+    "MetricsSink",
+    "ModelSpec",
+    "NamedTensors",
+    "Optimizer",
+    "OptimizerSpec",
+    "ParallelSpec",
+    "Plan",
+    "PlanError",
+    "Prompt",
+    "RLCoreError",
+    "RewardError",
+    "RewardFn",
+    "RolloutEngine",
+    "RolloutError",
+    "RunConfig",
+    "RunData",
+    "RunResult",
+    "Sample",
+    "SamplingParams",
+    "Scheduler",
+    "TrainBatch",
+    "TrainMetrics",
+    "TrainPlan",
+    "TrainSpec",
+    "TrainingStack",
+    "load_backend",
+    "load_config",
+    "plan",
+    "run",
+    "should_eval",
+    "should_save",
 }
 
 
@@ -35,8 +73,13 @@ def test_import_rlcore_is_light() -> None:
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'numpy', 'rlcore_megatron'))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent,
+    )
     assert json.loads(out.stdout) == []
 
 

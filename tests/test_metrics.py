@@ -15,12 +15,18 @@ def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None
     sink.log(1, {"eval/heldout/reward": 1.0})
     sink.close()
     rows = read_jsonl_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert rows == [{"step": 0, "rollout/reward": 0.5, "train/actor/loss": None},
-                    {"step": 1, "eval/heldout/reward": 1.0}]
+    assert rows == [
+        {"step": 0, "rollout/reward": 0.5, "train/actor/loss": None},
+        {"step": 1, "eval/heldout/reward": 1.0},
+    ]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"rollout/reward", "train/actor/loss", "eval/heldout/reward"}
+    assert set(events.Tags()["scalars"]) == {
+        "rollout/reward",
+        "train/actor/loss",
+        "eval/heldout/reward",
+    }
     assert [e.value for e in events.Scalars("eval/heldout/reward")] == [1.0]

@@ -36,20 +36,38 @@ def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
         return
     assert isinstance(result, TrainPlan)
     schedule = result.actor.optimizer.schedule
-    assert schedule.decay_steps > 0 and 0 <= schedule.warmup_steps < schedule.decay_steps  # Megatron's asserts
+    assert (
+        schedule.decay_steps > 0 and 0 <= schedule.warmup_steps < schedule.decay_steps
+    )  # Megatron's asserts
     assert (result.critic is not None) == config.algorithm.critic
     assert (result.reference is not None) == config.algorithm.uses_kl
     if result.critic is not None:
         assert result.critic.model.role == "critic"
-    assert result.actor.steps_per_rollout * result.actor.global_batch_size == config.samples_per_rollout
+    assert (
+        result.actor.steps_per_rollout * result.actor.global_batch_size
+        == config.samples_per_rollout
+    )
     advantage, algorithm = result.advantage, config.algorithm
     assert advantage.estimator == algorithm.advantage_estimator
     assert advantage.group_size == config.rollout.n_samples_per_prompt
-    assert (advantage.normalize_std, advantage.whiten) == (algorithm.normalize_std, algorithm.normalize_advantages)
+    assert (advantage.normalize_std, advantage.whiten) == (
+        algorithm.normalize_std,
+        algorithm.normalize_advantages,
+    )
 
 
 def test_eval_plan_says_what_it_skipped() -> None:
-    config = load_config(["--num-rollout", "0", "--eval-prompt-data", "x", "x.jsonl", "--use-critic", "--use-kl-loss"])
+    config = load_config(
+        [
+            "--num-rollout",
+            "0",
+            "--eval-prompt-data",
+            "x",
+            "x.jsonl",
+            "--use-critic",
+            "--use-kl-loss",
+        ]
+    )
     result = plan(config)
     assert isinstance(result, EvalPlan)
     assert any("critic" in line for line in result.skipped)
@@ -57,8 +75,20 @@ def test_eval_plan_says_what_it_skipped() -> None:
 
 
 def test_num_epoch_resolves_to_num_rollout() -> None:
-    config = load_config(["--num-epoch", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                          "--global-batch-size", "8", "--micro-batch-size", "8"])
+    config = load_config(
+        [
+            "--num-epoch",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "8",
+        ]
+    )
     with pytest.raises(PlanError, match="resolve_num_rollout"):
         plan(config)
     resolved = resolve_num_rollout(config, num_prompts=10)

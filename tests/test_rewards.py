@@ -170,7 +170,9 @@ def test_bad_custom_reward_paths(reward_module: str, suffix: str, message: str) 
 
 
 def test_missing_custom_module() -> None:
-    with pytest.raises(ConfigError, match=r"'no_such_mod_xyz:f': cannot import module 'no_such_mod_xyz'"):
+    with pytest.raises(
+        ConfigError, match=r"'no_such_mod_xyz:f': cannot import module 'no_such_mod_xyz'"
+    ):
         load_custom_reward("no_such_mod_xyz:f")
 
 

@@ -51,7 +51,9 @@ def test_bad_alphabet_is_refused(tmp_path: Path, alphabet: str) -> None:
 
 
 def test_tiny_llama_loads_back_with_config_and_generation_config(tmp_path: Path) -> None:
-    config = build_tiny_llama(tmp_path, vocab_size=16, hidden_size=32, num_layers=1, intermediate_size=64)
+    config = build_tiny_llama(
+        tmp_path, vocab_size=16, hidden_size=32, num_layers=1, intermediate_size=64
+    )
     assert (tmp_path / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -72,7 +74,12 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 def test_tiny_llama_weights_are_a_function_of_the_seed(tmp_path: Path) -> None:
     def build(name: str, seed: int) -> None:
         build_tiny_llama(
-            tmp_path / name, vocab_size=16, hidden_size=32, num_layers=1, intermediate_size=64, seed=seed
+            tmp_path / name,
+            vocab_size=16,
+            hidden_size=32,
+            num_layers=1,
+            intermediate_size=64,
+            seed=seed,
         )
 
     torch.manual_seed(123)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SNIPPET = '''
+SNIPPET = """
 from rlcore import EvalStack, TrainingStack
 
 def evaluate_only(stack: EvalStack) -> None:
@@ -17,7 +17,7 @@ def evaluate_only(stack: EvalStack) -> None:
 
 def train(stack: TrainingStack) -> None:
     stack.optimizer.state_dict()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -26,11 +26,23 @@ def test_mypy_rejects_optimizer_access_on_an_eval_stack(tmp_path: Path) -> None:
     snippet.write_text(SNIPPET)
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--config-file", str(root / "pyproject.toml"),
-         str(snippet)],
-        capture_output=True, text=True, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--config-file",
+            str(root / "pyproject.toml"),
+            str(snippet),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
     )
     assert out.returncode == 1, out.stdout
     errors = [line for line in out.stdout.splitlines() if ": error:" in line]
     assert len(errors) == 1, out.stdout
-    assert 'snippet.py:5: error: "EvalStack" has no attribute "optimizer"  [attr-defined]' in errors[0]
+    assert (
+        'snippet.py:5: error: "EvalStack" has no attribute "optimizer"  [attr-defined]' in errors[0]
+    )

@@ -34,8 +34,25 @@ from rlcore.protocols import (
     Scheduler,
     TrainingStack,
 )
-from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
-from rlcore.specs import AdvantageSpec, EvalSpec, LossSpec, LRSchedule, ModelSpec, OptimizerSpec, ParallelSpec, TrainSpec
+from rlcore.samples import (
+    EvalSet,
+    Generation,
+    Prompt,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    TrainMetrics,
+)
+from rlcore.specs import (
+    AdvantageSpec,
+    EvalSpec,
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    TrainSpec,
+)
 
 __version__ = "0.1.0"
 

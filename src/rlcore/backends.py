@@ -16,7 +16,8 @@ KNOWN_BACKENDS: dict[str, tuple[str, str, str]] = {
 
 
 def load_backend(name: str) -> type[Backend]:
-    """The backend class registered as ``name``; a clear install hint when its package is missing."""
+    """The backend class registered as ``name``; a clear install hint when its package is
+    missing."""
     try:
         module_name, class_name, extra = KNOWN_BACKENDS[name]
     except KeyError:
@@ -27,7 +28,8 @@ def load_backend(name: str) -> type[Backend]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"backend {name!r} needs packages that are not installed ({exc.name}): pip install '{extra}'"
+            f"backend {name!r} needs packages that are not installed ({exc.name}): "
+            f"pip install '{extra}'"
         ) from exc
     backend: type[Backend] = getattr(module, class_name)
     return backend

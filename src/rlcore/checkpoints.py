@@ -97,8 +97,8 @@ def find_checkpoint(path: Path) -> Path:
         raise CheckpointError(f"checkpoint folder {path} does not exist; check --load")
     if not latest.is_file():
         raise CheckpointError(
-            f"{path} is neither a checkpoint (no {META_FILE}) nor a save folder (no '{LATEST_FILE}' file); "
-            "point --load at a folder written by --save"
+            f"{path} is neither a checkpoint (no {META_FILE}) nor a save folder "
+            f"(no '{LATEST_FILE}' file); point --load at a folder written by --save"
         )
     target = path / latest.read_text().strip()
     if not (target / META_FILE).is_file():

@@ -70,12 +70,19 @@ class RolloutConfig:
     temperature: float = _opt(1.0, "--rollout-temperature", "sampling temperature")
     top_p: float = _opt(1.0, "--rollout-top-p", "nucleus sampling threshold (1.0 = off)")
     top_k: int = _opt(0, "--rollout-top-k", "top-k sampling (0 = off)")
-    engine: RolloutEngineName = _opt("embedded", "--rollout-engine", "embedded (HF, in process) or sglang")
+    engine: RolloutEngineName = _opt(
+        "embedded", "--rollout-engine", "embedded (HF, in process) or sglang"
+    )
     sglang_urls: tuple[str, ...] = _opt(
-        (), "--sglang-url", "connect to a running SGLang server (repeatable); none = launch one", repeat=True
+        (),
+        "--sglang-url",
+        "connect to a running SGLang server (repeatable); none = launch one",
+        repeat=True,
     )
     weight_sync: WeightSyncMode = _opt("tensor", "--weight-sync", "how weights reach SGLang")
-    sglang_num_servers: int = _opt(1, "--sglang-num-servers", "SGLang servers to launch (data-parallel rollout)")
+    sglang_num_servers: int = _opt(
+        1, "--sglang-num-servers", "SGLang servers to launch (data-parallel rollout)"
+    )
 
 
 @attrs.frozen
@@ -83,16 +90,25 @@ class AlgorithmConfig:
     """Advantage estimation, policy loss, KL."""
 
     advantage_estimator: AdvantageEstimator = _opt(
-        "grpo", "--advantage-estimator", "grpo, reinforce_plus_plus, reinforce_plus_plus_baseline or ppo"
+        "grpo",
+        "--advantage-estimator",
+        "grpo, reinforce_plus_plus, reinforce_plus_plus_baseline or ppo",
     )
-    use_critic: bool = _opt(False, "--use-critic", "train a critic (implied by --advantage-estimator ppo)")
+    use_critic: bool = _opt(
+        False, "--use-critic", "train a critic (implied by --advantage-estimator ppo)"
+    )
     gamma: float = _opt(1.0, "--gamma", "discount factor (PPO/GAE, REINFORCE++)")
     lambd: float = _opt(1.0, "--lambd", "GAE lambda")
     normalize_std: bool = _opt(
-        True, "--disable-grpo-std-normalization", "Dr. GRPO: do not divide by the group std", invert=True
+        True,
+        "--disable-grpo-std-normalization",
+        "Dr. GRPO: do not divide by the group std",
+        invert=True,
     )
     normalize_advantages: bool = _opt(
-        False, "--normalize-advantages", "whiten advantages over the rollout's response tokens (usual for PPO)"
+        False,
+        "--normalize-advantages",
+        "whiten advantages over the rollout's response tokens (usual for PPO)",
     )
     kl_coef: float = _opt(0.0, "--kl-coef", "KL penalty on the reward (needs a reference model)")
     kl_penalty_type: KLType = _opt("k1", "--kl-penalty-type", "KL estimator for --kl-coef")
@@ -100,11 +116,15 @@ class AlgorithmConfig:
     kl_loss_coef: float = _opt(0.0, "--kl-loss-coef", "weight of the KL loss")
     kl_loss_type: KLType = _opt("low_var_kl", "--kl-loss-type", "k1, k2, k3 or low_var_kl")
     eps_clip: float = _opt(0.2, "--eps-clip", "PPO clip range below 1")
-    eps_clip_high: float | None = _opt(None, "--eps-clip-high", "PPO clip range above 1 (default: --eps-clip)")
+    eps_clip_high: float | None = _opt(
+        None, "--eps-clip-high", "PPO clip range above 1 (default: --eps-clip)"
+    )
     value_clip: float = _opt(0.2, "--value-clip", "critic value clip range")
     entropy_coef: float = _opt(0.0, "--entropy-coef", "entropy bonus weight")
     sft_warmup_rollouts: int = _opt(
-        0, "--sft-warmup-rollouts", "first N rollouts train on the labels (supervised warm start), not on samples"
+        0,
+        "--sft-warmup-rollouts",
+        "first N rollouts train on the labels (supervised warm start), not on samples",
     )
 
     @property
@@ -129,7 +149,9 @@ class OptimizerConfig:
     lr_decay_iters: int | None = _opt(
         None, "--lr-decay-iters", "decay steps (default: all optimizer steps of the run)"
     )
-    lr_decay_style: DecayStyle = _opt("constant", "--lr-decay-style", "constant, linear, cosine, inverse-square-root")
+    lr_decay_style: DecayStyle = _opt(
+        "constant", "--lr-decay-style", "constant, linear, cosine, inverse-square-root"
+    )
     clip_grad: float = _opt(1.0, "--clip-grad", "global gradient-norm clip (0 = off)")
     weight_decay: float = _opt(0.0, "--weight-decay", "AdamW weight decay")
     adam_beta1: float = _opt(0.9, "--adam-beta1", "AdamW beta1")
@@ -148,10 +170,16 @@ class TrainConfig:
 class ModelConfig:
     """Which model, and how it is split over ranks."""
 
-    hf_checkpoint: Path | None = _opt(None, "--hf-checkpoint", "HF model folder (config.json + safetensors)")
-    tensor_model_parallel_size: int = _opt(1, "--tensor-model-parallel-size", "tensor-parallel ranks")
+    hf_checkpoint: Path | None = _opt(
+        None, "--hf-checkpoint", "HF model folder (config.json + safetensors)"
+    )
+    tensor_model_parallel_size: int = _opt(
+        1, "--tensor-model-parallel-size", "tensor-parallel ranks"
+    )
     actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
-    actor_num_gpus_per_node: int = _opt(1, "--actor-num-gpus-per-node", "ranks per node (CPU processes without GPUs)")
+    actor_num_gpus_per_node: int = _opt(
+        1, "--actor-num-gpus-per-node", "ranks per node (CPU processes without GPUs)"
+    )
 
     @property
     def world_size(self) -> int:
@@ -165,9 +193,15 @@ class DataConfig:
     prompt_data: Path | None = _opt(None, "--prompt-data", "training prompts (.jsonl or .parquet)")
     input_key: str = _opt("input", "--input-key", "field holding the prompt")
     label_key: str = _opt("label", "--label-key", "field holding the reference answer")
-    apply_chat_template: bool = _opt(False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template")
-    rm_type: str = _opt("exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial")
-    custom_rm_path: str | None = _opt(None, "--custom-rm-path", "reward function as module:function (sync or async)")
+    apply_chat_template: bool = _opt(
+        False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template"
+    )
+    rm_type: str = _opt(
+        "exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial"
+    )
+    custom_rm_path: str | None = _opt(
+        None, "--custom-rm-path", "reward function as module:function (sync or async)"
+    )
 
 
 @attrs.frozen
@@ -182,13 +216,21 @@ class EvalDataConfig:
 class EvalConfig:
     """Periodic evaluation with the rollout engine."""
 
-    interval: int | None = _opt(None, "--eval-interval", "evaluate every N rollouts (and after the last)")
+    interval: int | None = _opt(
+        None, "--eval-interval", "evaluate every N rollouts (and after the last)"
+    )
     prompt_data: tuple[EvalDataConfig, ...] = _opt(
         (), "--eval-prompt-data", "eval sets as NAME PATH [NAME PATH ...]", pairs=True
     )
-    skip_eval_before_train: bool = _opt(False, "--skip-eval-before-train", "no eval before the first rollout")
-    n_samples_per_eval_prompt: int = _opt(1, "--n-samples-per-eval-prompt", "samples per eval prompt (pass@k)")
-    max_response_len: int | None = _opt(None, "--eval-max-response-len", "default: --rollout-max-response-len")
+    skip_eval_before_train: bool = _opt(
+        False, "--skip-eval-before-train", "no eval before the first rollout"
+    )
+    n_samples_per_eval_prompt: int = _opt(
+        1, "--n-samples-per-eval-prompt", "samples per eval prompt (pass@k)"
+    )
+    max_response_len: int | None = _opt(
+        None, "--eval-max-response-len", "default: --rollout-max-response-len"
+    )
     temperature: float = _opt(0.0, "--eval-temperature", "eval sampling temperature (0 = greedy)")
 
 
@@ -197,8 +239,12 @@ class CheckpointConfig:
     """Saving and resuming."""
 
     save: Path | None = _opt(None, "--save", "checkpoint folder")
-    save_interval: int | None = _opt(None, "--save-interval", "save every N rollouts (and always after the last)")
-    load: Path | None = _opt(None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from")
+    save_interval: int | None = _opt(
+        None, "--save-interval", "save every N rollouts (and always after the last)"
+    )
+    load: Path | None = _opt(
+        None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
+    )
     start_rollout_id: int | None = _opt(
         None, "--start-rollout-id", "first rollout id (default: loaded checkpoint's id + 1, else 0)"
     )
@@ -206,7 +252,8 @@ class CheckpointConfig:
 
 @attrs.frozen
 class RunConfig:
-    """Everything a run needs. Constructing one checks every cross-field invariant (see :func:`check`)."""
+    """Everything a run needs. Constructing one checks every cross-field invariant (see
+    :func:`check`)."""
 
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -220,7 +267,9 @@ class RunConfig:
     output_dir: Path = _opt(Path("runs/latest"), "--output-dir", "run folder for metrics and logs")
     use_tensorboard: bool = _opt(False, "--use-tensorboard", "also write TensorBoard events")
     use_wandb: bool = _opt(False, "--use-wandb", "also log to Weights & Biases (offline works)")
-    ray_address: str | None = _opt(None, "--ray-address", "join a Ray cluster (default: start a local one)")
+    ray_address: str | None = _opt(
+        None, "--ray-address", "join a Ray cluster (default: start a local one)"
+    )
 
     def __attrs_post_init__(self) -> None:
         problems = check(self)
@@ -261,7 +310,9 @@ def _flag(section: type[Any], name: str) -> str:
     return str(meta.get("flag", name))
 
 
-def _problem(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> ConfigProblem:
+def _problem(
+    section: type[Any], prefix: str, name: str, message: str, hint: str = ""
+) -> ConfigProblem:
     path = f"{prefix}.{name}" if prefix else name
     return ConfigProblem(path=f"{path} ({_flag(section, name)})", message=message, hint=hint)
 
@@ -269,10 +320,8 @@ def _problem(section: type[Any], prefix: str, name: str, message: str, hint: str
 def check(config: RunConfig) -> list[ConfigProblem]:
     """Every problem with ``config``, in field order; empty when it can run."""
     problems: list[ConfigProblem] = []
-    r, a, o, t, m, e, c = (
+    r, t, m, e, c = (
         config.rollout,
-        config.algorithm,
-        config.optim,
         config.train,
         config.model,
         config.eval,
@@ -288,8 +337,19 @@ def check(config: RunConfig) -> list[ConfigProblem]:
         if value is not None and value < 0:
             add(RolloutConfig, "rollout", name, f"must be >= 0, got {value}")
     if r.num_epoch == 0:
-        add(RolloutConfig, "rollout", "num_epoch", "must be >= 1", "use --num-rollout 0 to evaluate only")
-    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "sglang_num_servers"):
+        add(
+            RolloutConfig,
+            "rollout",
+            "num_epoch",
+            "must be >= 1",
+            "use --num-rollout 0 to evaluate only",
+        )
+    for name in (
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "max_response_len",
+        "sglang_num_servers",
+    ):
         if getattr(r, name) < 1:
             add(RolloutConfig, "rollout", name, f"must be >= 1, got {getattr(r, name)}")
     if r.temperature < 0:
@@ -299,8 +359,13 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     if r.top_k < 0:
         add(RolloutConfig, "rollout", "top_k", f"must be >= 0, got {r.top_k}")
     if r.sglang_urls and r.engine != "sglang":
-        add(RolloutConfig, "rollout", "sglang_urls", "given but the rollout engine is not sglang",
-            "add --rollout-engine sglang")
+        add(
+            RolloutConfig,
+            "rollout",
+            "sglang_urls",
+            "given but the rollout engine is not sglang",
+            "add --rollout-engine sglang",
+        )
     for name in ("global_batch_size", "micro_batch_size"):
         if getattr(t, name) < 1:
             add(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
@@ -310,37 +375,77 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     if e.interval is not None and e.interval < 1:
         add(EvalConfig, "eval", "interval", f"must be >= 1, got {e.interval}")
     if e.n_samples_per_eval_prompt < 1:
-        add(EvalConfig, "eval", "n_samples_per_eval_prompt", f"must be >= 1, got {e.n_samples_per_eval_prompt}")
+        add(
+            EvalConfig,
+            "eval",
+            "n_samples_per_eval_prompt",
+            f"must be >= 1, got {e.n_samples_per_eval_prompt}",
+        )
     if e.max_response_len is not None and e.max_response_len < 1:
         add(EvalConfig, "eval", "max_response_len", f"must be >= 1, got {e.max_response_len}")
     if e.temperature < 0:
         add(EvalConfig, "eval", "temperature", f"must be >= 0, got {e.temperature}")
     names = [d.name for d in e.prompt_data]
     if len(set(names)) != len(names):
-        add(EvalConfig, "eval", "prompt_data", f"eval set names repeat: {names}", "give each set its own NAME")
+        add(
+            EvalConfig,
+            "eval",
+            "prompt_data",
+            f"eval set names repeat: {names}",
+            "give each set its own NAME",
+        )
     if c.save_interval is not None and c.save_interval < 1:
         add(CheckpointConfig, "checkpoint", "save_interval", f"must be >= 1, got {c.save_interval}")
     if c.start_rollout_id is not None and c.start_rollout_id < 0:
-        add(CheckpointConfig, "checkpoint", "start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
+        add(
+            CheckpointConfig,
+            "checkpoint",
+            "start_rollout_id",
+            f"must be >= 0, got {c.start_rollout_id}",
+        )
 
     # What the run is asked to do.
     if e.interval is not None and not e.prompt_data:
-        add(EvalConfig, "eval", "prompt_data", "evaluation is asked for (--eval-interval) but there is no eval data",
-            "add --eval-prompt-data NAME PATH")
+        add(
+            EvalConfig,
+            "eval",
+            "prompt_data",
+            "evaluation is asked for (--eval-interval) but there is no eval data",
+            "add --eval-prompt-data NAME PATH",
+        )
     if c.save_interval is not None and c.save is None:
-        add(CheckpointConfig, "checkpoint", "save", "--save-interval is set but there is no save folder",
-            "add --save DIR")
+        add(
+            CheckpointConfig,
+            "checkpoint",
+            "save",
+            "--save-interval is set but there is no save folder",
+            "add --save DIR",
+        )
     if m.world_size % m.tensor_model_parallel_size:
-        add(ModelConfig, "model", "tensor_model_parallel_size",
-            f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks")
+        add(
+            ModelConfig,
+            "model",
+            "tensor_model_parallel_size",
+            f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks",
+        )
 
     if r.num_rollout is None and r.num_epoch is None:
-        add(RolloutConfig, "rollout", "num_rollout", "neither --num-rollout nor --num-epoch is given",
-            "set --num-rollout N (0 evaluates only)")
+        add(
+            RolloutConfig,
+            "rollout",
+            "num_rollout",
+            "neither --num-rollout nor --num-epoch is given",
+            "set --num-rollout N (0 evaluates only)",
+        )
     elif r.num_rollout == 0:
         if not e.prompt_data:
-            add(RolloutConfig, "rollout", "num_rollout", "0 means evaluate only, but there is nothing to evaluate",
-                "add --eval-prompt-data NAME PATH, or train with --num-rollout N > 0")
+            add(
+                RolloutConfig,
+                "rollout",
+                "num_rollout",
+                "0 means evaluate only, but there is nothing to evaluate",
+                "add --eval-prompt-data NAME PATH, or train with --num-rollout N > 0",
+            )
     else:
         problems += _check_training(config)
     return problems
@@ -350,25 +455,52 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
     """Invariants that only matter when the run trains."""
     problems: list[ConfigProblem] = []
     r, a, o, t, m, c = (
-        config.rollout, config.algorithm, config.optim, config.train, config.model, config.checkpoint
+        config.rollout,
+        config.algorithm,
+        config.optim,
+        config.train,
+        config.model,
+        config.checkpoint,
     )
 
     def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
         problems.append(_problem(section, prefix, name, message, hint))
 
-    if a.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
-        add(RolloutConfig, "rollout", "n_samples_per_prompt",
+    if (
+        a.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline")
+        and r.n_samples_per_prompt < 2
+    ):
+        add(
+            RolloutConfig,
+            "rollout",
+            "n_samples_per_prompt",
             f"{a.advantage_estimator} compares samples within a prompt's group, so it needs >= 2",
-            "raise --n-samples-per-prompt")
+            "raise --n-samples-per-prompt",
+        )
     if not 0 <= a.sft_warmup_rollouts < (r.num_rollout or 1):
-        add(AlgorithmConfig, "algorithm", "sft_warmup_rollouts",
-            f"must be in [0, num_rollout) so that some rollouts use RL, got {a.sft_warmup_rollouts}")
+        add(
+            AlgorithmConfig,
+            "algorithm",
+            "sft_warmup_rollouts",
+            "must be in [0, num_rollout) so that some rollouts use RL, "
+            f"got {a.sft_warmup_rollouts}",
+        )
     if a.kl_coef < 0 or a.kl_loss_coef < 0:
-        add(AlgorithmConfig, "algorithm", "kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")
+        add(
+            AlgorithmConfig,
+            "algorithm",
+            "kl_coef" if a.kl_coef < 0 else "kl_loss_coef",
+            "must be >= 0",
+        )
     if a.eps_clip < 0 or (a.eps_clip_high is not None and a.eps_clip_high < 0):
         add(AlgorithmConfig, "algorithm", "eps_clip", "clip ranges must be >= 0")
     if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
-        add(AlgorithmConfig, "algorithm", "gamma", f"gamma and lambd must be in [0, 1], got {a.gamma}, {a.lambd}")
+        add(
+            AlgorithmConfig,
+            "algorithm",
+            "gamma",
+            f"gamma and lambd must be in [0, 1], got {a.gamma}, {a.lambd}",
+        )
     if o.lr <= 0:
         add(OptimizerConfig, "optim", "lr", f"must be > 0, got {o.lr}")
     if o.critic_lr is not None and o.critic_lr <= 0:
@@ -383,37 +515,77 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
     samples = config.samples_per_rollout
     if t.global_batch_size >= 1 and samples >= 1:
         if samples < t.global_batch_size:
-            add(TrainConfig, "train", "global_batch_size",
+            add(
+                TrainConfig,
+                "train",
+                "global_batch_size",
                 f"{t.global_batch_size} is more than the {samples} samples a rollout makes "
                 f"(rollout_batch_size x n_samples_per_prompt), so no optimizer step would run",
-                "lower --global-batch-size or raise --rollout-batch-size")
+                "lower --global-batch-size or raise --rollout-batch-size",
+            )
         elif samples % t.global_batch_size:
-            add(TrainConfig, "train", "global_batch_size",
-                f"does not divide the {samples} samples per rollout", "pick a divisor")
-        if r.rollout_batch_size >= 1 and r.n_samples_per_prompt >= 1 and t.global_batch_size % r.n_samples_per_prompt:
-            add(TrainConfig, "train", "global_batch_size",
-                f"{t.global_batch_size} splits a prompt's group of {r.n_samples_per_prompt} samples",
-                "use a multiple of --n-samples-per-prompt")
+            add(
+                TrainConfig,
+                "train",
+                "global_batch_size",
+                f"does not divide the {samples} samples per rollout",
+                "pick a divisor",
+            )
+        if (
+            r.rollout_batch_size >= 1
+            and r.n_samples_per_prompt >= 1
+            and t.global_batch_size % r.n_samples_per_prompt
+        ):
+            add(
+                TrainConfig,
+                "train",
+                "global_batch_size",
+                f"{t.global_batch_size} splits a prompt's group of "
+                f"{r.n_samples_per_prompt} samples",
+                "use a multiple of --n-samples-per-prompt",
+            )
     dp = m.world_size // m.tensor_model_parallel_size if m.tensor_model_parallel_size >= 1 else 1
     if t.micro_batch_size >= 1 and dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
-        add(TrainConfig, "train", "micro_batch_size",
-            f"global batch {t.global_batch_size} is not a multiple of micro_batch_size x data-parallel "
-            f"ranks = {t.micro_batch_size} x {dp}", "pick sizes that divide")
+        add(
+            TrainConfig,
+            "train",
+            "micro_batch_size",
+            f"global batch {t.global_batch_size} is not a multiple of micro_batch_size x "
+            f"data-parallel ranks = {t.micro_batch_size} x {dp}",
+            "pick sizes that divide",
+        )
 
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
         decay = config.lr_decay_steps
         if decay < 1:
-            add(OptimizerConfig, "optim", "lr_decay_iters",
-                f"the run would decay the LR over {decay} optimizer steps; Megatron's scheduler needs >= 1",
-                "give --lr-decay-iters or train more samples")
+            add(
+                OptimizerConfig,
+                "optim",
+                "lr_decay_iters",
+                f"the run would decay the LR over {decay} optimizer steps; "
+                "Megatron's scheduler needs >= 1",
+                "give --lr-decay-iters or train more samples",
+            )
         elif o.lr_warmup_iters >= decay:
-            add(OptimizerConfig, "optim", "lr_warmup_iters",
+            add(
+                OptimizerConfig,
+                "optim",
+                "lr_warmup_iters",
                 f"warmup ({o.lr_warmup_iters}) must be shorter than decay ({decay} steps)",
-                "lower --lr-warmup-iters or raise --lr-decay-iters")
-    if c.start_rollout_id is not None and r.num_rollout is not None and c.start_rollout_id >= r.num_rollout > 0:
-        add(CheckpointConfig, "checkpoint", "start_rollout_id",
+                "lower --lr-warmup-iters or raise --lr-decay-iters",
+            )
+    if (
+        c.start_rollout_id is not None
+        and r.num_rollout is not None
+        and c.start_rollout_id >= r.num_rollout > 0
+    ):
+        add(
+            CheckpointConfig,
+            "checkpoint",
+            "start_rollout_id",
             f"{c.start_rollout_id} leaves nothing to train out of {r.num_rollout} rollouts",
-            "lower --start-rollout-id or raise --num-rollout")
+            "lower --start-rollout-id or raise --num-rollout",
+        )
     return problems
 
 
@@ -478,7 +650,11 @@ def _did_you_mean(key: str, cls: type[Any]) -> str:
 def _problems_from(exc: BaseException, path: str, cls: type[Any] | None) -> list[ConfigProblem]:
     if isinstance(exc, ForbiddenExtraKeysError):
         return [
-            ConfigProblem(path=f"{path}.{key}" if path else key, message="unknown key", hint=_did_you_mean(key, exc.cl))
+            ConfigProblem(
+                path=f"{path}.{key}" if path else key,
+                message="unknown key",
+                hint=_did_you_mean(key, exc.cl),
+            )
             for key in sorted(exc.extra_fields)
         ]
     if isinstance(exc, ClassValidationError):
@@ -505,7 +681,8 @@ def _problems_from(exc: BaseException, path: str, cls: type[Any] | None) -> list
 
 
 def _with_flag(path: str) -> str:
-    """``rollout.num_rollout`` -> ``rollout.num_rollout (--num-rollout)`` when the field has a flag."""
+    """``rollout.num_rollout`` -> ``rollout.num_rollout (--num-rollout)`` when the field has a
+    flag."""
     owner: type[Any] = RunConfig
     meta: Any = {}
     for part in path.split("."):

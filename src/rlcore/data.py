@@ -68,7 +68,8 @@ class ChatTokenizer(Tokenizer, Protocol):
 
     def render_chat(self, messages: Sequence[Message]) -> str:
         """The conversation as prompt text, ending where the assistant's reply begins
-        (``add_generation_prompt``). The text already holds any special prefix the template writes."""
+        (``add_generation_prompt``). The text already holds any special prefix the template
+        writes."""
         ...
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -78,7 +79,8 @@ class ChatTokenizer(Tokenizer, Protocol):
 
 class _HFTokenizerLike(Protocol):
     """The part of a ``transformers`` tokenizer :class:`HFTokenizer` uses (typed here so this
-    module does not import transformers). Results are checked at run time, so the types are loose."""
+    module does not import transformers). Results are checked at run time, so the types are
+    loose."""
 
     @property
     def pad_token_id(self) -> object: ...
@@ -175,7 +177,9 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
         # decodes whole chunks and would blame the chunk's first line).
         handle = path.open("rb")
     except OSError as exc:
-        raise DataError(f"{path}: cannot open prompt file ({exc.strerror}); check the path") from exc
+        raise DataError(
+            f"{path}: cannot open prompt file ({exc.strerror}); check the path"
+        ) from exc
     with handle:
         for line_no, raw in enumerate(handle, start=1):
             where = f"{path}:{line_no}"
@@ -258,7 +262,9 @@ def _prompt_input(
             messages.append({"role": message["role"], "content": message["content"]})
         if messages:
             return messages
-    accepted = "a string or a non-empty list of chat messages" if apply_chat_template else "a string"
+    accepted = (
+        "a string or a non-empty list of chat messages" if apply_chat_template else "a string"
+    )
     raise DataError(
         f"{where}: {input_key!r} must be {accepted}, got {type(value).__name__} "
         f"{_excerpt(value)}; fix the record or choose another --input-key"
@@ -326,7 +332,8 @@ def load_prompts(
 def _target_ids(prompt_ids: Sequence[int], full_ids: Sequence[int], eos: int) -> tuple[int, ...]:
     """The label's tokens as they follow the prompt, plus eos: ``encode(prompt + label)`` minus the
     prompt's own tokens (so the label is tokenized in context). Empty when tokenization merges
-    across the boundary, since then no continuation of exactly the prompt's tokens spells the label."""
+    across the boundary, since then no continuation of exactly the prompt's tokens spells the
+    label."""
     n = len(prompt_ids)
     if len(full_ids) <= n or list(full_ids[:n]) != list(prompt_ids):
         return ()
@@ -417,15 +424,17 @@ def load_eval_sets(
     label_key: str | None = "label",
     apply_chat_template: bool = False,
 ) -> tuple[EvalSet, ...]:
-    """Load each ``(name, path)`` pair (``--eval-prompt-data NAME PATH ...``) as an :class:`EvalSet`,
-    in order. Names must be unique (they namespace the metrics, ``eval/NAME/...``)."""
+    """Load each ``(name, path)`` pair (``--eval-prompt-data NAME PATH ...``) as an
+    :class:`EvalSet`, in order. Names must be unique (they namespace the metrics,
+    ``eval/NAME/...``)."""
     seen: dict[str, Path] = {}
     for name, path in pairs:
         if not name:
             raise DataError(f"{path}: an eval set needs a non-empty name")
         if name in seen:
             raise DataError(
-                f"eval set name {name!r} is used twice ({seen[name]} and {path}); names must be unique"
+                f"eval set name {name!r} is used twice ({seen[name]} and {path}); "
+                "names must be unique"
             )
         seen[name] = path
     return tuple(

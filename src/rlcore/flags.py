@@ -60,7 +60,11 @@ def _choices(field: attrs.Attribute[Any], section: str | None) -> tuple[str, ...
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Literal:
         return tuple(str(a) for a in typing.get_args(hint))
-    if isinstance(hint, types.UnionType) and len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+    if (
+        isinstance(hint, types.UnionType)
+        and len(args) == 1
+        and typing.get_origin(args[0]) is typing.Literal
+    ):
         return tuple(str(a) for a in typing.get_args(args[0]))
     return None
 
@@ -72,16 +76,22 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError([ConfigProblem("flags", message, "see --help")], "flags")
 
 
-def build_parser(prog: str = "python -m rlcore_megatron.run", description: str = "") -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "python -m rlcore_megatron.run", description: str = ""
+) -> argparse.ArgumentParser:
     """The CLI parser: ``--config FILE`` plus one flag per config field, grouped by section.
 
     Defaults are suppressed so only the flags actually given override the file.
     """
     parser = _Parser(
-        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
-    parser.add_argument("--config", type=Path, help="TOML file with the run's settings; flags override it")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file with the run's settings; flags override it"
+    )
     groups: dict[str | None, argparse._ArgumentGroup] = {None: parser.add_argument_group("run")}
     for name, title in _SECTIONS.items():
         groups[name] = parser.add_argument_group(title)
@@ -89,7 +99,11 @@ def build_parser(prog: str = "python -m rlcore_megatron.run", description: str =
         meta = field.metadata
         dest = f"{section}.{field.name}" if section else field.name
         default = field.default
-        shown = f" (default: {default})" if default not in (None, (), attrs.NOTHING) and not _is_bool(field, section) else ""
+        shown = (
+            f" (default: {default})"
+            if default not in (None, (), attrs.NOTHING) and not _is_bool(field, section)
+            else ""
+        )
         kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"] + shown}
         if _is_bool(field, section):
             kwargs["action"] = "store_false" if meta.get("invert") else "store_true"
@@ -100,7 +114,9 @@ def build_parser(prog: str = "python -m rlcore_megatron.run", description: str =
         else:
             # Choices are shown, not enforced here: the converter reports a bad value with its path.
             choices = _choices(field, section)
-            kwargs["metavar"] = field.name.upper() if choices is None else "{" + ",".join(choices) + "}"
+            kwargs["metavar"] = (
+                field.name.upper() if choices is None else "{" + ",".join(choices) + "}"
+            )
         groups[section].add_argument(meta["flag"], **kwargs)
     return parser
 
@@ -113,7 +129,9 @@ def read_toml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError([ConfigProblem("--config", f"file not found: {path}")]) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([ConfigProblem("--config", f"{path}: {exc}", "fix the TOML syntax")], str(path)) from exc
+        raise ConfigError(
+            [ConfigProblem("--config", f"{path}: {exc}", "fix the TOML syntax")], str(path)
+        ) from exc
 
 
 def _overrides(namespace: argparse.Namespace) -> tuple[dict[str, Any], list[ConfigProblem]]:
@@ -124,10 +142,13 @@ def _overrides(namespace: argparse.Namespace) -> tuple[dict[str, Any], list[Conf
             continue
         if dest == "eval.prompt_data":
             if len(value) % 2:
-                problems.append(ConfigProblem(
-                    "eval.prompt_data (--eval-prompt-data)",
-                    f"expects NAME PATH pairs, got {len(value)} values: {value}",
-                    "give a name before every path"))
+                problems.append(
+                    ConfigProblem(
+                        "eval.prompt_data (--eval-prompt-data)",
+                        f"expects NAME PATH pairs, got {len(value)} values: {value}",
+                        "give a name before every path",
+                    )
+                )
                 continue
             value = [{"name": n, "path": p} for n, p in zip(value[::2], value[1::2], strict=True)]
         section, _, name = dest.rpartition(".")
@@ -169,8 +190,11 @@ def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = No
     return config
 
 
-def _unknown_flag_problems(unknown: Sequence[str], parser: argparse.ArgumentParser) -> list[ConfigProblem]:
-    """One problem per unknown flag, with the closest known flag; the values after it are skipped."""
+def _unknown_flag_problems(
+    unknown: Sequence[str], parser: argparse.ArgumentParser
+) -> list[ConfigProblem]:
+    """One problem per unknown flag, with the closest known flag; the values after it are
+    skipped."""
     known = [o for a in parser._actions for o in a.option_strings]
     problems: list[ConfigProblem] = []
     after_flag = False
@@ -178,7 +202,11 @@ def _unknown_flag_problems(unknown: Sequence[str], parser: argparse.ArgumentPars
         if token.startswith("-"):
             flag = token.split("=", 1)[0]
             close = difflib.get_close_matches(flag, known, n=1)
-            problems.append(ConfigProblem(flag, "unknown flag", f"did you mean {close[0]}?" if close else "see --help"))
+            problems.append(
+                ConfigProblem(
+                    flag, "unknown flag", f"did you mean {close[0]}?" if close else "see --help"
+                )
+            )
             after_flag = True
         elif not after_flag:
             problems.append(ConfigProblem(token, "unexpected argument", "see --help"))

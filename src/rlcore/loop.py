@@ -4,7 +4,8 @@ Training::
 
     build stacks -> resume (all stacks agree on the rollout id) -> push weights -> [eval]
     -> for each rollout id: generate -> reward -> advantages -> train (critic, then actor)
-                            -> save (interval, and always after the last) -> push weights -> eval (interval)
+                            -> save (interval, and always after the last) -> push weights
+                            -> eval (interval)
 
 Eval-only: build the actor's *eval* stack, load, push weights, evaluate every eval set, return.
 
@@ -114,7 +115,9 @@ class TrainStacks:
 # Steps
 
 
-def generate(engine: RolloutEngine, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Generation]:
+def generate(
+    engine: RolloutEngine, prompts: Sequence[Prompt], n: int, params: SamplingParams
+) -> list[Generation]:
     """``n`` generations per prompt, each prompt's consecutive (a GRPO group)."""
     return engine.generate([p for p in prompts for _ in range(n)], params)
 
@@ -184,7 +187,9 @@ def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
     return metrics
 
 
-def score(prompts: Sequence[Prompt], generations: Sequence[Generation], reward_fn: RewardFn, n: int) -> list[Sample]:
+def score(
+    prompts: Sequence[Prompt], generations: Sequence[Generation], reward_fn: RewardFn, n: int
+) -> list[Sample]:
     """Reward each generation; ``generations`` hold ``n`` consecutive samples per prompt."""
     group_prompts = [p for p in prompts for _ in range(n)]
     rewards = score_samples(group_prompts, generations, reward_fn)
@@ -194,28 +199,35 @@ def score(prompts: Sequence[Prompt], generations: Sequence[Generation], reward_f
     ]
 
 
-def supervised_step(prompts: Sequence[Prompt], actor: TrainingStack, plan: TrainPlan, rollout_id: int) -> dict[str, float]:
+def supervised_step(
+    prompts: Sequence[Prompt], actor: TrainingStack, plan: TrainPlan, rollout_id: int
+) -> dict[str, float]:
     """One warm-start rollout: the actor trains on each prompt's reference completion, repeated
     ``n_samples_per_prompt`` times so batch sizes match the RL rollouts. With advantage 1 and
     ratio 1 the policy loss's gradient is exactly the SFT (token-mean NLL) gradient."""
     missing = [p.index for p in prompts if not p.target_token_ids]
     if missing:
         raise PlanError(
-            f"--sft-warmup-rollouts needs labelled prompts, but prompts {missing[:5]} have no reference "
-            "completion; give the data a label key (--label-key) or drop the warm start"
+            f"--sft-warmup-rollouts needs labelled prompts, but prompts {missing[:5]} have no "
+            "reference completion; give the data a label key (--label-key) or drop the warm start"
         )
     samples = tuple(
         Sample(
             prompt=p,
-            response=Generation(p.target_token_ids, tuple(0.0 for _ in p.target_token_ids), p.label, "stop"),
+            response=Generation(
+                p.target_token_ids, tuple(0.0 for _ in p.target_token_ids), p.label, "stop"
+            ),
             reward=1.0,
             group=i,
         )
         for i, p in enumerate(prompts)
         for _ in range(plan.n_samples_per_prompt)
     )
-    batch = TrainBatch(samples, advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
-                       rollout_id=rollout_id)
+    batch = TrainBatch(
+        samples,
+        advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
+        rollout_id=rollout_id,
+    )
     metrics = actor.train_step(batch).as_dict("train/actor")
     metrics.pop("train/actor/logprob_mismatch", None)  # the labels have no engine log-probs
     return {**metrics, "rollout/supervised": 1.0}
@@ -253,8 +265,8 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int]:
     ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
     if any(i != meta.rollout_id for i in ids.values()):
         raise CheckpointError(
-            f"stacks in {folder} disagree on the rollout id: {ids} (checkpoint says {meta.rollout_id}); "
-            "the checkpoint is mixed from different saves"
+            f"stacks in {folder} disagree on the rollout id: {ids} "
+            f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
         )
     log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
     return (meta.rollout_id + 1 if start is None else start), meta.consumed_prompts
@@ -270,7 +282,9 @@ def run_training(
 ) -> RunResult:
     stacks = build_stacks(plan, backend)
     start, consumed = resume(plan, stacks)
-    sampler = PromptSampler(data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed)
+    sampler = PromptSampler(
+        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
+    )
     engine.update_weights(stacks.actor.export_weights(), version=start)
 
     trained: list[int] = []
@@ -281,7 +295,9 @@ def run_training(
 
     def run_eval(after: int) -> None:
         nonlocal last_eval
-        last_eval = evaluate(engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt)
+        last_eval = evaluate(
+            engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
+        )
         evaluated.append(after)
         sink.log(max(after + 1, start), last_eval)
 
@@ -310,19 +326,23 @@ def run_training(
         t4 = time.perf_counter()
         engine.update_weights(stacks.actor.export_weights(), version=rollout_id + 1)
         t5 = time.perf_counter()
-        metrics.update({
-            "perf/generate_s": t1 - t0,
-            "perf/advantages_s": t2 - t1,
-            "perf/train_s": t3 - t2,
-            "perf/save_s": t4 - t3,
-            "perf/weight_sync_s": t5 - t4,
-            "rollout/weight_version": float(rollout_id + 1),
-        })
+        metrics.update(
+            {
+                "perf/generate_s": t1 - t0,
+                "perf/advantages_s": t2 - t1,
+                "perf/train_s": t3 - t2,
+                "perf/save_s": t4 - t3,
+                "perf/weight_sync_s": t5 - t4,
+                "rollout/weight_version": float(rollout_id + 1),
+            }
+        )
         last_train = metrics
         sink.log(rollout_id, metrics)
         if data.eval_sets and should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             run_eval(rollout_id)
-    return RunResult(tuple(trained), tuple(saved), tuple(evaluated), last_eval, last_train, stacks.built())
+    return RunResult(
+        tuple(trained), tuple(saved), tuple(evaluated), last_eval, last_train, stacks.built()
+    )
 
 
 def _savers(stacks: TrainStacks, rollout_id: int) -> dict[str, Callable[[Path], None]]:
@@ -348,7 +368,9 @@ def run_eval_only(
         folder = find_checkpoint(plan.load)
         version = actor.load(folder / "actor")
     engine.update_weights(actor.export_weights(), version=version)
-    metrics = evaluate(engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt)
+    metrics = evaluate(
+        engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
+    )
     sink.log(version, metrics)
     return RunResult((), (), (version,), metrics, {}, ("eval:actor",))
 

@@ -90,7 +90,9 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 
 def _model(config: RunConfig, role: Role) -> ModelSpec:
     m = config.model
-    parallel = ParallelSpec(tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size)
+    parallel = ParallelSpec(
+        tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size
+    )
     return ModelSpec(role=role, hf_checkpoint=m.hf_checkpoint, seed=config.seed, parallel=parallel)
 
 
@@ -108,7 +110,9 @@ def _eval_plan(config: RunConfig) -> EvalPlan:
     a = config.algorithm
     skipped: list[str] = ["optimizer and LR scheduler: --num-rollout 0 trains nothing"]
     if a.critic:
-        skipped.append("critic: asked for (--use-critic or ppo), but an eval-only run trains nothing")
+        skipped.append(
+            "critic: asked for (--use-critic or ppo), but an eval-only run trains nothing"
+        )
     if a.uses_kl:
         skipped.append("reference model: KL settings given, but an eval-only run computes no KL")
     return EvalPlan(
@@ -159,7 +163,9 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
     a, r, e, c = config.algorithm, config.rollout, config.eval, config.checkpoint
     return TrainPlan(
         actor=_train_spec(config, "actor", config.optim.lr),
-        critic=_train_spec(config, "critic", config.optim.critic_lr or config.optim.lr) if a.critic else None,
+        critic=_train_spec(config, "critic", config.optim.critic_lr or config.optim.lr)
+        if a.critic
+        else None,
         reference=EvalSpec(model=_model(config, "reference")) if a.uses_kl else None,
         advantage=AdvantageSpec(
             estimator=a.advantage_estimator,
@@ -172,7 +178,10 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
             whiten=a.normalize_advantages,
         ),
         rollout_params=SamplingParams(
-            max_new_tokens=r.max_response_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+            max_new_tokens=r.max_response_len,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
         ),
         eval_params=_eval_params(config),
         num_rollout=num_rollout,
@@ -197,7 +206,9 @@ def plan(config: RunConfig) -> Plan:
     """
     num_rollout = config.rollout.num_rollout
     if num_rollout is None:
-        raise PlanError("num_rollout is not resolved: call resolve_num_rollout(config, len(prompts)) first")
+        raise PlanError(
+            "num_rollout is not resolved: call resolve_num_rollout(config, len(prompts)) first"
+        )
     if num_rollout == 0:
         return _eval_plan(config)
     return _train_plan(config, num_rollout)

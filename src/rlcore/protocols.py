@@ -60,7 +60,8 @@ class EvalStack(Protocol):
 
     @property
     def spec(self) -> ModelSpec:
-        """What this stack was built from (its role says whether ``forward`` gives log-probs or values)."""
+        """What this stack was built from (its role says whether ``forward`` gives log-probs or
+        values)."""
         ...
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
@@ -72,7 +73,8 @@ class EvalStack(Protocol):
     def load(self, path: Path) -> int:
         """Load model weights from a checkpoint folder written by a training stack's ``save``
         (optimizer state, if any, is ignored). Returns the rollout id recorded there.
-        Raises :class:`~rlcore.errors.CheckpointError` naming the path when it is missing or corrupt."""
+        Raises :class:`~rlcore.errors.CheckpointError` naming the path when it is missing or
+        corrupt."""
         ...
 
     def export_weights(self) -> NamedTensors:
@@ -92,7 +94,8 @@ class TrainingStack(EvalStack, Protocol):
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         """Forward/backward over ``batch`` with this stack's loss, then step optimizer and schedule
-        (``spec.steps_per_rollout`` times, one global batch each). Returns the last step's metrics."""
+        (``spec.steps_per_rollout`` times, one global batch each). Returns the last step's
+        metrics."""
         ...
 
     def save(self, path: Path, rollout_id: int) -> None:
@@ -141,7 +144,8 @@ class RewardFn(Protocol):
 
 
 class MetricsSink(Protocol):
-    """Receives namespaced metrics (``rollout/...``, ``train/...``, ``eval/...``) at a rollout id."""
+    """Receives namespaced metrics (``rollout/...``, ``train/...``, ``eval/...``) at a rollout
+    id."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 

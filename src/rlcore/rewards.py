@@ -77,7 +77,7 @@ def prefix_credit(text: str, answer: str) -> float:
     if text.startswith(answer):
         return 1.0
     agree = 0
-    for got, want in zip(text, answer):
+    for got, want in zip(text, answer, strict=False):
         if got != want:
             break
         agree += 1
@@ -136,11 +136,12 @@ def _normalise(text: str) -> str:
 
 
 def math_reward(prompt: Prompt, generation: Generation) -> float:
-    """1.0 when the response's final answer (:func:`extract_math_answer`) equals the label, else 0.0.
+    """1.0 when the response's final answer (:func:`extract_math_answer`) equals the label, else
+    0.0.
 
     Both sides are compared as exact numbers when both parse as one (so ``0.5``, ``1/2`` and
-    ``\\frac{1}{2}`` agree, and ``1,000`` equals ``1000``); otherwise as text with whitespace removed.
-    A label written as ``\\boxed{...}`` is unwrapped first.
+    ``\\frac{1}{2}`` agree, and ``1,000`` equals ``1000``); otherwise as text with whitespace
+    removed. A label written as ``\\boxed{...}`` is unwrapped first.
     """
     answer = extract_math_answer(generation.text)
     if answer is None:
@@ -251,10 +252,11 @@ def load_custom_reward(path: str) -> RewardFn:
         pass  # no introspectable signature (some builtins): trust it
     fn: Callable[[Prompt, Generation], object] = obj
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # an object whose __call__ is async
+        obj.__call__  # an object whose __call__ is async
     ):
         return AsyncReward(fn, path)  # type: ignore[arg-type]  # checked: a coroutine function
-    return fn  # type: ignore[return-value]  # checked callable with two arguments; its result is checked in score_samples
+    # checked callable with two arguments; its result is checked in score_samples
+    return fn  # type: ignore[return-value]  # see above
 
 
 def get_reward_fn(rm_type: str = "exact_match", custom_path: str | None = None) -> RewardFn:
@@ -271,7 +273,8 @@ def get_reward_fn(rm_type: str = "exact_match", custom_path: str | None = None) 
                 ConfigProblem(
                     "rm_type",
                     f"unknown reward {rm_type!r}",
-                    f"use one of {', '.join(sorted(BUILTIN_REWARDS))} or --custom-rm-path module:function",
+                    f"use one of {', '.join(sorted(BUILTIN_REWARDS))} "
+                    "or --custom-rm-path module:function",
                 )
             ]
         ) from None

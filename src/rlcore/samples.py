@@ -44,7 +44,8 @@ class Prompt:
 
 @attrs.frozen
 class EvalSet:
-    """A named set of prompts evaluated with the rollout engine (``--eval-prompt-data NAME PATH``)."""
+    """A named set of prompts evaluated with the rollout engine
+    (``--eval-prompt-data NAME PATH``)."""
 
     name: str
     prompts: tuple[Prompt, ...]

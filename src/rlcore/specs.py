@@ -35,7 +35,8 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 @attrs.frozen
 class ParallelSpec:
-    """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel across."""
+    """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
+    across."""
 
     tensor_model_parallel_size: int = 1
     world_size: int = 1
@@ -92,7 +93,9 @@ class LRSchedule:
                 f"got {self.warmup_steps}"
             )
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"LRSchedule needs lr > 0 and 0 <= min_lr <= lr, got {self.lr}, {self.min_lr}")
+            raise ValueError(
+                f"LRSchedule needs lr > 0 and 0 <= min_lr <= lr, got {self.lr}, {self.min_lr}"
+            )
 
     def lr_at(self, step: int) -> float:
         """The learning rate before optimizer step ``step`` (0-based), as Megatron computes it."""

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, final
 import attrs
 
 from rlcore.errors import CheckpointError
-from rlcore.samples import FinishReason, Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
+from rlcore.samples import (
+    FinishReason,
+    Generation,
+    Prompt,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    TrainMetrics,
+)
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 
 if TYPE_CHECKING:

@@ -44,11 +44,13 @@ def build_char_tokenizer(
     rollout engine left-pads prompts). There is no ``<unk>``: encoding a character outside the
     alphabet drops it, as ``WordLevel`` without an unknown token does.
 
-    With ``alphabet="0123456789+= "`` the saved ``tokenizer.json`` is byte-identical to bench-tiny's.
-    Raises ``ValueError`` when the alphabet is empty or repeats a character.
+    With ``alphabet="0123456789+= "`` the saved ``tokenizer.json`` is byte-identical to
+    bench-tiny's. Raises ``ValueError`` when the alphabet is empty or repeats a character.
     """
     if not alphabet:
-        raise ValueError("build_char_tokenizer: the alphabet is empty; pass the characters to encode")
+        raise ValueError(
+            "build_char_tokenizer: the alphabet is empty; pass the characters to encode"
+        )
     repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
     if repeated:
         raise ValueError(
@@ -67,7 +69,8 @@ def build_char_tokenizer(
     # Register the specials so that ``skip_special_tokens`` drops them when decoding.
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
 
-    # transformers declares this constructor as ``__init__(self, *args, **kwargs)`` without annotations.
+    # transformers declares this constructor as ``__init__(self, *args, **kwargs)`` without
+    # annotations.
     wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<bos>",
@@ -104,11 +107,13 @@ def build_tiny_llama(
     """
     if hidden_size % num_heads:
         raise ValueError(
-            f"build_tiny_llama: hidden_size {hidden_size} is not a multiple of num_heads {num_heads}"
+            f"build_tiny_llama: hidden_size {hidden_size} is not a multiple of "
+            f"num_heads {num_heads}"
         )
     if num_heads % num_kv_heads:
         raise ValueError(
-            f"build_tiny_llama: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            f"build_tiny_llama: num_heads {num_heads} is not a multiple of "
+            f"num_kv_heads {num_kv_heads}"
         )
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -5,7 +5,8 @@ import their module on first use.
 
 - :class:`MegatronBackend` (``rlcore.Backend``) builds :class:`MegatronTrainingStack` and
   :class:`MegatronEvalStack` on this rank.
-- :func:`init_megatron` initialises ``torch.distributed`` and Megatron's parallel state, idempotently.
+- :func:`init_megatron` initialises ``torch.distributed`` and Megatron's parallel state,
+  idempotently.
 - :func:`save_hf` writes an HF checkpoint from a stack or from ``(hf_name, tensor)`` pairs.
 """
 

@@ -138,14 +138,18 @@ class MegatronBackend:
             ddp = DistributedDataParallel(
                 config=gpt.config,
                 ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                    grad_reduce_in_fp32=True,
+                    overlap_grad_reduce=False,
+                    use_distributed_optimizer=False,
                 ),
                 module=gpt,
             )
             optimizer = get_megatron_optimizer(optimizer_config(spec.optimizer), [ddp])
             if not torch.cuda.is_available():
                 use_fused_cpu_adam(optimizer)
-            scheduler = param_scheduler(optimizer, spec.optimizer.schedule, spec.optimizer.weight_decay)
+            scheduler = param_scheduler(
+                optimizer, spec.optimizer.schedule, spec.optimizer.weight_decay
+            )
         except RLCoreError:
             raise
         except Exception as exc:  # Megatron internals: translated at the edge

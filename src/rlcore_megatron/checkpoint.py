@@ -25,11 +25,11 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.errors import CheckpointError
 
@@ -101,7 +101,10 @@ def save_checkpoint(
         _barrier()
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as exc:  # many kinds; the caller needs one, with the path
+    except (
+        Exception,
+        CheckpointException,
+    ) as exc:  # many kinds; the caller needs one, with the path
         raise CheckpointError(f"saving the checkpoint to {path} failed: {exc}") from exc
 
 
@@ -137,8 +140,8 @@ def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
     dist.all_reduce(ids, op=dist.ReduceOp.MAX)
     if int(ids[0]) != -int(ids[1]):
         raise CheckpointError(
-            f"ranks disagree on the rollout id loaded from {path}: rank {_rank()} read {rollout_id}, "
-            f"others between {-int(ids[1])} and {int(ids[0])} "
+            f"ranks disagree on the rollout id loaded from {path}: rank {_rank()} read "
+            f"{rollout_id}, others between {-int(ids[1])} and {int(ids[0])} "
             "(every rank must load the same checkpoint)"
         )
 

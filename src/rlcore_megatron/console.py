@@ -50,8 +50,13 @@ class ProgressSink:
 
     def __init__(self, total: int) -> None:
         self._progress = Progress(
-            TextColumn("rollout"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"), console=Console(stderr=True), transient=False,
+            TextColumn("rollout"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=Console(stderr=True),
+            transient=False,
         )
         self._task = self._progress.add_task("rollouts", total=total, status="")
         self._status: dict[str, str] = {}
@@ -61,7 +66,9 @@ class ProgressSink:
         if "rollout/weight_version" in metrics:
             self._progress.update(self._task, completed=step + 1)
         for key, value in metrics.items():
-            if key in ("rollout/reward", "train/actor/loss") or (key.startswith("eval/") and key.endswith("/reward")):
+            if key in ("rollout/reward", "train/actor/loss") or (
+                key.startswith("eval/") and key.endswith("/reward")
+            ):
                 self._status[key.removesuffix("/reward")] = f"{key}={value:.3f}"
         self._progress.update(self._task, status="  ".join(self._status.values()))
 
@@ -71,15 +78,24 @@ class ProgressSink:
 
 @final
 class WandbSink:
-    """Weights & Biases logging. Without ``WANDB_API_KEY`` it runs offline (``wandb sync`` later)."""
+    """Weights & Biases logging. Without ``WANDB_API_KEY`` it runs offline (``wandb sync``
+    later)."""
 
     def __init__(self, folder: Path, config: RunConfig) -> None:
         try:
-            wandb: Any = importlib.import_module("wandb")  # untyped and optional: resolved at run time
+            wandb: Any = importlib.import_module(
+                "wandb"
+            )  # untyped and optional: resolved at run time
         except ImportError as exc:
-            raise BackendUnavailableError("--use-wandb needs the wandb package: pip install wandb") from exc
-        mode = os.environ.get("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self._run: Any = wandb.init(dir=str(folder), mode=mode, config=attrs.asdict(config, value_serializer=_plain))
+            raise BackendUnavailableError(
+                "--use-wandb needs the wandb package: pip install wandb"
+            ) from exc
+        mode = os.environ.get(
+            "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        )
+        self._run: Any = wandb.init(
+            dir=str(folder), mode=mode, config=attrs.asdict(config, value_serializer=_plain)
+        )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)

@@ -55,7 +55,8 @@ _applied = False
 
 
 def needed() -> bool:
-    """True when there is no CUDA device, i.e. when :func:`apply` must run before Megatron is used."""
+    """True when there is no CUDA device, i.e. when :func:`apply` must run before Megatron is
+    used."""
     return not torch.cuda.is_available()
 
 
@@ -84,7 +85,8 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 
 class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as the patched modules see it: the current device is the CPU, syncs are no-ops."""
+    """``torch.cuda`` as the patched modules see it: the current device is the CPU, syncs are
+    no-ops."""
 
     def __init__(self) -> None:
         super().__init__("torch.cuda")
@@ -111,7 +113,16 @@ class _CpuTorch(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda()
-        for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like"):
+        for name in (
+            "tensor",
+            "zeros",
+            "ones",
+            "empty",
+            "full",
+            "arange",
+            "zeros_like",
+            "empty_like",
+        ):
             setattr(self, name, _on_cpu(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron weights for the Llama-family ``GPTModel`` of :mod:`rlcore_megatron.model`.
+"""Hugging Face <-> Megatron weights for the Llama-family ``GPTModel`` of
+:mod:`rlcore_megatron.model`.
 
 Megatron fuses what HF keeps apart, and splits it over tensor-parallel (TP) ranks:
 
@@ -57,20 +58,32 @@ class ParamMapping:
 
 def param_map(arch: LlamaArch, role: Role) -> list[ParamMapping]:
     """Every parameter of the model for ``role``, in Megatron's order."""
-    out = [ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    out = [
+        ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
+    ]
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out += [
-            ParamMapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
+            ParamMapping(
+                m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"
+            ),
             ParamMapping(
                 m + "self_attention.linear_qkv.weight",
                 tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
                 "qkv",
             ),
-            ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"),
-            ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
             ParamMapping(
-                m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"
+                m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"
+            ),
+            ParamMapping(
+                m + "pre_mlp_layernorm.weight",
+                (h + "post_attention_layernorm.weight",),
+                "replicated",
+            ),
+            ParamMapping(
+                m + "mlp.linear_fc1.weight",
+                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                "fc1",
             ),
             ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
         ]
@@ -87,7 +100,12 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LlamaArch
     per = arch.num_heads // groups
     cols = q.shape[-1]
     return torch.cat(
-        [q.reshape(groups, per * hd, cols), k.reshape(groups, hd, cols), v.reshape(groups, hd, cols)], dim=1
+        [
+            q.reshape(groups, per * hd, cols),
+            k.reshape(groups, hd, cols),
+            v.reshape(groups, hd, cols),
+        ],
+        dim=1,
     ).reshape(-1, cols)
 
 
@@ -201,7 +219,8 @@ def load_hf_tensors(
     role: Role,
     source: str,
 ) -> None:
-    """Copy full HF tensors (``get(name)``, ``names`` available) into this rank's shards of ``model``.
+    """Copy full HF tensors (``get(name)``, ``names`` available) into this rank's shards of
+    ``model``.
 
     A critic takes the backbone and, when the source has one (a reward model), ``score.weight``;
     otherwise its value head keeps its seeded initialisation. ``source`` names where the tensors
@@ -222,7 +241,8 @@ def load_hf_tensors(
         if shard.shape != param.shape:
             raise CheckpointError(
                 f"{source}: {'+'.join(entry.hf)} gives shape {tuple(shard.shape)} for "
-                f"{entry.megatron}, expected {tuple(param.shape)} (does config.json match the weights?)"
+                f"{entry.megatron}, expected {tuple(param.shape)} "
+                "(does config.json match the weights?)"
             )
         param.copy_(shard)
 
@@ -236,7 +256,8 @@ def load_hf_weights(model: torch.nn.Module, folder: Path, arch: LlamaArch, role:
 def load_named_tensors(
     model: torch.nn.Module, named: NamedTensors, arch: LlamaArch, role: Role
 ) -> None:
-    """Copy ``(hf_name, tensor)`` pairs (e.g. another stack's ``export_weights()``) into ``model``."""
+    """Copy ``(hf_name, tensor)`` pairs (e.g. another stack's ``export_weights()``) into
+    ``model``."""
     tensors = dict(named)
     load_hf_tensors(model, tensors.__getitem__, set(tensors), arch, role, "the given weights")
 
@@ -245,7 +266,9 @@ def _gather(local: torch.Tensor, size: int) -> list[torch.Tensor]:
     if size == 1:
         return [local]
     shards = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(
+        shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
     return shards
 
 
@@ -293,4 +316,3 @@ def save_hf(
     config = _hf_config_for_save(hf_config)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return folder
-

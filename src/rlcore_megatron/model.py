@@ -66,7 +66,9 @@ def _rope_theta(cfg: Mapping[str, Any], problems: list[ConfigProblem]) -> float:
             field = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
             problems.append(
                 ConfigProblem(
-                    f"{field}.rope_type", f"RoPE scaling {rope_type!r} is not supported", "use default RoPE"
+                    f"{field}.rope_type",
+                    f"RoPE scaling {rope_type!r} is not supported",
+                    "use default RoPE",
                 )
             )
         if "rope_theta" in params:
@@ -96,10 +98,18 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> 
     need("hidden_act", "silu", "Llama models use SwiGLU (silu)")
     need("attention_bias", False, "biases in attention are not supported")
     need("mlp_bias", False, "biases in the MLP are not supported")
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    sizes = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
     for field in sizes:
         if not isinstance(cfg.get(field), int) or cfg[field] < 1:
-            problems.append(ConfigProblem(field, f"must be a positive integer, got {cfg.get(field)!r}"))
+            problems.append(
+                ConfigProblem(field, f"must be a positive integer, got {cfg.get(field)!r}")
+            )
     rope_theta = _rope_theta(cfg, problems)
     if problems:
         raise ConfigError(problems, source)

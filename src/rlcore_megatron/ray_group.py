@@ -516,9 +516,7 @@ class RayTrainGroup(Generic[S]):
         per_rank = {rank: (ref,) for rank in range(self._world_size)}
         return self.call_ranks(_train_step, per_rank, "train_step")[0]
 
-    def save(
-        self: RayTrainGroup[TrainingStack], path: os.PathLike[str], rollout_id: int
-    ) -> None:
+    def save(self: RayTrainGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
         """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id``."""
         self.run_on_all_ranks(_save, os.fspath(path), rollout_id)
 
@@ -702,9 +700,7 @@ def _load(context: RankContext[EvalStack], path: str) -> int:
     return context.stack.load(Path(path))
 
 
-def _export_weights(
-    context: RankContext[EvalStack], keep: bool
-) -> list[tuple[str, torch.Tensor]]:
+def _export_weights(context: RankContext[EvalStack], keep: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, tensor in context.stack.export_weights():  # all ranks iterate: gathers are collective
         if keep:

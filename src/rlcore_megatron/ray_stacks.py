@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, final
+from typing import TYPE_CHECKING, Final, Literal, final
 
 from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
@@ -28,6 +28,10 @@ from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore_megatron.ray_group import GroupOptions, MegatronRuntime, RankRuntime, RayTrainGroup
 
 __all__ = ["RayEvalStack", "RayMegatronBackend", "RayTrainingStack", "RemoteStateView"]
+
+# RayMegatronBackend's defaults (both frozen, so one shared instance each is safe).
+_DEFAULT_OPTIONS: Final = GroupOptions()
+_DEFAULT_RUNTIME: Final = MegatronRuntime()
 
 
 @final
@@ -140,7 +144,7 @@ class RayMegatronBackend:
     """
 
     def __init__(
-        self, options: GroupOptions = GroupOptions(), runtime: RankRuntime = MegatronRuntime()
+        self, options: GroupOptions = _DEFAULT_OPTIONS, runtime: RankRuntime = _DEFAULT_RUNTIME
     ) -> None:
         self._options = options
         self._runtime = runtime

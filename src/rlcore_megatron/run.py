@@ -48,13 +48,27 @@ def _tokenizer(config: RunConfig) -> HFTokenizer:
 
     folder = config.model.hf_checkpoint
     if folder is None:
-        raise ConfigError([ConfigProblem("model.hf_checkpoint (--hf-checkpoint)", "no model given",
-                                         "point --hf-checkpoint at a Hugging Face model folder")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint (--hf-checkpoint)",
+                    "no model given",
+                    "point --hf-checkpoint at a Hugging Face model folder",
+                )
+            ]
+        )
     try:
         return HFTokenizer(AutoTokenizer.from_pretrained(str(folder)))
     except OSError as exc:
-        raise ConfigError([ConfigProblem("model.hf_checkpoint (--hf-checkpoint)",
-                                         f"no tokenizer in {folder}: {exc}", "save the tokenizer beside the model")]) from exc
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint (--hf-checkpoint)",
+                    f"no tokenizer in {folder}: {exc}",
+                    "save the tokenizer beside the model",
+                )
+            ]
+        ) from exc
 
 
 def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
@@ -63,13 +77,29 @@ def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
     train: tuple[Prompt, ...] = ()
     if not config.is_eval_only:
         if d.prompt_data is None:
-            raise ConfigError([ConfigProblem("data.prompt_data (--prompt-data)", "a training run needs prompts",
-                                             "add --prompt-data FILE.jsonl, or --num-rollout 0 to evaluate only")])
-        train = load_prompts(d.prompt_data, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
-                             apply_chat_template=d.apply_chat_template)
-    eval_sets = load_eval_sets([(e.name, e.path) for e in config.eval.prompt_data], tokenizer=tokenizer,
-                               input_key=d.input_key, label_key=d.label_key,
-                               apply_chat_template=d.apply_chat_template)
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "data.prompt_data (--prompt-data)",
+                        "a training run needs prompts",
+                        "add --prompt-data FILE.jsonl, or --num-rollout 0 to evaluate only",
+                    )
+                ]
+            )
+        train = load_prompts(
+            d.prompt_data,
+            tokenizer=tokenizer,
+            input_key=d.input_key,
+            label_key=d.label_key,
+            apply_chat_template=d.apply_chat_template,
+        )
+    eval_sets = load_eval_sets(
+        [(e.name, e.path) for e in config.eval.prompt_data],
+        tokenizer=tokenizer,
+        input_key=d.input_key,
+        label_key=d.label_key,
+        apply_chat_template=d.apply_chat_template,
+    )
     return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
 
 
@@ -87,8 +117,10 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
             return SGLangEngine.connect(config.rollout.sglang_urls, options)
         on_gpu = torch.cuda.is_available()
         settings = LaunchSettings(
-            model_path=config.model.hf_checkpoint, device="cuda" if on_gpu else "cpu",
-            dtype="bfloat16" if on_gpu else "float32", random_seed=config.seed,
+            model_path=config.model.hf_checkpoint,
+            device="cuda" if on_gpu else "cpu",
+            dtype="bfloat16" if on_gpu else "float32",
+            random_seed=config.seed,
             log_dir=config.output_dir / "sglang",
         )
         return SGLangEngine.launch(settings, config.rollout.sglang_num_servers, options)
@@ -120,13 +152,16 @@ def _start_ray(config: RunConfig) -> None:
         try:
             ray.init(address=config.ray_address, log_to_driver=False)
         except ConnectionError as exc:
-            cause = str(exc.__cause__ or "").strip().splitlines()[-1:]  # Ray's reason, on its last line
+            # Ray's reason, on its last line.
+            cause = str(exc.__cause__ or "").strip().splitlines()[-1:]
             raise RayGroupError(
                 f"--ray-address {config.ray_address}: could not join the Ray cluster: {exc}"
-                + "".join(f"\n{line}" for line in cause) + "\n"
-                "Is it running (`ray status --address ...`)? A cluster with token authentication (what "
-                "Ray starts by default) also needs RAY_AUTH_MODE=token here, with its token in "
-                "~/.ray/auth_token or RAY_AUTH_TOKEN: Ray sends no token to an explicit address unasked."
+                + "".join(f"\n{line}" for line in cause)
+                + "\n"
+                "Is it running (`ray status --address ...`)? A cluster with token authentication "
+                "(what Ray starts by default) also needs RAY_AUTH_MODE=token here, with its token "
+                "in ~/.ray/auth_token or RAY_AUTH_TOKEN: Ray sends no token to an explicit address "
+                "unasked."
             ) from exc
         log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
@@ -175,13 +210,17 @@ def execute(config: RunConfig) -> RunResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for configuration problems, 1 for run errors)."""
+    """Entry point; returns the process exit code (2 for configuration problems, 1 for run
+    errors)."""
     args = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(description=DESCRIPTION)
     if not args:
         prepare_demo(DEMO_FOLDER)
         args = demo_flags(DEMO_FOLDER)
-        print(f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).", file=sys.stderr)
+        print(
+            f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).",
+            file=sys.stderr,
+        )
     try:
         config = load_config(args, parser)
         result = execute(config)
@@ -192,9 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     evals = {k: round(v, 4) for k, v in result.last_eval.items()}
-    trained = f"rollouts {result.trained[0]}..{result.trained[-1]}" if result.trained else "nothing (eval-only)"
-    print(f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, last eval {evals}",
-          file=sys.stderr)
+    trained = (
+        f"rollouts {result.trained[0]}..{result.trained[-1]}"
+        if result.trained
+        else "nothing (eval-only)"
+    )
+    print(
+        f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, "
+        f"last eval {evals}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -32,7 +32,13 @@ from rlcore_megatron.model import LlamaArch
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
 
-__all__ = ["MegatronEvalStack", "MegatronTrainingStack", "model_info", "model_output", "score_samples"]
+__all__ = [
+    "MegatronEvalStack",
+    "MegatronTrainingStack",
+    "model_info",
+    "model_output",
+    "score_samples",
+]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
@@ -83,7 +89,12 @@ def score_samples(
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
 ) -> list[tuple[float, ...]]:
     """Per response token: log-probs (policy) or values (critic), one tuple per sample."""
-    from rlcore.algorithms.batching import gather_response, tensorize_samples, token_log_probs, unpad
+    from rlcore.algorithms.batching import (
+        gather_response,
+        tensorize_samples,
+        token_log_probs,
+        unpad,
+    )
 
     rows: list[tuple[float, ...]] = []
     for start in range(0, len(samples), micro_batch):
@@ -98,7 +109,9 @@ def score_samples(
 class MegatronEvalStack:
     """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
 
-    def __init__(self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device) -> None:
+    def __init__(
+        self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device
+    ) -> None:
         self._spec = spec
         self.model = model
         self.arch = arch
@@ -184,7 +197,9 @@ class MegatronTrainingStack:
 
     def save(self, path: Path, rollout_id: int) -> None:
         info = model_info(self.arch, self.spec.role)
-        checkpoint.save_checkpoint(path, rollout_id, self.gpt, info, self._optimizer, self._scheduler)
+        checkpoint.save_checkpoint(
+            path, rollout_id, self.gpt, info, self._optimizer, self._scheduler
+        )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         from rlcore.algorithms.batching import tensorize
@@ -209,7 +224,8 @@ class MegatronTrainingStack:
         size = global_batch.num_sequences
         if size % dp:
             raise PlanError(
-                f"TrainSpec.global_batch_size={size} is not divisible by the data parallel size {dp}"
+                f"TrainSpec.global_batch_size={size} is not divisible by the data parallel "
+                f"size {dp}"
             )
         per_rank = size // dp
         first = parallel_state.get_data_parallel_rank() * per_rank

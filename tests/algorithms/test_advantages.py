@@ -20,7 +20,6 @@ from rlcore.algorithms.advantages import (
 )
 from rlcore.samples import Generation, Prompt, Sample
 from rlcore.specs import AdvantageEstimator, AdvantageSpec
-
 from tests.strategies import finite, grouped_samples, masked_floats, rows_for
 
 ESTIMATORS: tuple[AdvantageEstimator, ...] = (

@@ -20,7 +20,6 @@ from rlcore.algorithms.batching import (
     unpad,
 )
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
-
 from tests.strategies import VOCAB, rows_for, samples
 
 PAD = 0

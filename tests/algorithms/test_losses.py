@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from rlcore.algorithms.batching import TensorBatch
 from rlcore.algorithms.losses import actor_loss, critic_loss, policy_loss, value_loss
 from rlcore.specs import LossSpec
-
 from tests.strategies import finite, masked_floats
 
 
@@ -82,9 +81,7 @@ def test_clipped_loss_equals_unclipped_inside_the_trust_region(
     log_ratio = torch.tensor(
         data.draw(st.lists(st.floats(-0.15, 0.15), min_size=mask.numel(), max_size=mask.numel())),
         dtype=torch.float64,
-    ).reshape(
-        mask.shape
-    )  # |log r| <= 0.15 keeps r inside [0.8, 1.2]
+    ).reshape(mask.shape)  # |log r| <= 0.15 keeps r inside [0.8, 1.2]
     old = torch.full(mask.shape, -1.0, dtype=torch.float64)
     logp = (old + log_ratio).requires_grad_(True)
     clipped = policy_loss(logp, old, advantages, mask, 0.2, 0.2)
@@ -141,7 +138,14 @@ def test_actor_loss_with_kl_and_entropy_terms_by_hand() -> None:
     out = actor_loss(logp, batch, spec, entropy=torch.tensor([[1.0, 3.0]]))
     assert out.loss.item() == pytest.approx(-0.97)
     assert out.metrics == pytest.approx(
-        {"pg_loss": -1.0, "clipfrac": 0.0, "approx_kl": 0.0, "kl_loss": 0.5, "entropy": 2.0, "loss": -0.97}
+        {
+            "pg_loss": -1.0,
+            "clipfrac": 0.0,
+            "approx_kl": 0.0,
+            "kl_loss": 0.5,
+            "entropy": 2.0,
+            "loss": -0.97,
+        }
     )
     (grad,) = torch.autograd.grad(out.loss, logp)
     # d/dlogp: pg -A/n = -0.5, KL 0.1/n = 0.05.
@@ -152,7 +156,9 @@ def test_actor_loss_reports_the_rollout_log_prob_mismatch() -> None:
     mask = torch.tensor([[True, True], [True, False]])
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
     rollout = torch.tensor([[-1.5, -2.0], [-0.25, -9.0]])  # the padded entry must not count
-    out = actor_loss(logp, attrs.evolve(batch_of(mask, torch.ones(2, 2)), rollout_log_probs=rollout), LossSpec())
+    out = actor_loss(
+        logp, attrs.evolve(batch_of(mask, torch.ones(2, 2)), rollout_log_probs=rollout), LossSpec()
+    )
     assert out.metrics["logprob_mismatch"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
 
 

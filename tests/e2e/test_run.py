@@ -31,12 +31,34 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--hf-checkpoint", str(demo / "model"),
-        "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt", "--label-key", "answer",
-        "--eval-prompt-data", "heldout", str(demo / "eval.jsonl"),
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-        "--micro-batch-size", "4", "--rollout-max-response-len", "5", "--lr", "1e-3",
-        "--output-dir", str(out), "--seed", "7", *extra,
+        "--hf-checkpoint",
+        str(demo / "model"),
+        "--prompt-data",
+        str(demo / "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "answer",
+        "--eval-prompt-data",
+        "heldout",
+        str(demo / "eval.jsonl"),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--rollout-max-response-len",
+        "5",
+        "--lr",
+        "1e-3",
+        "--output-dir",
+        str(out),
+        "--seed",
+        "7",
+        *extra,
     ]
 
 
@@ -47,33 +69,82 @@ def _summary(out: Path) -> dict[str, object]:
 
 def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
     ckpt = tmp_path / "ckpt"
-    first = execute(load_config(_flags(demo, tmp_path / "a", "--num-rollout", "3", "--save", str(ckpt),
-                                       "--save-interval", "2", "--eval-interval", "2")))
+    first = execute(
+        load_config(
+            _flags(
+                demo,
+                tmp_path / "a",
+                "--num-rollout",
+                "3",
+                "--save",
+                str(ckpt),
+                "--save-interval",
+                "2",
+                "--eval-interval",
+                "2",
+            )
+        )
+    )
     assert first.trained == (0, 1, 2) and first.saved == (1, 2)
     assert first.evaluated == (-1, 1, 2)
     assert first.built == ("train:actor",)
     rows = read_jsonl_metrics(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1, 2]
-    assert all("train/actor/grad_norm" in r and r["train/actor/lr"] > 0 for r in rows if "rollout/reward" in r)
+    assert all(
+        "train/actor/grad_norm" in r and r["train/actor/lr"] > 0
+        for r in rows
+        if "rollout/reward" in r
+    )
     # The engine (HF) and the actor (Megatron) hold the same fp32 weights: their log-probs agree.
     assert all(r["train/actor/logprob_mismatch"] < 1e-3 for r in rows if "rollout/reward" in r)
     assert sum("eval/heldout/reward" in r for r in rows) == 3
     meta = read_meta(find_checkpoint(ckpt))
     assert (meta.rollout_id, meta.consumed_prompts, meta.stacks) == (2, 12, ("actor",))
 
-    resumed = execute(load_config(_flags(demo, tmp_path / "b", "--num-rollout", "5", "--load", str(ckpt),
-                                         "--save", str(ckpt))))
+    resumed = execute(
+        load_config(
+            _flags(
+                demo, tmp_path / "b", "--num-rollout", "5", "--load", str(ckpt), "--save", str(ckpt)
+            )
+        )
+    )
     assert resumed.trained == (3, 4)
     assert resumed.evaluated[0] == 2  # eval before training on a resumed run too
     assert read_meta(find_checkpoint(ckpt)).consumed_prompts == 20  # the data position carried on
-    assert [r["step"] for r in read_jsonl_metrics(tmp_path / "b" / "metrics.jsonl") if "rollout/reward" in r] == [3, 4]
+    assert [
+        r["step"]
+        for r in read_jsonl_metrics(tmp_path / "b" / "metrics.jsonl")
+        if "rollout/reward" in r
+    ] == [3, 4]
 
     # Eval-only on the saved checkpoint, with critic and KL flags that it must not act on.
-    code = main(["--num-rollout", "0", "--eval-interval", "1", "--load", str(ckpt), "--use-critic",
-                 "--use-kl-loss", "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt",
-                 "--label-key", "answer", "--eval-prompt-data", "heldout", str(demo / "eval.jsonl"),
-                 "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0",
-                 "--output-dir", str(tmp_path / "c")])
+    code = main(
+        [
+            "--num-rollout",
+            "0",
+            "--eval-interval",
+            "1",
+            "--load",
+            str(ckpt),
+            "--use-critic",
+            "--use-kl-loss",
+            "--hf-checkpoint",
+            str(demo / "model"),
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "answer",
+            "--eval-prompt-data",
+            "heldout",
+            str(demo / "eval.jsonl"),
+            "--n-samples-per-eval-prompt",
+            "2",
+            "--eval-temperature",
+            "1.0",
+            "--output-dir",
+            str(tmp_path / "c"),
+        ]
+    )
     assert code == 0
     summary = _summary(tmp_path / "c")
     assert summary["built"] == ["eval:actor"]  # no optimizer, scheduler, critic or reference
@@ -85,9 +156,26 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
 
 
 def test_ppo_with_critic_and_kl(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
-    result = execute(load_config(_flags(demo, tmp_path, "--num-rollout", "2", "--advantage-estimator", "ppo",
-                                        "--use-kl-loss", "--kl-loss-coef", "0.01", "--gamma", "1.0",
-                                        "--lambd", "0.95", "--skip-eval-before-train")))
+    result = execute(
+        load_config(
+            _flags(
+                demo,
+                tmp_path,
+                "--num-rollout",
+                "2",
+                "--advantage-estimator",
+                "ppo",
+                "--use-kl-loss",
+                "--kl-loss-coef",
+                "0.01",
+                "--gamma",
+                "1.0",
+                "--lambd",
+                "0.95",
+                "--skip-eval-before-train",
+            )
+        )
+    )
     assert result.built == ("train:actor", "train:critic", "eval:reference")
     assert result.trained == (0, 1)
     rows = [r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl") if "rollout/reward" in r]
@@ -109,8 +197,9 @@ ray.shutdown()  # stops the cluster this process started
 @pytest.fixture
 def other_ray_cluster() -> Iterator[str]:
     """A Ray cluster started by another process (as ``ray start`` would), its GCS address."""
-    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    head = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert head.stdin is not None and head.stdout is not None
     try:
         address = head.stdout.readline().strip()  # "" if the process died
@@ -125,12 +214,24 @@ def other_ray_cluster() -> Iterator[str]:
             raise
 
 
-def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(demo: Path, tmp_path: Path,
-                                                               other_ray_cluster: str) -> None:
+def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
+    demo: Path, tmp_path: Path, other_ray_cluster: str
+) -> None:
     out = tmp_path / "out"
-    flags = _flags(demo, out, "--num-rollout", "2", "--skip-eval-before-train", "--ray-address", other_ray_cluster,
-                   "--use-tensorboard", "--use-wandb", "--advantage-estimator", "reinforce_plus_plus",
-                   "--normalize-advantages")
+    flags = _flags(
+        demo,
+        out,
+        "--num-rollout",
+        "2",
+        "--skip-eval-before-train",
+        "--ray-address",
+        other_ray_cluster,
+        "--use-tensorboard",
+        "--use-wandb",
+        "--advantage-estimator",
+        "reinforce_plus_plus",
+        "--normalize-advantages",
+    )
     # No WANDB_API_KEY: wandb runs offline. The head enabled Ray's token authentication (its default
     # for a cluster ray.init starts, token in ~/.ray/auth_token); Ray sends that token to an
     # explicit address only when RAY_AUTH_MODE=token says so.
@@ -141,10 +242,16 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(demo: Path, tmp_p
     assert f"--ray-address {other_ray_cluster}: could not join the Ray cluster" in refused.stderr
     assert "RAY_AUTH_MODE=token" in refused.stderr
 
-    run = subprocess.run(command, capture_output=True, text=True, env={**env, "RAY_AUTH_MODE": "token"}, timeout=900)
+    run = subprocess.run(
+        command, capture_output=True, text=True, env={**env, "RAY_AUTH_MODE": "token"}, timeout=900
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"ray: joined the cluster at {other_ray_cluster}" in (out / "run.log").read_text()
-    rewards = [r["rollout/reward"] for r in read_jsonl_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    rewards = [
+        r["rollout/reward"]
+        for r in read_jsonl_metrics(out / "metrics.jsonl")
+        if "rollout/reward" in r
+    ]
     assert len(rewards) == 2
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -152,17 +259,26 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(demo: Path, tmp_p
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == [
-        (0, pytest.approx(rewards[0])), (1, pytest.approx(rewards[1]))]
+        (0, pytest.approx(rewards[0])),
+        (1, pytest.approx(rewards[1])),
+    ]
 
     # wandb's offline run: its record file holds the run's config and metric names (wandb 0.31
     # ships no Python reader for it; `wandb sync` uploads it later).
     (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     data = record.read_bytes()
-    for name in (b"normalize_advantages", b"rollout/reward", b"train/actor/loss", b"train/actor/logprob_mismatch"):
+    for name in (
+        b"normalize_advantages",
+        b"rollout/reward",
+        b"train/actor/loss",
+        b"train/actor/logprob_mismatch",
+    ):
         assert name in data, name
 
 
-def test_bad_data_stops_before_any_model_is_built(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_stops_before_any_model_is_built(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "123>", "answer": "321"}\n{"prompt": "45\n')
     code = main(_flags(demo, tmp_path / "out", "--num-rollout", "2", "--prompt-data", str(bad)))
@@ -173,8 +289,13 @@ def test_bad_data_stops_before_any_model_is_built(demo: Path, tmp_path: Path, ca
 
 
 def test_help_is_grouped() -> None:
-    out = subprocess.run([sys.executable, "-m", "rlcore_megatron.run", "--help"], capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlcore_megatron.run", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     for title in ("rollout:", "algorithm (advantages, loss, KL):", "checkpoints:", "evaluation:"):
         assert title in out.stdout
     assert "--num-rollout" in out.stdout and "--sft-warmup-rollouts" in out.stdout

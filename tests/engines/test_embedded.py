@@ -34,7 +34,14 @@ def one_thread() -> Iterator[None]:
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFTokenizer]:
     folder = tmp_path_factory.mktemp("tiny")
     hf_tok = build_char_tokenizer(folder / "tokenizer", ALPHABET)
-    build_tiny_llama(folder / "model", vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, seed=3)
+    build_tiny_llama(
+        folder / "model",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        intermediate_size=64,
+        seed=3,
+    )
     return folder, HFTokenizer(hf_tok)
 
 
@@ -84,13 +91,15 @@ def test_log_probs_match_a_full_forward_at_temperature_1(
     batch = prompts(assets[1], TEXTS) * 3
     gens = engine.generate(batch, params)
     assert len(gens) == len(batch)
-    for prompt, gen in zip(batch, gens):
+    for prompt, gen in zip(batch, gens, strict=True):
         assert len(gen.token_ids) == len(gen.log_probs) >= 1
         expected = full_forward_log_probs(engine.model, prompt, gen)
         assert gen.log_probs == pytest.approx(expected, abs=1e-5)
 
 
-def greedy_reference(model: PreTrainedModel, prompt: Prompt, max_new_tokens: int) -> tuple[int, ...]:
+def greedy_reference(
+    model: PreTrainedModel, prompt: Prompt, max_new_tokens: int
+) -> tuple[int, ...]:
     ids = torch.tensor([prompt.token_ids])
     assert isinstance(model, GenerationMixin)
     out = model.generate(
@@ -109,7 +118,7 @@ def test_greedy_equals_hf_generate(assets: tuple[Path, HFTokenizer]) -> None:
     engine = make_engine(assets)
     batch = prompts(assets[1], TEXTS)
     gens = engine.generate(batch, SamplingParams(max_new_tokens=12, temperature=0.0))
-    for prompt, gen in zip(batch, gens):
+    for prompt, gen in zip(batch, gens, strict=True):
         assert gen.token_ids == greedy_reference(engine.model, prompt, 12)
         assert gen.finish_reason == ("stop" if gen.token_ids[-1] == EOS_ID else "length")
         assert gen.text == assets[1].decode(gen.token_ids)
@@ -130,7 +139,7 @@ def test_left_padding_matches_one_by_one(assets: tuple[Path, HFTokenizer]) -> No
     assert len({len(p.token_ids) for p in batch}) > 1
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
     together = engine.generate(batch, params)
-    for prompt, gen in zip(batch, together):
+    for prompt, gen in zip(batch, together, strict=True):
         (alone,) = engine.generate([prompt], params)
         assert gen.token_ids == alone.token_ids
         assert gen.log_probs == pytest.approx(alone.log_probs, abs=1e-5)
@@ -154,11 +163,15 @@ def test_repeated_prompts_share_a_prefill_but_sample_independently(
 def test_stop_tokens_cut_responses(assets: tuple[Path, HFTokenizer]) -> None:
     engine = make_engine(assets)
     batch = prompts(assets[1], TEXTS)
-    free = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(PAD_ID,)))
+    free = engine.generate(
+        batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(PAD_ID,))
+    )
     first = free[0].token_ids
     stop = first[2]
-    cut = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
-    for before, after in zip(free, cut):
+    cut = engine.generate(
+        batch, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,))
+    )
+    for before, after in zip(free, cut, strict=True):
         if stop in before.token_ids:
             end = before.token_ids.index(stop) + 1
             assert after.token_ids == before.token_ids[:end]
@@ -171,12 +184,15 @@ def test_stop_tokens_cut_responses(assets: tuple[Path, HFTokenizer]) -> None:
 def test_stops_early_when_every_response_ended(assets: tuple[Path, HFTokenizer]) -> None:
     engine = make_engine(assets)
     every_token = tuple(range(VOCAB))
-    gens = engine.generate(prompts(assets[1], TEXTS), SamplingParams(max_new_tokens=50, stop_token_ids=every_token))
+    gens = engine.generate(
+        prompts(assets[1], TEXTS), SamplingParams(max_new_tokens=50, stop_token_ids=every_token)
+    )
     assert all(len(g.token_ids) == 1 and g.finish_reason == "stop" for g in gens)
 
 
 class OtherEos:
-    """The test tokenizer with a different eos id, to see that the engine stops on the tokenizer's eos."""
+    """The test tokenizer with a different eos id, to see that the engine stops on the tokenizer's
+    eos."""
 
     def __init__(self, tok: HFTokenizer, eos: int) -> None:
         self._tok, self.eos_token_id, self.pad_token_id = tok, eos, tok.pad_token_id
@@ -198,7 +214,7 @@ def test_default_stop_is_the_tokenizers_eos(assets: tuple[Path, HFTokenizer]) ->
     gens = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0))
     assert gens[0].token_ids == free[0].token_ids[: free[0].token_ids.index(eos) + 1]
     assert gens[0].finish_reason == "stop"
-    for before, after in zip(free, gens):
+    for before, after in zip(free, gens, strict=True):
         assert after.token_ids[-1] == eos or after.token_ids == before.token_ids
         assert after.text == assets[1].decode(after.token_ids)
 
@@ -262,8 +278,12 @@ def test_bad_sampling_parameters(assets: tuple[Path, HFTokenizer]) -> None:
             engine.generate(batch, params)
     with pytest.raises(RolloutError, match="prompt 0 .* has no tokens"):
         engine.generate([Prompt(index=0, text="", token_ids=())], SamplingParams(max_new_tokens=2))
-    with pytest.raises(RolloutError, match=rf"prompt 4 .*outside the model's vocabulary \[0, {VOCAB}\)"):
-        engine.generate([Prompt(index=4, text="x", token_ids=(1, VOCAB))], SamplingParams(max_new_tokens=2))
+    with pytest.raises(
+        RolloutError, match=rf"prompt 4 .*outside the model's vocabulary \[0, {VOCAB}\)"
+    ):
+        engine.generate(
+            [Prompt(index=4, text="x", token_ids=(1, VOCAB))], SamplingParams(max_new_tokens=2)
+        )
     assert engine.generate([], SamplingParams(max_new_tokens=2)) == []
 
 

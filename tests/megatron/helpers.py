@@ -30,7 +30,9 @@ def make_samples(n: int, seed: int = 0, vocab: int = 32) -> list[Sample]:
         prompt = (1, *(rng.randrange(3, vocab) for _ in range(rng.randint(1, 4))))
         response = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(1, 6)))
         gen = Generation(response, tuple(-1.0 for _ in response), "", "stop")
-        out.append(Sample(Prompt(i, "", prompt), gen, reward=float(rng.random() > 0.5), group=i // 2))
+        out.append(
+            Sample(Prompt(i, "", prompt), gen, reward=float(rng.random() > 0.5), group=i // 2)
+        )
     return out
 
 
@@ -48,7 +50,8 @@ def make_batch(
 
     def rows(scale: float, offset: float = 0.0) -> tuple[tuple[float, ...], ...]:
         return tuple(
-            tuple(offset + scale * rng.uniform(-1, 1) for _ in s.response.token_ids) for s in samples
+            tuple(offset + scale * rng.uniform(-1, 1) for _ in s.response.token_ids)
+            for s in samples
         )
 
     return TrainBatch(

@@ -14,7 +14,11 @@ import torch
 
 def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     from megatron.core import parallel_state
@@ -48,8 +52,13 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     stack.save(results / "tp2_ckpt", rollout_id=4)
     loaded = stack.load(results / "tp2_ckpt")
     torch.save(
-        {"exported": exported, "log_probs": log_probs, "trained": weights(stack.export_weights()),
-         "grad_norm": metrics.grad_norm, "loaded": loaded},
+        {
+            "exported": exported,
+            "log_probs": log_probs,
+            "trained": weights(stack.export_weights()),
+            "grad_norm": metrics.grad_norm,
+            "loaded": loaded,
+        },
         results / f"tp2.rank{rank}.pt",
     )
     del ev, stack
@@ -67,8 +76,13 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     except CheckpointError as exc:
         disagreement = str(exc)
     torch.save(
-        {"trained": weights(stack.export_weights()), "grad_norm": metrics.grad_norm,
-         "loss": metrics.loss, "tokens": metrics.tokens, "disagreement": disagreement},
+        {
+            "trained": weights(stack.export_weights()),
+            "grad_norm": metrics.grad_norm,
+            "loss": metrics.loss,
+            "tokens": metrics.tokens,
+            "disagreement": disagreement,
+        },
         results / f"dp2.rank{rank}.pt",
     )
     shutdown_megatron()

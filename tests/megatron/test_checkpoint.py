@@ -23,14 +23,23 @@ ROLLOUTS = 4
 
 
 def _stack(hf: Path, role: str = "actor") -> MegatronTrainingStack:
-    spec = train_spec(hf, "critic" if role == "critic" else "actor", global_batch_size=2,
-                      micro_batch_size=1, steps_per_rollout=2, schedule=SCHEDULE, seed=7)
+    spec = train_spec(
+        hf,
+        "critic" if role == "critic" else "actor",
+        global_batch_size=2,
+        micro_batch_size=1,
+        steps_per_rollout=2,
+        schedule=SCHEDULE,
+        seed=7,
+    )
     return MegatronBackend().build_training_stack(spec)
 
 
 def _batches(role: str) -> list:  # type: ignore[type-arg]
-    return [make_batch(make_samples(4, seed=100 + k), seed=200 + k, returns=role == "critic")
-            for k in range(ROLLOUTS)]
+    return [
+        make_batch(make_samples(4, seed=100 + k), seed=200 + k, returns=role == "critic")
+        for k in range(ROLLOUTS)
+    ]
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -58,7 +67,9 @@ def test_resume_ends_with_the_same_weights(tiny_hf: Path, tmp_path: Path, role: 
     assert straight.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"]
 
 
-def test_eval_stack_loads_model_weights_from_a_training_checkpoint(tiny_hf: Path, tmp_path: Path) -> None:
+def test_eval_stack_loads_model_weights_from_a_training_checkpoint(
+    tiny_hf: Path, tmp_path: Path
+) -> None:
     trained = _stack(tiny_hf)
     trained.train_step(_batches("actor")[0])
     trained.save(tmp_path / "ckpt", rollout_id=5)

@@ -29,7 +29,11 @@ def test_eval_stack_contract(backend: Backend, tiny_hf: Path) -> None:
     spec = EvalSpec(ModelSpec("reference", tiny_hf))
     stack = backend.build_eval_stack(spec)
     assert isinstance(stack, EvalStack)
-    assert not hasattr(stack, "optimizer") and not hasattr(stack, "scheduler") and not hasattr(stack, "train_step")
+    assert (
+        not hasattr(stack, "optimizer")
+        and not hasattr(stack, "scheduler")
+        and not hasattr(stack, "train_step")
+    )
     assert stack.spec == spec.model
     samples = make_samples(3)
     rows = stack.forward(samples)
@@ -60,7 +64,9 @@ def test_training_stack_contract(backend: Backend, tiny_hf: Path, tmp_path: Path
     assert fresh.forward(samples) == stack.forward(samples)
 
 
-def test_missing_checkpoint_raises_naming_the_path(backend: Backend, tiny_hf: Path, tmp_path: Path) -> None:
+def test_missing_checkpoint_raises_naming_the_path(
+    backend: Backend, tiny_hf: Path, tmp_path: Path
+) -> None:
     stack = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_hf)))
     with pytest.raises(CheckpointError, match=str(tmp_path / "missing")):
         stack.load(tmp_path / "missing")

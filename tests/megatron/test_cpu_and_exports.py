@@ -57,7 +57,10 @@ def test_package_surface_is_pinned_and_classes_are_final() -> None:
 
 
 def test_import_rlcore_megatron_is_light() -> None:
-    code = "import sys, json, rlcore_megatron; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))))"
+    code = (
+        "import sys, json, rlcore_megatron; print(json.dumps(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'megatron'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 

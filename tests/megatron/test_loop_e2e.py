@@ -25,7 +25,9 @@ from tests.megatron.helpers import TINY, weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-PROMPTS = tuple(Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(6))
+PROMPTS = tuple(
+    Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(6)
+)
 DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("heldout", PROMPTS[:2]),), seed=3)
 
 
@@ -59,7 +61,12 @@ def _config(hf: Path, save: Path, num_rollout: int, load: Path | None = None) ->
         "model": {"hf_checkpoint": str(hf)},
         "rollout": {"num_rollout": num_rollout, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
         "algorithm": {"advantage_estimator": "ppo", "use_kl_loss": True, "kl_loss_coef": 0.01},
-        "optim": {"lr": 1e-3, "lr_warmup_iters": 1, "lr_decay_iters": 8, "lr_decay_style": "cosine"},
+        "optim": {
+            "lr": 1e-3,
+            "lr_warmup_iters": 1,
+            "lr_decay_iters": 8,
+            "lr_decay_style": "cosine",
+        },
         "train": {"global_batch_size": 2, "micro_batch_size": 1},
         "checkpoint": {"save": str(save), "save_interval": 2},
         "eval": {"interval": 2, "prompt_data": [{"name": "heldout", "path": "unused"}]},
@@ -69,18 +76,33 @@ def _config(hf: Path, save: Path, num_rollout: int, load: Path | None = None) ->
     return plan(structure_config(data))
 
 
-def test_stopped_and_resumed_run_equals_an_uninterrupted_one(char_llama: Path, tmp_path: Path) -> None:
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
+    char_llama: Path, tmp_path: Path
+) -> None:
     straight = RecordingBackend()
-    result = run(_config(char_llama, tmp_path / "a", 4), straight, ScriptedEngine(), label_reward, DATA)
+    result = run(
+        _config(char_llama, tmp_path / "a", 4), straight, ScriptedEngine(), label_reward, DATA
+    )
     assert result.trained == (0, 1, 2, 3)
     assert sorted(straight.training) == ["actor", "critic"]
     assert {"train/actor/kl_loss", "train/critic/value_loss"} <= set(result.last_train)
 
-    first = run(_config(char_llama, tmp_path / "b", 2), RecordingBackend(), ScriptedEngine(), label_reward, DATA)
+    first = run(
+        _config(char_llama, tmp_path / "b", 2),
+        RecordingBackend(),
+        ScriptedEngine(),
+        label_reward,
+        DATA,
+    )
     assert first.saved == (1,)
     resumed = RecordingBackend()
-    second = run(_config(char_llama, tmp_path / "b", 4, load=tmp_path / "b"), resumed, ScriptedEngine(),
-                 label_reward, DATA)
+    second = run(
+        _config(char_llama, tmp_path / "b", 4, load=tmp_path / "b"),
+        resumed,
+        ScriptedEngine(),
+        label_reward,
+        DATA,
+    )
     assert second.trained == (2, 3)
 
     for role in ("actor", "critic"):

@@ -10,7 +10,12 @@ import torch
 import transformers
 
 from rlcore.errors import CheckpointError, ConfigError
-from rlcore_megatron.hf_weights import export_hf_weights, load_hf_weights, load_named_tensors, save_hf
+from rlcore_megatron.hf_weights import (
+    export_hf_weights,
+    load_hf_weights,
+    load_named_tensors,
+    save_hf,
+)
 from rlcore_megatron.model import arch_from_hf_config, build_gpt, read_hf_config
 from tests.megatron.helpers import weights
 
@@ -40,7 +45,9 @@ def test_logits_equal_transformers(fixture: str, request: pytest.FixtureRequest)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_hf", "tiny_hf_tied"])
-def test_import_export_round_trip_is_bit_exact(fixture: str, request: pytest.FixtureRequest) -> None:
+def test_import_export_round_trip_is_bit_exact(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
     folder: Path = request.getfixturevalue(fixture)
     arch = read_hf_config(folder)
     model = build_gpt(arch, "actor", CPU)
@@ -105,7 +112,10 @@ def _config(**overrides: object) -> dict[str, object]:
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+            "rope_parameters.rope_type",
+        ),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"hidden_size": 0}, "hidden_size"),
     ],
@@ -159,7 +169,9 @@ def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
     exported = weights(export_hf_weights(critic, arch, "critic"))
     assert "score.weight" in exported and "lm_head.weight" not in exported
     hf_state = transformers.LlamaForCausalLM.from_pretrained(tiny_hf).state_dict()
-    assert torch.equal(exported["model.layers.1.mlp.up_proj.weight"], hf_state["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(
+        exported["model.layers.1.mlp.up_proj.weight"], hf_state["model.layers.1.mlp.up_proj.weight"]
+    )
 
 
 def test_tensor_parallel_sizes_that_do_not_divide_the_heads_are_refused() -> None:

@@ -30,7 +30,10 @@ def two_ranks(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=multirank_worker.run, args=(r, 2, port, str(tiny_hf), str(out))) for r in range(2)]
+    procs = [
+        ctx.Process(target=multirank_worker.run, args=(r, 2, port, str(tiny_hf), str(out)))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -64,7 +67,9 @@ def test_tensor_parallel_export_gathers_the_full_weights(two_ranks: Path, tiny_h
             assert torch.equal(tensor, hf_state[name]), name
 
 
-def test_tensor_parallel_save_hf_writes_a_loadable_checkpoint(two_ranks: Path, tiny_hf: Path) -> None:
+def test_tensor_parallel_save_hf_writes_a_loadable_checkpoint(
+    two_ranks: Path, tiny_hf: Path
+) -> None:
     saved = transformers.LlamaForCausalLM.from_pretrained(two_ranks / "tp2_hf").state_dict()
     original = transformers.LlamaForCausalLM.from_pretrained(tiny_hf).state_dict()
     assert saved.keys() == original.keys()
@@ -97,7 +102,11 @@ def test_tensor_parallel_checkpoint_round_trip(two_ranks: Path) -> None:
 
 def test_data_parallel_replicas_report_global_metrics(two_ranks: Path) -> None:
     a, b = (_load(two_ranks, "dp2", r) for r in range(2))
-    assert a["tokens"] == b["tokens"] == sum(len(s.response.token_ids) for s in make_samples(4, seed=21))
+    assert (
+        a["tokens"]
+        == b["tokens"]
+        == sum(len(s.response.token_ids) for s in make_samples(4, seed=21))
+    )
     assert a["loss"] == pytest.approx(b["loss"])
 
 

@@ -40,7 +40,9 @@ def test_planned_stacks_build_and_train(tiny_hf: Path, data: dict[str, Any]) -> 
             critic = backend.build_training_stack(the_plan.critic) if the_plan.critic else None
             reference = backend.build_eval_stack(the_plan.reference) if the_plan.reference else None
             algorithm = data["algorithm"]
-            assert (critic is not None) == (algorithm["use_critic"] or algorithm["advantage_estimator"] == "ppo")
+            assert (critic is not None) == (
+                algorithm["use_critic"] or algorithm["advantage_estimator"] == "ppo"
+            )
             for stack in (trained, critic):
                 if stack is not None:
                     assert isinstance(stack, TrainingStack)
@@ -64,5 +66,7 @@ def test_planned_stacks_build_and_train(tiny_hf: Path, data: dict[str, Any]) -> 
             schedule = the_plan.actor.optimizer.schedule
             total = the_plan.num_rollout * the_plan.actor.steps_per_rollout
             for step in range(the_plan.actor.steps_per_rollout, total):
-                assert trained.optimizer.param_groups[0]["lr"] == pytest.approx(schedule.lr_at(step))
+                assert trained.optimizer.param_groups[0]["lr"] == pytest.approx(
+                    schedule.lr_at(step)
+                )
                 trained.scheduler.step(increment=1)

@@ -298,9 +298,9 @@ class TensorParallelCpuRuntime:
         MegatronRuntime().init(tensor_parallel_size, seed)
         utils = importlib.import_module("megatron.core.utils")
         mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
-        shimmed = getattr(utils, "torch")
-        if getattr(mappings, "torch") is not shimmed:
-            setattr(mappings, "torch", shimmed)
+        shimmed = utils.torch
+        if mappings.torch is not shimmed:
+            mappings.torch = shimmed
 
     def backend(self) -> Backend:
         return MegatronRuntime().backend()

@@ -56,14 +56,18 @@ def test_eval_and_training_forward_agree_with_each_other(tiny_hf: Path) -> None:
 
 
 def test_actor_train_step_learns_and_reports(tiny_hf: Path) -> None:
-    stack = MegatronBackend().build_training_stack(train_spec(tiny_hf, global_batch_size=4, steps_per_rollout=2))
+    stack = MegatronBackend().build_training_stack(
+        train_spec(tiny_hf, global_batch_size=4, steps_per_rollout=2)
+    )
     samples = make_samples(8, seed=1)
     batch = make_batch(samples, seed=2)
     before = weights(stack.export_weights())
     metrics = stack.train_step(batch)
     after = weights(stack.export_weights())
     assert metrics.tokens == sum(len(s.response.token_ids) for s in samples[4:])
-    assert metrics.grad_norm > 0 and metrics.lr == pytest.approx(stack.optimizer.param_groups[0]["lr"], rel=0.2)
+    assert metrics.grad_norm > 0 and metrics.lr == pytest.approx(
+        stack.optimizer.param_groups[0]["lr"], rel=0.2
+    )
     assert {"pg_loss", "clipfrac", "approx_kl"} <= set(metrics.extra)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert stack.scheduler.num_steps == 2
@@ -74,7 +78,9 @@ def test_positive_advantages_raise_the_log_probs(tiny_hf: Path) -> None:
 
     samples = make_samples(4, seed=5)
     stack = MegatronBackend().build_training_stack(
-        train_spec(tiny_hf, schedule=LRSchedule(lr=1e-2, min_lr=1e-2, warmup_steps=0, decay_steps=1))
+        train_spec(
+            tiny_hf, schedule=LRSchedule(lr=1e-2, min_lr=1e-2, warmup_steps=0, decay_steps=1)
+        )
     )
     before = stack.forward(samples)
     ones = tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples)
@@ -89,7 +95,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path) -> None:
     loss = LossSpec(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
     results = []
     for micro in (1, 4):
-        stack = MegatronBackend().build_training_stack(train_spec(tiny_hf, micro_batch_size=micro, loss=loss))
+        stack = MegatronBackend().build_training_stack(
+            train_spec(tiny_hf, micro_batch_size=micro, loss=loss)
+        )
         metrics = stack.train_step(batch)
         results.append((metrics, weights(stack.export_weights())))
     (m1, w1), (m4, w4) = results
@@ -103,7 +111,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path) -> None:
 def test_lr_follows_the_schedule(tiny_hf: Path) -> None:
     schedule = LRSchedule(lr=1e-3, min_lr=1e-5, warmup_steps=2, decay_steps=5, decay_style="cosine")
     stack = MegatronBackend().build_training_stack(
-        train_spec(tiny_hf, global_batch_size=2, micro_batch_size=2, schedule=schedule, clip_grad=0.0)
+        train_spec(
+            tiny_hf, global_batch_size=2, micro_batch_size=2, schedule=schedule, clip_grad=0.0
+        )
     )
     batch = make_batch(make_samples(2, seed=4))
     lrs = [stack.train_step(batch).lr for _ in range(7)]
@@ -146,9 +156,15 @@ def test_random_init_from_config_is_seeded(megatron_rank: None) -> None:
         "num_key_value_heads": TINY["num_kv_heads"],
     }
     backend = MegatronBackend(hf_config=cfg)
-    a = weights(backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=3))).export_weights())
-    b = weights(backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=3))).export_weights())
-    c = weights(backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=4))).export_weights())
+    a = weights(
+        backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=3))).export_weights()
+    )
+    b = weights(
+        backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=3))).export_weights()
+    )
+    c = weights(
+        backend.build_eval_stack(EvalSpec(ModelSpec("actor", None, seed=4))).export_weights()
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 

@@ -47,7 +47,7 @@ def test_killed_server_mid_rollout_raises_with_its_log_tail(victim_server: SGLan
     log_lines = victim_server.log_path.read_text(errors="replace").splitlines()
     quoted = message.split("--- last lines of the server log ---\n", 1)[1].splitlines()
     assert len(log_lines) >= len(quoted) > 0
-    assert quoted == log_lines[-len(quoted):]
+    assert quoted == log_lines[-len(quoted) :]
 
     # Afterwards the engine keeps failing fast, and closing it twice is fine.
     with pytest.raises(RolloutError, match="exited with code"):

@@ -68,7 +68,9 @@ def test_launch_command_binds_localhost_and_caps_the_kv_pool(tmp_path: Path) -> 
     assert cmd[cmd.index("--max-total-tokens") + 1] == "8192"
     assert cmd[cmd.index("--device") + 1] == "cpu"
     assert "--sleep-on-idle" in cmd
-    assert "--sleep-on-idle" not in LaunchSettings(model_path=tmp_path, sleep_on_idle=False).command(1, 0)
+    assert "--sleep-on-idle" not in LaunchSettings(
+        model_path=tmp_path, sleep_on_idle=False
+    ).command(1, 0)
     env = settings.environment()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"

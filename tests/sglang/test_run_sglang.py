@@ -17,32 +17,77 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rlcore_megatron.run", *flags], capture_output=True,
-                          text=True, timeout=1500)
+    return subprocess.run(
+        [sys.executable, "-m", "rlcore_megatron.run", *flags],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
 
 
 def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     demo = tmp_path / "demo"
     prepare_demo(demo)
-    data = ["--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
-            "--eval-prompt-data", "heldout", str(demo / "eval.jsonl"), "--rollout-engine", "sglang"]
-    train = _run(*data, "--prompt-data", str(demo / "train.jsonl"), "--num-rollout", "2",
-                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-                 "--micro-batch-size", "8", "--rollout-max-response-len", "5", "--lr", "1e-3",
-                 "--save", str(tmp_path / "ckpt"), "--skip-eval-before-train", "--eval-interval", "2",
-                 "--output-dir", str(tmp_path / "train"))
+    data = [
+        "--hf-checkpoint",
+        str(demo / "model"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "answer",
+        "--eval-prompt-data",
+        "heldout",
+        str(demo / "eval.jsonl"),
+        "--rollout-engine",
+        "sglang",
+    ]
+    train = _run(
+        *data,
+        "--prompt-data",
+        str(demo / "train.jsonl"),
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--rollout-max-response-len",
+        "5",
+        "--lr",
+        "1e-3",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--skip-eval-before-train",
+        "--eval-interval",
+        "2",
+        "--output-dir",
+        str(tmp_path / "train"),
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["trained"] == [0, 1] and summary["saved"] == [1]
-    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if "rollout/reward" in r]
     assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0]
     # SGLang's fp32 log-probs of its own samples agree with Megatron's recomputation.
     assert all(r["train/actor/logprob_mismatch"] < 1e-3 for r in steps)
     assert (tmp_path / "train" / "sglang").is_dir()  # the launched server's log
 
-    evaluate = _run(*data, "--num-rollout", "0", "--load", str(tmp_path / "ckpt"),
-                    "--output-dir", str(tmp_path / "eval"))
+    evaluate = _run(
+        *data,
+        "--num-rollout",
+        "0",
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--output-dir",
+        str(tmp_path / "eval"),
+    )
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [1]

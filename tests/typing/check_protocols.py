@@ -14,9 +14,9 @@ from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
 
 
 def eval_stack_has_no_optimizer(stack: EvalStack) -> None:
-    stack.optimizer  # type: ignore[attr-defined]
-    stack.scheduler  # type: ignore[attr-defined]
-    stack.train_step  # type: ignore[attr-defined]
+    _ = stack.optimizer  # type: ignore[attr-defined]
+    _ = stack.scheduler  # type: ignore[attr-defined]
+    _ = stack.train_step  # type: ignore[attr-defined]
 
 
 def training_stack_has_them(stack: TrainingStack) -> None:
@@ -25,9 +25,9 @@ def training_stack_has_them(stack: TrainingStack) -> None:
 
 
 def eval_plan_has_no_training_parts(p: EvalPlan) -> None:
-    p.critic  # type: ignore[attr-defined]
-    p.reference  # type: ignore[attr-defined]
-    p.actor.optimizer  # type: ignore[attr-defined]
+    _ = p.critic  # type: ignore[attr-defined]
+    _ = p.reference  # type: ignore[attr-defined]
+    _ = p.actor.optimizer  # type: ignore[attr-defined]
 
 
 def train_plan_critic_is_optional(p: TrainPlan) -> None:

@@ -48,8 +48,8 @@ class TensorBatch:
 
     ``returns``, ``old_log_probs``, ``ref_log_probs`` and ``old_values`` are ``None`` when the
     :class:`~rlcore.samples.TrainBatch` field they come from is empty; ``rollout_log_probs`` (the
-    engine's, from each sample's :class:`~rlcore.samples.Generation`) is set by :func:`tensorize`. Build one with
-    :func:`tensorize` or :func:`tensorize_samples`.
+    engine's, from each sample's :class:`~rlcore.samples.Generation`) is set by :func:`tensorize`.
+    Build one with :func:`tensorize` or :func:`tensorize_samples`.
     """
 
     tokens: torch.Tensor

@@ -42,7 +42,8 @@ def sample_next_tokens(
     ``temperature == 0`` is greedy (argmax). Otherwise the logits are divided by the temperature,
     restricted to the ``top_k`` largest (``0`` = off; ties at the k-th value are all kept) and then
     to the smallest set whose probability reaches ``top_p`` (``1.0`` = off; the most likely token
-    is always kept), and one token is drawn with ``generator`` — the order Hugging Face applies them.
+    is always kept), and one token is drawn with ``generator`` — the order Hugging Face applies
+    them.
     """
     if params.temperature == 0:
         return logits.argmax(dim=-1)
@@ -87,7 +88,12 @@ class EmbeddedEngine:
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: Tokenizer, *, seed: int = 0, weight_version: int = 0
+        self,
+        model: PreTrainedModel,
+        tokenizer: Tokenizer,
+        *,
+        seed: int = 0,
+        weight_version: int = 0,
     ) -> None:
         model.eval()  # type: ignore[no-untyped-call]  # transformers leaves PreTrainedModel.eval unannotated
         self._model: PreTrainedModel | None = model
@@ -158,17 +164,24 @@ class EmbeddedEngine:
         assert isinstance(embedding, torch.Tensor)  # an embedding table: Tensor[vocab, hidden]
         vocab = embedding.shape[0]
         for prompt in prompts:
-            if not prompt.token_ids or not 0 <= min(prompt.token_ids) <= max(prompt.token_ids) < vocab:
+            if (
+                not prompt.token_ids
+                or not 0 <= min(prompt.token_ids) <= max(prompt.token_ids) < vocab
+            ):
                 raise RolloutError(
-                    f"EmbeddedEngine: prompt {prompt.index} ({prompt.text[:40]!r}) has no tokens or "
-                    f"a token id outside the model's vocabulary [0, {vocab}); was it encoded with "
-                    "this model's tokenizer?"
+                    f"EmbeddedEngine: prompt {prompt.index} ({prompt.text[:40]!r}) has no "
+                    f"tokens or a token id outside the model's vocabulary [0, {vocab}); was it "
+                    "encoded with this model's tokenizer?"
                 )
         stops = params.stop_token_ids or (self._tokenizer.eos_token_id,)
         try:
             with torch.inference_mode():
                 tokens, log_probs = self._decode(model, prompts, params, stops)
-        except (RuntimeError, ValueError, IndexError) as exc:  # torch's errors, out of memory included
+        except (
+            RuntimeError,
+            ValueError,
+            IndexError,
+        ) as exc:  # torch's errors, out of memory included
             raise RolloutError(
                 f"EmbeddedEngine: generation failed for {len(prompts)} prompts "
                 f"(longest {max(len(p.token_ids) for p in prompts)} tokens, max_new_tokens "
@@ -183,8 +196,9 @@ class EmbeddedEngine:
         params: SamplingParams,
         stops: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode loop: ``(tokens, log_probs)``, both ``Tensor[B, T]`` with ``T <= max_new_tokens``;
-        positions after a row's stop token hold padding and are cut by the caller."""
+        """The decode loop: ``(tokens, log_probs)``, both ``Tensor[B, T]`` with
+        ``T <= max_new_tokens``; positions after a row's stop token hold padding and are cut by the
+        caller."""
         device, batch = self._device, len(prompts)
         # Prefill each distinct prompt once, then copy its KV cache rows to every repeat: RL batches
         # sample each prompt n_samples_per_prompt times, so this removes most of the prefill.
@@ -192,7 +206,9 @@ class EmbeddedEngine:
         rows = [distinct.setdefault(p.token_ids, len(distinct)) for p in prompts]
         lengths = [len(ids) for ids in distinct]
         width = max(lengths)
-        input_ids = torch.full((len(distinct), width), self._tokenizer.pad_token_id, dtype=torch.long)
+        input_ids = torch.full(
+            (len(distinct), width), self._tokenizer.pad_token_id, dtype=torch.long
+        )
         for row, ids in enumerate(distinct):
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         input_ids = input_ids.to(device)
@@ -210,7 +226,8 @@ class EmbeddedEngine:
         logits = self._forward(model, input_ids, cache, mask, positions)
         if len(distinct) < batch:
             index = torch.tensor(rows, dtype=torch.long, device=device)
-            # reorder_cache is beam search's row gather; its annotation asks for the legacy LongTensor type.
+            # reorder_cache is beam search's row gather; its annotation asks for the legacy
+            # LongTensor type.
             cache.reorder_cache(cast("torch.LongTensor", index))
             logits = logits[index]
             mask = None if mask is None else mask[index]
@@ -259,7 +276,7 @@ class EmbeddedEngine:
     ) -> list[Generation]:
         generations = []
         texts: dict[tuple[int, ...], str] = {}  # RL batches repeat responses; decode each once
-        for row_tokens, row_log_probs in zip(tokens, log_probs):
+        for row_tokens, row_log_probs in zip(tokens, log_probs, strict=True):
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in stops), 0)
             reason: FinishReason = "stop" if end else "length"
             ids = tuple(row_tokens[:end] if end else row_tokens)
@@ -296,10 +313,13 @@ class EmbeddedEngine:
                 problems.append(f"unknown weight {name!r}")
             elif tuple(target.shape) != tuple(tensor.shape):
                 problems.append(
-                    f"{name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+                    f"{name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model's is {tuple(target.shape)}"
                 )
         if problems:
-            shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+            shown = "; ".join(problems[:10]) + (
+                f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            )
             raise RolloutError(
                 f"EmbeddedEngine.update_weights (version {version}): {shown}. Send weights under "
                 "the model's Hugging Face names (model.state_dict() keys) with matching shapes"

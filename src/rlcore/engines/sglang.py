@@ -53,15 +53,15 @@ from torch._C._distributed_c10d import TCPStore
 
 from rlcore.engines.sglang_server import (
     LaunchSettings,
+    ServerTimeoutError,
+    ServerUnreachableError,
+    SGLangHTTPError,
+    SGLangServer,
     first_error,
+    free_port,
     run_all,
     start_all,
     wait_all,
-    SGLangHTTPError,
-    SGLangServer,
-    ServerTimeoutError,
-    ServerUnreachableError,
-    free_port,
 )
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors
@@ -409,24 +409,28 @@ class SGLangEngine:
         set_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
         buckets = list(_buckets(named, self.options.bucket_bytes))
 
+        def send(
+            server: SGLangServer,
+            tp_size: int,
+            shared: list[tuple[str, torch.Tensor]],
+            request: dict[str, object],
+        ) -> None:
+            # One pickle per receiving rank: pickling takes a reference on the shared
+            # memory and each unpickling releases one, so a payload must be read once.
+            payloads = [pickle_b64(shared) for _ in range(tp_size)]
+            body_ = dict(request, serialized_named_tensors=payloads)
+            self._post_ok(server, "/update_weights_from_tensor", body_)
+
         def body() -> None:
             for index, bucket in enumerate(buckets):
                 last = index + 1 == len(buckets)
                 shared = self._share(bucket)
-                request = {
+                request: dict[str, object] = {
                     "flush_cache": last,
                     "weight_version": str(version) if last else None,
                 }
-
-                def send(server: SGLangServer, tp_size: int) -> None:
-                    # One pickle per receiving rank: pickling takes a reference on the shared
-                    # memory and each unpickling releases one, so a payload must be read once.
-                    payloads = [pickle_b64(shared) for _ in range(tp_size)]
-                    body_ = dict(request, serialized_named_tensors=payloads)
-                    self._post_ok(server, "/update_weights_from_tensor", body_)
-
                 pairs = zip(self.servers, self._tp_sizes, strict=True)
-                run_all([partial(send, s, n) for s, n in pairs], len(self.servers))
+                run_all([partial(send, s, n, shared, request) for s, n in pairs], len(self.servers))
 
         self._weight_session(body)
 
@@ -620,7 +624,7 @@ class DistributedWeightSender:
                         wait_for_workers=True,
                     )
                 )
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            except BaseException as exc:
                 error_box.append(exc)
 
         waiter = threading.Thread(target=host_store, daemon=True)

@@ -335,7 +335,7 @@ def start_all(calls: Sequence[Callable[[], object]]) -> list[Future[None]]:
         def run(call: Callable[[], object] = call, future: Future[None] = future) -> None:
             try:
                 call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            except BaseException as exc:
                 future.set_exception(exc)
             else:
                 future.set_result(None)

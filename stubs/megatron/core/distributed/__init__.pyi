@@ -1,7 +1,6 @@
 from typing import Any
 
 import torch
-
 from megatron.core.transformer import TransformerConfig
 
 class DistributedDataParallelConfig:

@@ -1,7 +1,6 @@
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-
 from megatron.core.dist_checkpointing import ShardedStateDict
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
@@ -19,7 +18,9 @@ class GPTModel(torch.nn.Module):
         fp16_lm_cross_entropy: bool = False,
         parallel_output: bool = True,
         share_embeddings_and_output_weights: bool = False,
-        position_embedding_type: Literal["learned_absolute", "rope", "mrope", "yarn", "none"] = "learned_absolute",
+        position_embedding_type: Literal[
+            "learned_absolute", "rope", "mrope", "yarn", "none"
+        ] = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
     ) -> None: ...

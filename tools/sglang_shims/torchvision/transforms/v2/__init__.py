@@ -1,4 +1,5 @@
-"""Import-only shim (see torchvision/__init__.py). As in torchvision, v2 shares ``InterpolationMode``."""
+"""Import-only shim (see torchvision/__init__.py). As in torchvision, v2 shares
+``InterpolationMode``."""
 
 from __future__ import annotations
 
