@@ -176,7 +176,8 @@ class EmbeddedEngine:
         Prompts of different lengths are left-padded (with matching attention mask and position
         ids). A response ends at the first stop token (``params.stop_token_ids``, default the
         tokenizer's eos), which it includes (``finish_reason="stop"``), or after
-        ``max_new_tokens`` (``"length"``). Decoding stops as soon as every response has ended.
+        ``max_new_tokens`` (``"length"``; always, with ``params.ignore_eos``). Decoding stops as
+        soon as every response has ended.
         """
         model = self.model
         _check_params(params)
@@ -195,7 +196,9 @@ class EmbeddedEngine:
                     f"tokens or a token id outside the model's vocabulary [0, {vocab}); was it "
                     "encoded with this model's tokenizer?"
                 )
-        stops = params.stop_token_ids or (self._tokenizer.eos_token_id,)
+        stops = (
+            () if params.ignore_eos else params.stop_token_ids or (self._tokenizer.eos_token_id,)
+        )
         try:
             with torch.inference_mode():
                 decoded = self._decode(model, prompts, params, stops)
@@ -286,13 +289,14 @@ class EmbeddedEngine:
             # Rows that ended but are still in the cache write past their end: cut by ``lengths``.
             out.tokens[live, step] = token
             out.log_probs[live, step] = log_prob
-            stopping = torch.isin(token, stop_ids) & ~ended
-            n_stopping = int(stopping.sum())  # the loop's one host sync per step
-            if n_stopping:
-                out.lengths[live[stopping]] = step + 1
-                out.stopped[live[stopping]] = True
-                ended |= stopping
-                n_ended += n_stopping
+            if stops:
+                stopping = torch.isin(token, stop_ids) & ~ended
+                n_stopping = int(stopping.sum())  # the loop's one host sync per step
+                if n_stopping:
+                    out.lengths[live[stopping]] = step + 1
+                    out.stopped[live[stopping]] = True
+                    ended |= stopping
+                    n_ended += n_stopping
             if step + 1 == max_new or n_ended == len(live):
                 break
             if n_ended and n_ended >= _DROP_FRACTION * len(live):
