@@ -68,7 +68,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, RLCoreError
+from rlcore.errors import CheckpointError, RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
@@ -328,8 +328,6 @@ class RayTrainGroup(Generic[S]):
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
         self._tp = parallel.tensor_model_parallel_size
-        if isinstance(spec, TrainSpec):
-            _check_batch_divisibility(spec)
         self._pg: PlacementGroup = placement_group(
             [options.bundle() for _ in range(self._world_size)], strategy=options.strategy
         )
@@ -649,21 +647,6 @@ def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> 
         out.append(seen.get(node_id, 0))
         seen[node_id] = out[-1] + 1
     return out
-
-
-def _check_batch_divisibility(spec: TrainSpec) -> None:
-    dp = spec.model.parallel.data_parallel_size
-    if spec.global_batch_size % (dp * spec.micro_batch_size):
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "global_batch_size",
-                    f"{spec.global_batch_size} is not divisible by data-parallel size {dp} "
-                    f"x micro_batch_size {spec.micro_batch_size}",
-                    "choose a global batch size that is a multiple of both",
-                )
-            ]
-        )
 
 
 def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:

@@ -9,7 +9,8 @@ Data parallelism, training: split worker-side. Every rank receives the whole rol
 once in Ray's object store) and each data-parallel rank's
 :class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice of each
 global batch, so ``global_batch_size`` must be divisible by
-``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
+``data_parallel_size * micro_batch_size`` (a :class:`~rlcore.specs.TrainSpec` that exists is
+split so). Scoring: split
 driver-side, each data-parallel rank scores a contiguous part of the samples.
 
 :class:`RayMegatronBackend` builds one group per stack, sized by ``spec.model.parallel``, and
