@@ -37,6 +37,7 @@ __all__ = [
     "EvalDataConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RewardName",
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 RolloutEngineName = Literal["embedded", "sglang"]
+RewardName = Literal["exact_match", "math"]
+"""The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
 WeightSyncMode = Literal["tensor", "distributed", "disk"]
 
 _T = TypeVar("_T")
@@ -203,9 +206,7 @@ class DataConfig:
     apply_chat_template: bool = _opt(
         False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template"
     )
-    rm_type: str = _opt(
-        "exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial"
-    )
+    rm_type: RewardName = _opt("exact_match", "--rm-type", "built-in reward: exact_match or math")
     custom_rm_path: str | None = _opt(
         None, "--custom-rm-path", "reward function as module:function (sync or async)"
     )
