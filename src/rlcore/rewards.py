@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from fractions import Fraction
-from typing import Protocol, TypeVar, final
+from typing import Protocol, TypeGuard, TypeVar, final
 
 from rlcore.config import RewardName
 from rlcore.errors import ConfigError, ConfigProblem, RewardError
@@ -215,23 +215,38 @@ def load_custom_reward(path: str) -> RewardFn:
         raise _custom_problem(
             path, f"{attr_path} is a {type(obj).__name__}, not a function", "point at a callable"
         )
-    try:
-        inspect.signature(obj).bind(None, None)
-    except TypeError as exc:
+    if not _is_reward_fn(obj):
         raise _custom_problem(
             path,
-            f"{attr_path} cannot be called as fn(prompt, generation) ({exc})",
+            f"{attr_path} cannot be called as fn(prompt, generation) ({_binding_error(obj)})",
             "give it the signature (prompt: Prompt, generation: Generation) -> float",
-        ) from exc
+        )
+    if _is_async_reward_fn(obj):
+        return AsyncReward(obj, path)
+    return obj
+
+
+def _binding_error(fn: Callable[..., object]) -> str | None:
+    """Why ``fn(prompt, generation)`` cannot bind to ``fn``'s signature, or ``None`` when it can
+    (or when there is no signature to read, as for some builtins: then it is trusted)."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as exc:
+        return str(exc)
     except ValueError:
-        pass  # no introspectable signature (some builtins): trust it
-    fn: Callable[[Prompt, Generation], object] = obj
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        obj.__call__  # an object whose __call__ is async
-    ):
-        return AsyncReward(fn, path)  # type: ignore[arg-type]  # checked: a coroutine function
-    # checked callable with two arguments; its result is checked in score_samples
-    return fn  # type: ignore[return-value]  # see above
+        return None
+    return None
+
+
+def _is_reward_fn(fn: Callable[..., object]) -> TypeGuard[RewardFn]:
+    """``fn`` takes ``(prompt, generation)``. Its result is not known until it runs:
+    :func:`score_samples` checks each one is a finite float."""
+    return _binding_error(fn) is None
+
+
+def _is_async_reward_fn(fn: RewardFn) -> TypeGuard[AsyncRewardFn]:
+    """``fn`` is an ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
 
 
 def get_reward_fn(rm_type: RewardName = "exact_match", custom_path: str | None = None) -> RewardFn:

@@ -13,6 +13,7 @@ from typing import Any, final
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -111,7 +112,7 @@ class MegatronBackend:
             )
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
-    def _model(self, spec: ModelSpec) -> tuple[Any, LlamaArch]:
+    def _model(self, spec: ModelSpec) -> tuple[GPTModel, LlamaArch]:
         init_megatron(spec.parallel.tensor_model_parallel_size, spec.seed)
         world = torch.distributed.get_world_size()
         if world != spec.parallel.world_size:
