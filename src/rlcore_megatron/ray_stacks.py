@@ -65,7 +65,7 @@ class RayEvalStack:
 
     @property
     def group(self) -> RayTrainGroup[EvalStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_rank0` and friends)."""
+        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
         return self._group
 
     @property
@@ -100,7 +100,7 @@ class RayTrainingStack:
 
     @property
     def group(self) -> RayTrainGroup[TrainingStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_rank0` and friends)."""
+        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
         return self._group
 
     @property

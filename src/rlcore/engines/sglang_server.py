@@ -118,7 +118,8 @@ class LaunchSettings:
 
 
 class ServerUnreachableError(RolloutError):
-    """The server did not answer at the transport level (refused, reset, timed out)."""
+    """The call never got an HTTP answer: the connection was refused or reset, or the server
+    did not answer within the timeout."""
 
 
 class ServerTimeoutError(RolloutError):
