@@ -212,6 +212,8 @@ def other_ray_cluster() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             head.kill()
             raise
+        finally:
+            head.stdout.close()  # unclosed, it surfaces as a ResourceWarning (an error here)
 
 
 def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
