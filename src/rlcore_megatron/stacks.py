@@ -260,18 +260,23 @@ class MegatronTrainingStack:
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        # Each metric weighted by its micro-batch's share of the normaliser; summed over DP below.
+        global_tokens = max(int(global_batch.response_mask.sum()), 1)
+        # Loss parts weighted by their micro-batch's share of the normaliser, token means by its
+        # tokens: summed over DP below, they give the global batch's values exactly.
         sums: dict[str, float] = {}
         maxima: dict[str, float] = {}
+        token_keys: set[str] = set()
         tokens = 0
         for mb in self._local_micro_batches(global_batch):
             out = self._micro_loss(mb)
             torch.autograd.backward(out.loss / normalizer)
             for key, value in out.metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * out.normalizer
+                weight = out.tokens if key in out.token_metrics else out.normalizer
+                sums[key] = sums.get(key, 0.0) + value * weight
+            token_keys |= out.token_metrics
             for key, value in out.maxima.items():
                 maxima[key] = max(maxima.get(key, value), value)
-            tokens += int(mb.response_mask.sum())
+            tokens += out.tokens
         self.model.finish_grad_sync()
         lr = float(self._optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self._optimizer.step()
@@ -288,7 +293,10 @@ class MegatronTrainingStack:
                 reduced_peaks = torch.tensor(peaks, dtype=torch.float64)
                 dist.all_reduce(reduced_peaks, op=dist.ReduceOp.MAX, group=group)
                 peaks = reduced_peaks.tolist()
-        means = {k: totals[i] / normalizer for i, k in enumerate(keys)}
+        means = {
+            k: totals[i] / (global_tokens if k in token_keys else normalizer)
+            for i, k in enumerate(keys)
+        }
         means.update(zip(max_keys, peaks, strict=True))
         loss_value = means.pop("loss", 0.0)
         if not ok:

@@ -65,17 +65,20 @@ class LossOut:
     ``loss_normalizer(spec.agg_mode, global_mask)``) and float ``metrics``.
 
     ``normalizer`` is this batch's own share of that normaliser (its sequence count, or its token
-    count for ``token-mean``). Loss parts (``loss``, ``pg_loss``, ``kl_loss``, ``entropy``,
-    ``value_loss``) are their numerators divided by ``normalizer``, so weighting each micro-batch's
-    value by its ``normalizer`` and dividing by the global normaliser gives the global batch's
-    value exactly. The others (``clipfrac``, ``approx_kl``, ``logprob_mismatch``, ``tis_*``, ...)
-    are token means over this batch. ``maxima`` hold maxima over this batch's tokens
-    (``logprob_mismatch_max``): reduce them with ``max``.
+    count for ``token-mean``), ``tokens`` its number of valid tokens. Loss parts (``loss``,
+    ``pg_loss``, ``kl_loss``, ``entropy``, ``value_loss``) are their numerators divided by
+    ``normalizer``: weighting each micro-batch's value by its ``normalizer`` and dividing by the
+    global normaliser gives the global batch's value exactly. The keys in ``token_metrics``
+    (``clipfrac``, ``approx_kl``, ``logprob_mismatch``, ``tis_*``, ...) are token means: weight
+    them by ``tokens`` and divide by the global token count. ``maxima`` hold maxima over this
+    batch's tokens (``logprob_mismatch_max``): reduce them with ``max``.
     """
 
     loss: torch.Tensor
     metrics: dict[str, float]
     normalizer: float = 1.0
+    tokens: int = 0
+    token_metrics: frozenset[str] = frozenset()
     maxima: dict[str, float] = attrs.field(factory=dict)
 
 
@@ -271,7 +274,8 @@ def actor_loss(
         metrics["logprob_mismatch"] = float(_token_mean(gap, mask))
         maxima["logprob_mismatch_max"] = float(gap.max()) if gap.numel() else 0.0
     metrics["loss"] = float(loss.detach()) / per
-    return LossOut(loss=loss, metrics=metrics, normalizer=norm, maxima=maxima)
+    token_metrics = frozenset(metrics) & _ACTOR_TOKEN_MEANS
+    return LossOut(loss, metrics, norm, int(mask.sum()), token_metrics, maxima)
 
 
 def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> LossOut:
@@ -311,7 +315,13 @@ def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> Los
         "values": float(mean_value),
         "loss": value,
     }
-    return LossOut(loss=loss, metrics=metrics, normalizer=norm)
+    token_metrics = frozenset({"value_clipfrac", "values"})
+    return LossOut(loss, metrics, norm, int(mask.sum()), token_metrics)
+
+
+_ACTOR_TOKEN_MEANS = frozenset(
+    {"clipfrac", "approx_kl", "logprob_mismatch", "tis_weight", "tis_clipfrac"}
+)
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
