@@ -296,9 +296,27 @@ def test_help_is_grouped() -> None:
         check=True,
         timeout=120,
     )
-    for title in ("rollout:", "algorithm (advantages, loss, KL):", "checkpoints:", "evaluation:"):
+    for title in (
+        "rollout:",
+        "algorithm (advantages, loss, KL):",
+        "checkpoints:",
+        "evaluation:",
+        "debug (saving and replaying rollouts):",
+    ):
         assert title in out.stdout
-    assert "--num-rollout" in out.stdout and "--sft-warmup-rollouts" in out.stdout
+    for flag in (
+        "--num-rollout",
+        "--sft-warmup-rollouts",
+        "--rollout-function-path",
+        "--over-sampling-batch-size",
+        "--dynamic-sampling-filter-path",
+        "--use-tis",
+        "--tis-mode {clip,mask}",
+        "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
+        "--save-debug-rollout-data",
+        "--debug-rollout-only",
+    ):
+        assert flag in out.stdout, flag
 
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
