@@ -331,7 +331,9 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
     builds no engine and retraces the run; a rollout-only run that builds no stack at all."""
     rollouts = tmp_path / "rollouts"
     out = tmp_path / "dapo"
-    algorithm = ["--rm-type", "prefix_partial", "--use-tis", "--tis-clip-low", "0.5"]
+    # Partial credit (bench-tiny's reward) gives the untrained demo model's groups some spread.
+    reward = ["--custom-rm-path", "benchmarks.bench_tiny:prefix_partial"]
+    algorithm = [*reward, "--use-tis", "--tis-clip-low", "0.5"]
     flags = _flags(
         demo,
         out,
@@ -349,7 +351,8 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
         *algorithm,
     )
     command = [sys.executable, "-m", "rlcore_megatron.run", *flags]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    root = Path(__file__).resolve().parents[2]  # benchmarks/ is importable from here
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [r for r in read_jsonl_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
     assert len(rows) == 2
