@@ -390,3 +390,16 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
         "rollout-only run, not built: training stacks"
         in (tmp_path / "only" / "run.log").read_text()
     )
+
+
+def test_a_bad_function_path_stops_the_run_before_anything_starts(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    flags = _flags(demo, out, "--num-rollout", "1")
+    assert main([*flags, "--dynamic-sampling-filter-path", "no_such_module_xyz:keep"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.dynamic_sampling_filter_path (--dynamic-sampling-filter-path)" in err
+    assert "cannot import module 'no_such_module_xyz'" in err
+    assert not (out / "summary.json").exists()
+    assert "ray: started" not in (out / "run.log").read_text()
