@@ -94,7 +94,10 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     # count, and the metrics are the global batch's
     from tests.megatron.helpers import TOKEN_MEAN_TIS
 
-    stack = backend.build_training_stack(train_spec(folder, loss=TOKEN_MEAN_TIS))
+    spec = train_spec(folder, loss=TOKEN_MEAN_TIS)
+    stack = backend.build_training_stack(
+        attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
+    )
     metrics = stack.train_step(make_batch(samples, seed=22, rollout=True))
     torch.save(
         {
