@@ -43,4 +43,4 @@ def test_the_rollout_function_shapes_the_rewards_the_actor_trains_on() -> None:
 
 def test_the_flag_loads_it_by_path() -> None:
     fn = load_rollout_function("examples.own_rollout:overlong_penalty_rollout")
-    assert fn.__name__ == "overlong_penalty_rollout"
+    assert getattr(fn, "__qualname__", None) == "overlong_penalty_rollout"

@@ -212,6 +212,8 @@ def other_ray_cluster() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             head.kill()
             raise
+        finally:
+            head.stdout.close()  # unclosed, it surfaces as a ResourceWarning (an error here)
 
 
 def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
@@ -254,7 +256,10 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
     ]
     assert len(rewards) == 2
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # tensorboard ships no type information (no py.typed, no stubs)
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -380,12 +385,12 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
         for key in ("rollout/reward", "train/actor/loss", "train/actor/grad_norm"):
             assert replayed[key] == original[key], key  # the same numbers, not just close
 
-    generated = tmp_path / "generated"
+    saved_to = tmp_path / "generated"
     only = _flags(demo, tmp_path / "only", "--num-rollout", "1", "--debug-rollout-only")
-    assert main([*only, "--save-debug-rollout-data", str(generated / "{rollout_id}.json")]) == 0
+    assert main([*only, "--save-debug-rollout-data", str(saved_to / "{rollout_id}.json")]) == 0
     summary = _summary(tmp_path / "only")
     assert summary["built"] == [] and summary["trained"] == [] and summary["rollouts"] == [0]
-    assert (generated / "0.json").is_file()
+    assert (saved_to / "0.json").is_file()
     assert (
         "rollout-only run, not built: training stacks"
         in (tmp_path / "only" / "run.log").read_text()
