@@ -225,3 +225,108 @@ def test_every_field_has_a_flag_and_help() -> None:
         for f in fields:
             if f.name not in ("name", "path"):
                 assert f.metadata.get("help"), f"{section.name}.{f.name} has no help text"
+
+
+SLIME_FLAGS = (
+    "--rollout-function-path",
+    "--over-sampling-batch-size",
+    "--dynamic-sampling-filter-path",
+    "--use-rollout-logprobs",
+    "--use-tis",
+    "--tis-clip",
+    "--tis-clip-low",
+    "--custom-tis-function-path",
+    "--calculate-per-token-loss",
+    "--save-debug-rollout-data",
+    "--load-debug-rollout-data",
+    "--debug-rollout-only",
+    "--debug-train-only",
+)
+
+
+def test_the_algorithm_flags_keep_slimes_names() -> None:
+    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    assert set(SLIME_FLAGS) <= flags
+    config = load_config(
+        [
+            *TRAIN,
+            "--over-sampling-batch-size",
+            "6",
+            "--dynamic-sampling-filter-path",
+            "rlcore.rollout:check_reward_nonzero_std",
+            "--over-sampling-surplus",
+            "keep",
+            "--use-tis",
+            "--tis-clip",
+            "3",
+            "--tis-clip-low",
+            "0.5",
+            "--tis-mode",
+            "mask",
+            "--tis-level",
+            "geometric",
+            "--tis-veto-threshold",
+            "1e-4",
+            "--calculate-per-token-loss",
+            "--advantage-estimator",
+            "gspo",
+            "--save-debug-rollout-data",
+            "debug/{rollout_id}.json",
+        ]
+    )
+    r, a = config.rollout, config.algorithm
+    assert (r.over_sampling_batch_size, r.over_sampling_surplus) == (6, "keep")
+    assert (a.tis_clip, a.tis_clip_low, a.tis_mode, a.tis_level) == (3.0, 0.5, "mask", "geometric")
+    assert a.tis_veto_threshold == 1e-4 and a.agg_mode == "token-mean"
+    assert config.debug.save_debug_rollout_data == "debug/{rollout_id}.json"
+
+
+def test_the_new_flags_refuse_combinations_that_mean_nothing() -> None:
+    cases = {
+        ("--over-sampling-batch-size", "2"): "rollout.over_sampling_batch_size "
+        "(--over-sampling-batch-size): 2 is less than --rollout-batch-size 4",
+        ("--dynamic-sampling-max-rounds", "0"): "--dynamic-sampling-max-rounds): must be >= 1",
+        ("--use-tis", "--use-rollout-logprobs"): "cannot be combined with --use-rollout-logprobs",
+        ("--use-tis", "--tis-clip", "0.9"): "0 <= --tis-clip-low <= 1 <= --tis-clip",
+        ("--use-tis", "--tis-veto-threshold", "2"): "--tis-veto-threshold): must be in (0, 1)",
+        ("--tis-mode", "mask"): "algorithm.tis_mode (--tis-mode): has no effect without --use-tis",
+        ("--custom-tis-function-path", "m:f"): "has no effect without --use-tis",
+        ("--calculate-per-token-loss", "--loss-agg-mode", "seq-mean-token-sum-norm"): "give one",
+        ("--debug-train-only",): "--load-debug-rollout-data is not given",
+        ("--debug-rollout-only", "--load-debug-rollout-data", "x"): "cannot be combined",
+        ("--load-debug-rollout-data", "x", "--save-debug-rollout-data", "y"): "generates none",
+        (
+            "--load-debug-rollout-data",
+            "x",
+            "--eval-interval",
+            "1",
+            "--eval-prompt-data",
+            "h",
+            "p",
+        ): ("cannot evaluate (--eval-interval)"),
+    }
+    for flags, message in cases.items():
+        problems = _problems([*TRAIN, *flags])
+        assert any(message in p for p in problems), (flags, problems)
+    assert any(
+        "the debug flags need rollouts" in p
+        for p in _problems(
+            ["--num-rollout", "0", "--debug-rollout-only", "--eval-prompt-data", "h", "p"]
+        )
+    )
+    assert any(
+        "gspo compares samples within a prompt's group" in p
+        for p in _problems(
+            [
+                *TRAIN[:-6],
+                "--n-samples-per-prompt",
+                "1",
+                "--global-batch-size",
+                "4",
+                "--micro-batch-size",
+                "4",
+                "--advantage-estimator",
+                "gspo",
+            ]
+        )
+    )

@@ -12,6 +12,20 @@ import rlcore
 import rlcore.testing
 
 EXPECTED = {
+    "save_rollout_data",
+    "load_rollout_data",
+    "default_rollout",
+    "check_reward_nonzero_std",
+    "RolloutSpec",
+    "RolloutOutput",
+    "RolloutOnlyPlan",
+    "RolloutFn",
+    "RolloutContext",
+    "PromptSource",
+    "ISCorrection",
+    "GroupFilter",
+    "Group",
+    "DynamicSampling",
     "AdvantageSpec",
     "Backend",
     "BackendUnavailableError",

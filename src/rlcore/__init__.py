@@ -22,17 +22,30 @@ from rlcore.errors import (
 )
 from rlcore.flags import load_config
 from rlcore.loop import RunData, RunResult, run, should_eval, should_save
-from rlcore.plan import EvalPlan, Plan, TrainPlan, plan
+from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
     EvalStack,
+    GroupFilter,
     MetricsSink,
     NamedTensors,
     Optimizer,
+    PromptSource,
     RewardFn,
     RolloutEngine,
+    RolloutFn,
     Scheduler,
     TrainingStack,
+)
+from rlcore.replay import load_rollout_data, save_rollout_data
+from rlcore.rollout import (
+    DynamicSampling,
+    Group,
+    RolloutContext,
+    RolloutOutput,
+    RolloutSpec,
+    check_reward_nonzero_std,
+    default_rollout,
 )
 from rlcore.samples import (
     EvalSet,
@@ -46,6 +59,7 @@ from rlcore.samples import (
 from rlcore.specs import (
     AdvantageSpec,
     EvalSpec,
+    ISCorrection,
     LossSpec,
     LRSchedule,
     ModelSpec,
@@ -64,11 +78,15 @@ __all__ = [
     "ConfigError",
     "ConfigProblem",
     "DataError",
+    "DynamicSampling",
     "EvalPlan",
     "EvalSet",
     "EvalSpec",
     "EvalStack",
     "Generation",
+    "Group",
+    "GroupFilter",
+    "ISCorrection",
     "LRSchedule",
     "LossSpec",
     "MetricsSink",
@@ -80,11 +98,17 @@ __all__ = [
     "Plan",
     "PlanError",
     "Prompt",
+    "PromptSource",
     "RLCoreError",
     "RewardError",
     "RewardFn",
+    "RolloutContext",
     "RolloutEngine",
     "RolloutError",
+    "RolloutFn",
+    "RolloutOnlyPlan",
+    "RolloutOutput",
+    "RolloutSpec",
     "RunConfig",
     "RunData",
     "RunResult",
@@ -96,10 +120,14 @@ __all__ = [
     "TrainPlan",
     "TrainSpec",
     "TrainingStack",
+    "check_reward_nonzero_std",
+    "default_rollout",
     "load_backend",
     "load_config",
+    "load_rollout_data",
     "plan",
     "run",
+    "save_rollout_data",
     "should_eval",
     "should_save",
 ]

@@ -32,6 +32,7 @@ _SECTIONS: dict[str, str] = {
     "data": "data and reward",
     "eval": "evaluation",
     "checkpoint": "checkpoints",
+    "debug": "debug (saving and replaying rollouts)",
 }
 
 

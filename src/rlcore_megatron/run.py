@@ -24,9 +24,10 @@ from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
 from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunResult, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
-from rlcore.plan import Plan, TrainPlan, plan, resolve_num_rollout
+from rlcore.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
 from rlcore.protocols import MetricsSink, RolloutEngine
 from rlcore.rewards import get_reward_fn
+from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.samples import Prompt
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
 from rlcore_megatron.demo import demo_flags, prepare_demo
@@ -129,6 +130,20 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
     return EmbeddedEngine.from_pretrained(config.model.hf_checkpoint, tokenizer, seed=config.seed)
 
 
+def check_user_functions(config: RunConfig) -> None:
+    """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
+    Ray, the engine or any model starts (a :class:`ConfigError` naming the flag)."""
+    r, a = config.rollout, config.algorithm
+    if r.rollout_function_path is not None:
+        load_rollout_function(r.rollout_function_path)
+    if r.dynamic_sampling_filter_path is not None:
+        load_group_filter(r.dynamic_sampling_filter_path)
+    if a.use_tis and a.custom_tis_function_path is not None:
+        from rlcore.algorithms.correction import load_is_weight_fn
+
+        load_is_weight_fn(a.custom_tis_function_path)
+
+
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
     """Every sink the config asks for; when one fails to start, those already started are closed
     (the progress display included) before the error propagates."""
@@ -136,7 +151,7 @@ def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
     sinks: list[MetricsSink] = []
     try:
         sinks.append(JsonlSink(out / "metrics.jsonl"))
-        if isinstance(the_plan, TrainPlan):
+        if isinstance(the_plan, TrainPlan | RolloutOnlyPlan):
             sinks.append(ProgressSink(total=the_plan.num_rollout))
         if config.use_tensorboard:
             sinks.append(TensorBoardSink(out / "tensorboard"))
@@ -195,16 +210,21 @@ def execute(config: RunConfig) -> RunResult:
         config = resolve_num_rollout(config, len(data.train_prompts))
     the_plan = plan(config)
     reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
+    check_user_functions(config)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
-    started_ray = not ray.is_initialized()
-    _start_ray(config)
+    # A rollout-only run without --load builds no stack: no Ray needed.
+    builds_stacks = not (isinstance(the_plan, RolloutOnlyPlan) and the_plan.load is None)
+    started_ray = builds_stacks and not ray.is_initialized()
+    if builds_stacks:
+        _start_ray(config)
     threads = max(1, (os.cpu_count() or 1))
     backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
     engine: RolloutEngine | None = None
     sink: MetricsSink | None = None
     try:
         sink = _sinks(config, the_plan)
-        engine = make_engine(config, tokenizer)
+        # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
+        engine = None if config.debug.replays else make_engine(config, tokenizer)
         result = run(the_plan, backend, engine, reward_fn, data, sink)
         write_summary(config.output_dir / "summary.json", result)
         return result
@@ -240,11 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     evals = {k: round(v, 4) for k, v in result.last_eval.items()}
-    trained = (
-        f"rollouts {result.trained[0]}..{result.trained[-1]}"
-        if result.trained
-        else "nothing (eval-only)"
-    )
+    if result.trained:
+        trained = f"rollouts {result.trained[0]}..{result.trained[-1]}"
+    elif result.rollouts:
+        trained = f"nothing (rollout-only: rollouts {result.rollouts[0]}..{result.rollouts[-1]})"
+    else:
+        trained = "nothing (eval-only)"
     print(
         f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, "
         f"last eval {evals}",

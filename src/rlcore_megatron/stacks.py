@@ -3,8 +3,11 @@
 
 Both score samples the same way (:func:`score_samples`). Every data-parallel rank calls
 ``train_step`` with the *same* whole rollout batch and takes its own slice of each global batch;
-the per-sample loss is summed, divided by the global batch's number of sequences and DDP sums the
-gradients (``calculate_per_token_loss``), so the update is the global mean whatever the split.
+each micro-batch's loss numerator is divided by the *global* batch's normaliser
+(:func:`rlcore.algorithms.losses.loss_normalizer`: its sequence count, or its token count for
+``token-mean``; every rank computes it from the whole global batch, so no collective is needed) and
+DDP sums the gradients (``calculate_per_token_loss``), so the update is the global aggregate
+whatever the micro-batch and data-parallel split, in every aggregation mode.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rlcore_megatron.model import LlamaArch
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
+    from rlcore.algorithms.losses import LossOut
 
 __all__ = [
     "MegatronEvalStack",
@@ -229,7 +233,7 @@ class MegatronTrainingStack:
             for s in range(first, first + per_rank, mbs)
         ]
 
-    def _micro_loss(self, mb: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: TensorBatch) -> LossOut:
         from rlcore.algorithms import batching, losses
 
         out = model_output(self.model, mb, self.arch, self._is_critic)
@@ -240,34 +244,54 @@ class MegatronTrainingStack:
             wants_entropy = self.train_spec.loss.entropy_coef > 0
             entropy = batching.entropy_from_logits(out, mb) if wants_entropy else None
             result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
-        return result.loss, result.metrics
+        return result
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
-        global_size = global_batch.num_sequences
+        from rlcore.algorithms.losses import loss_normalizer
+
+        # The whole global batch is here on every rank: its normaliser needs no collective.
+        normalizer = loss_normalizer(self.train_spec.loss.agg_mode, global_batch.response_mask)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        # Per-sequence means weighted by micro-batch size; summed over DP below.
+        global_tokens = max(int(global_batch.response_mask.sum()), 1)
+        # Loss parts weighted by their micro-batch's share of the normaliser, token means by its
+        # tokens: summed over DP below, they give the global batch's values exactly.
         sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        token_keys: set[str] = set()
         tokens = 0
         for mb in self._local_micro_batches(global_batch):
-            loss, parts = self._micro_loss(mb)
-            torch.autograd.backward(loss / global_size)
-            b = mb.num_sequences
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value * b
-            tokens += int(mb.response_mask.sum())
+            out = self._micro_loss(mb)
+            torch.autograd.backward(out.loss / normalizer)
+            for key, value in out.metrics.items():
+                weight = out.tokens if key in out.token_metrics else out.normalizer
+                sums[key] = sums.get(key, 0.0) + value * weight
+            token_keys |= out.token_metrics
+            for key, value in out.maxima.items():
+                maxima[key] = max(maxima.get(key, value), value)
+            tokens += out.tokens
         self.model.finish_grad_sync()
         lr = float(self._optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self._optimizer.step()
         self._scheduler.step(increment=1)
-        keys = sorted(sums)
+        keys, max_keys = sorted(sums), sorted(maxima)
         totals = [sums[k] for k in keys] + [float(tokens)]
+        peaks = [maxima[k] for k in max_keys]
         if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
             reduced = torch.tensor(totals, dtype=torch.float64)
-            dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(reduced, group=group)
             totals = reduced.tolist()
-        means = {k: totals[i] / global_size for i, k in enumerate(keys)}
+            if peaks:  # every rank has the same keys: the same loss on the same kind of batch
+                reduced_peaks = torch.tensor(peaks, dtype=torch.float64)
+                dist.all_reduce(reduced_peaks, op=dist.ReduceOp.MAX, group=group)
+                peaks = reduced_peaks.tolist()
+        means = {
+            k: totals[i] / (global_tokens if k in token_keys else normalizer)
+            for i, k in enumerate(keys)
+        }
+        means.update(zip(max_keys, peaks, strict=True))
         loss_value = means.pop("loss", 0.0)
         if not ok:
             means["skipped_step"] = 1.0

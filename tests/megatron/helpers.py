@@ -9,7 +9,15 @@ from typing import Any, Final
 import torch
 
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
-from rlcore.specs import LossSpec, LRSchedule, ModelSpec, OptimizerSpec, Role, TrainSpec
+from rlcore.specs import (
+    ISCorrection,
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    Role,
+    TrainSpec,
+)
 
 TINY: Final[dict[str, Any]] = {
     "vocab_size": 32,
@@ -20,6 +28,10 @@ TINY: Final[dict[str, Any]] = {
     "intermediate_size": 64,
     "max_position_embeddings": 64,
 }
+
+
+TOKEN_MEAN_TIS: Final = LossSpec(agg_mode="token-mean", correction=ISCorrection(low=0.5, high=2.0))
+"""A loss whose normaliser is the global batch's token count, with an importance correction."""
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 32) -> list[Sample]:
@@ -43,9 +55,11 @@ def make_batch(
     returns: bool = False,
     ref: bool = False,
     old: bool = False,
+    rollout: bool = False,
     rollout_id: int = 0,
 ) -> TrainBatch:
-    """A batch with random advantages (and returns / reference / old log-probs when asked)."""
+    """A batch with random advantages (and returns / reference / old log-probs when asked;
+    ``rollout``: the samples' engine log-probs, as the loop passes them)."""
     rng = random.Random(seed)
 
     def rows(scale: float, offset: float = 0.0) -> tuple[tuple[float, ...], ...]:
@@ -61,6 +75,7 @@ def make_batch(
         ref_log_probs=rows(0.5, -3.0) if ref else (),
         old_log_probs=rows(0.5, -3.0) if old else (),
         rollout_id=rollout_id,
+        rollout_log_probs=tuple(s.response.log_probs for s in samples) if rollout else (),
     )
 
 

@@ -14,7 +14,7 @@ import transformers
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron import multirank_worker
-from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+from tests.megatron.helpers import TOKEN_MEAN_TIS, make_batch, make_samples, train_spec, weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -92,6 +92,24 @@ def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path,
     for rank in range(2):
         result = _load(two_ranks, name, rank)
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        for key, tensor in result["trained"].items():
+            torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_token_mean_loss_over_two_data_parallel_ranks_matches_one_process(
+    two_ranks: Path, tiny_hf: Path
+) -> None:
+    """The token-mean normaliser is the *global* token count: two replicas, each with half the
+    batch, take the update and report the metrics of one process with all of it."""
+    stack = MegatronBackend().build_training_stack(train_spec(tiny_hf, loss=TOKEN_MEAN_TIS))
+    metrics = stack.train_step(make_batch(make_samples(4, seed=21), seed=22, rollout=True))
+    expected = weights(stack.export_weights())
+    for rank in range(2):
+        result = _load(two_ranks, "dp2_token", rank)
+        assert result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
+        assert result["loss"] == pytest.approx(metrics.loss, rel=1e-5)
+        for key in ("tis_weight", "tis_clipfrac", "logprob_mismatch", "logprob_mismatch_max"):
+            assert result["extra"][key] == pytest.approx(metrics.extra[key], rel=1e-5), key
         for key, tensor in result["trained"].items():
             torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
