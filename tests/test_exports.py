@@ -14,6 +14,7 @@ import rlcore.testing
 EXPECTED = {
     "AdvantageSpec",
     "Backend",
+    "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
@@ -42,6 +43,7 @@ EXPECTED = {
     "RolloutError",
     "RunConfig",
     "RunData",
+    "RunInterrupted",
     "RunResult",
     "Sample",
     "SamplingParams",
