@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import assert_never, assert_type
 
 from rlcore import EvalPlan, EvalSpec, EvalStack, Plan, TrainingStack, TrainPlan, TrainSpec
-from rlcore.protocols import Backend
+from rlcore.protocols import Backend, RewardFn
+from rlcore.rewards import AsyncRewardFn
+from rlcore.samples import Generation, Prompt
 from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
 
 
@@ -86,3 +88,22 @@ wrong_return: Backend = WrongReturnBackend()  # type: ignore[assignment]
 
 def an_eval_stack_is_not_a_training_stack(stack: FakeEvalStack) -> TrainingStack:
     return stack  # type: ignore[return-value]
+
+
+def short_names(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+async def short_names_async(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+def takes_one(p: Prompt) -> float:
+    return 0.0
+
+
+def reward_parameters_are_positional_only() -> None:
+    fits: RewardFn = short_names  # any names: the protocol's parameters are positional-only
+    fits_async: AsyncRewardFn = short_names_async
+    too_few: RewardFn = takes_one  # type: ignore[assignment]
+    del fits, fits_async, too_few
