@@ -296,9 +296,21 @@ def test_help_is_grouped() -> None:
         check=True,
         timeout=120,
     )
-    for title in ("rollout:", "algorithm (advantages, loss, KL):", "checkpoints:", "evaluation:"):
-        assert title in out.stdout
+    titles = [line for line in out.stdout.splitlines() if line and not line.startswith(" ")]
+    # Each group's title names its TOML section, so a flag's place in a --config file is clear.
+    for title in (
+        "run (top level of the TOML file):",
+        "rollout [rollout]:",
+        "algorithm (advantages, loss, KL) [algorithm]:",
+        "optimizer and LR schedule [optim]:",
+        "checkpoints [checkpoint]:",
+        "evaluation [eval]:",
+    ):
+        assert title in titles
     assert "--num-rollout" in out.stdout and "--sft-warmup-rollouts" in out.stdout
+    # The usage is one line, not every flag again (the groups below describe them).
+    usage = out.stdout.split("\n\n")[0]
+    assert usage == "usage: python -m rlcore_megatron.run [--config FILE.toml] [--FLAG VALUE ...]"
 
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
