@@ -207,14 +207,21 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
+    """Every sink the config asks for; when one fails to start, those already started are closed
+    (the progress display included) before the error propagates."""
     out = config.output_dir
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl")]
-    if isinstance(the_plan, TrainPlan):
-        sinks.append(ProgressSink(total=the_plan.num_rollout))
-    if config.use_tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
-    if config.use_wandb:
-        sinks.append(WandbSink(out, config))
+    sinks: list[MetricsSink] = []
+    try:
+        sinks.append(JsonlSink(out / "metrics.jsonl"))
+        if isinstance(the_plan, TrainPlan):
+            sinks.append(ProgressSink(total=the_plan.num_rollout))
+        if config.use_tensorboard:
+            sinks.append(TensorBoardSink(out / "tensorboard"))
+        if config.use_wandb:
+            sinks.append(WandbSink(out, config))
+    except BaseException:
+        MultiSink(sinks).close()
+        raise
     return MultiSink(sinks)
 
 
@@ -227,7 +234,7 @@ def _start_ray(config: RunConfig) -> None:
         return
     if config.ray_address is not None:
         try:
-            ray.init(address=config.ray_address, log_to_driver=False)
+            ray.init(address=config.ray_address, log_to_driver=False, logging_level=logging.WARNING)
         except ConnectionError as exc:
             # Ray's reason, on its last line.
             cause = str(exc.__cause__ or "").strip().splitlines()[-1:]
