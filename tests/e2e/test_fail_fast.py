@@ -83,6 +83,7 @@ def test_an_empty_model_folder_says_which_files_are_missing(demo: Path, tmp_path
     ) in err
 
 
+@pytest.mark.slow
 @pytest.mark.megatron  # config.json is read by Megatron's validator
 def test_an_unsupported_model_type_is_found_in_config_json(demo: Path, tmp_path: Path) -> None:
     bert = tmp_path / "bert"
@@ -97,6 +98,7 @@ def test_an_unsupported_model_type_is_found_in_config_json(demo: Path, tmp_path:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.megatron  # config.json is read by Megatron's validator
 def test_a_truncated_safetensors_file_is_named_incomplete(demo: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
@@ -112,6 +114,7 @@ def test_a_truncated_safetensors_file_is_named_incomplete(demo: Path, tmp_path: 
     ) in err
 
 
+@pytest.mark.slow
 @pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
 def test_output_folders_that_cannot_be_written(demo: Path, tmp_path: Path) -> None:
     a_file = tmp_path / "a_file"
@@ -139,6 +142,7 @@ def test_non_finite_numbers_are_blamed_on_their_own_flags(demo: Path, tmp_path: 
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
 def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
