@@ -318,7 +318,9 @@ def check_inputs(plan: Plan, data: RunData) -> None:
     """Refuse, before anything is built, a run that would silently do nothing it was asked to:
     evaluating without eval sets, training without prompts, or (eval-only) evaluating weights
     that come from neither a checkpoint nor a model folder. Raises :class:`PlanError`."""
-    evaluates = isinstance(plan, EvalPlan) or plan.eval_before_train or plan.eval_interval
+    evaluates = (
+        isinstance(plan, EvalPlan) or plan.eval_before_train or plan.eval_interval is not None
+    )
     if evaluates and not data.eval_sets:
         raise PlanError(
             "the plan evaluates (the config names eval sets: --eval-prompt-data) but the RunData "
