@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write
 from rlcore.errors import CheckpointError
 
 
-def _writer(text: str):  # type: ignore[no-untyped-def]
+def _writer(text: str) -> Callable[[Path], None]:
     def save(folder: Path) -> None:
         folder.mkdir()
         (folder / "weights").write_text(text)

@@ -45,6 +45,7 @@ def _start(tmp_path: Path, mode: str, stop: bool) -> tuple[subprocess.Popen[str]
     )
     assert parent.stdout is not None
     parent.stdout.readline()
+    parent.stdout.close()
     children = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
     return parent, children
 
