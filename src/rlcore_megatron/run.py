@@ -250,6 +250,9 @@ def _start_ray(config: RunConfig) -> None:
         log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
         ray.init(
+            # Its own instance even when another one runs on this machine: without "local", Ray
+            # joins the last cluster `ray start` began here and then refuses num_cpus.
+            address="local",
             num_cpus=max(os.cpu_count() or 1, 2),
             include_dashboard=False,
             log_to_driver=False,
