@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import pickle
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
-from rlcore.config import RunConfig, structure_config
-from rlcore.errors import ConfigError
+from rlcore.config import RolloutConfig, RunConfig, float_fields, structure_config
+from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.flags import build_parser, load_config
 from tests.strategies import config_dicts, corrupted_config_dicts
 
@@ -330,3 +333,48 @@ def test_the_new_flags_refuse_combinations_that_mean_nothing() -> None:
             ]
         )
     )
+
+
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+FLOAT_FIELDS = st.sampled_from(float_fields())
+
+
+@given(FLOAT_FIELDS, NON_FINITE, st.sampled_from(["flags", "toml", "python"]))
+def test_every_float_field_refuses_nan_and_infinity_naming_that_field(
+    field: tuple[str, type[Any], str], value: float, source: str
+) -> None:
+    section, owner, name = field
+    path = f"{section}.{name}" if section else name
+    flag = attrs.fields_dict(owner)[name].metadata["flag"]
+    with pytest.raises(ConfigError) as info:
+        if source == "flags":  # `--lr=nan`: the form argparse takes for "-inf" too
+            load_config([*TRAIN, f"{flag}={value}"])
+        elif source == "toml":  # TOML has nan and inf; tomllib gives floats
+            data: dict[str, Any] = {"rollout": {"num_rollout": 3}}
+            (data.setdefault(section, {}) if section else data)[name] = value
+            structure_config(data)
+        else:
+            kwargs: dict[str, Any] = {"rollout": RolloutConfig(num_rollout=3)}
+            if section:
+                default: Any = attrs.fields_dict(RunConfig)[section].default
+                kwargs[section] = attrs.evolve(kwargs.get(section, default), **{name: value})
+            else:
+                kwargs[name] = value
+            RunConfig(**kwargs)
+    assert info.value.paths == (f"{path} ({flag})",)
+    assert f"must be a finite number, got {value}" in str(info.value)
+
+
+def test_nan_lr_is_blamed_on_lr_not_min_lr() -> None:
+    assert _problems([*TRAIN, "--lr", "nan", "--rollout-temperature", "nan"]) == [
+        "rollout.temperature (--rollout-temperature): must be a finite number, got nan",
+        "optim.lr (--lr): must be a finite number, got nan",
+    ]
+
+
+def test_config_errors_survive_pickling_whole() -> None:
+    """Ray pickles a rank's errors to the driver; the default pickling rebuilt a ConfigError from
+    its message and listed that one character per line."""
+    error = ConfigError([ConfigProblem("model_type", "'bert' is not supported", "use llama")], "c")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.problems == error.problems and copy.source == "c" and str(copy) == str(error)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from rlcore.checkpoints import find_checkpoint, read_meta
@@ -16,7 +17,7 @@ from rlcore.loop import CARRIED_FILE, RunData, run
 from rlcore.plan import RolloutOnlyPlan, TrainPlan, plan
 from rlcore.replay import load_rollout_data, rollout_data_path
 from rlcore.rollout import RolloutContext, RolloutOutput, default_rollout
-from rlcore.samples import Prompt, TrainBatch
+from rlcore.samples import EvalSet, Prompt, TrainBatch
 from rlcore.testing import FakeBackend, RecordingSink, ScriptedEngine, label_reward
 
 PROMPTS = tuple(
@@ -193,8 +194,10 @@ def test_a_plan_that_generates_or_evaluates_needs_an_engine(tmp_path: Path) -> N
     eval_only = structure_config(
         {"rollout": {"num_rollout": 0}, "eval": {"prompt_data": [{"name": "h", "path": "x"}]}}
     )
+    with_eval_sets = attrs.evolve(DATA, eval_sets=(EvalSet("h", PROMPTS),))
+    eval_plan = attrs.evolve(plan(eval_only), random_weights=True)
     with pytest.raises(PlanError, match="evaluates, but no rollout engine"):
-        run(plan(eval_only), FakeBackend(), None, label_reward, DATA)
+        run(eval_plan, FakeBackend(), None, label_reward, with_eval_sets)
 
 
 def test_rollout_only_builds_no_training_stack(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rlcore.backends import load_backend
 from rlcore.config import RunConfig
 from rlcore.errors import (
+    BackendError,
     BackendUnavailableError,
     CheckpointError,
     ConfigError,
@@ -21,7 +22,7 @@ from rlcore.errors import (
     RolloutError,
 )
 from rlcore.flags import load_config
-from rlcore.loop import RunData, RunResult, run, should_eval, should_save
+from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
 from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
@@ -73,6 +74,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdvantageSpec",
     "Backend",
+    "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
@@ -111,6 +113,7 @@ __all__ = [
     "RolloutSpec",
     "RunConfig",
     "RunData",
+    "RunInterrupted",
     "RunResult",
     "Sample",
     "SamplingParams",

@@ -7,11 +7,15 @@ otherwise fail later inside Megatron or mid-run and raises one :class:`~rlcore.e
 listing *all* problems with their field paths (and flags) and what to do.
 
 Every field's metadata carries its flag and a one-line help text; the CLI is generated from them.
+Every ``float`` field must be a finite number (no field gives NaN or infinity a meaning).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import math
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -47,7 +51,9 @@ __all__ = [
     "TrainConfig",
     "check",
     "converter",
+    "float_fields",
     "structure_config",
+    "with_flag",
 ]
 
 RolloutEngineName = Literal["embedded", "sglang"]
@@ -437,9 +443,39 @@ def _problem(
     return ConfigProblem(path=f"{path} ({_flag(section, name)})", message=message, hint=hint)
 
 
+@functools.cache
+def float_fields() -> tuple[tuple[str, type[Any], str], ...]:
+    """``(section, section class, field name)`` of every ``float`` (or ``float | None``) field;
+    section ``""`` is :class:`RunConfig` itself."""
+    out: list[tuple[str, type[Any], str]] = []
+    sections = typing.get_type_hints(RunConfig)
+    owners: list[tuple[str, type[Any]]] = [("", RunConfig)]
+    owners += [(name, hint) for name, hint in sections.items() if attrs.has(hint)]
+    for prefix, owner in owners:
+        for name, hint in typing.get_type_hints(owner).items():
+            if hint is float or hint == float | None:
+                out.append((prefix, owner, name))
+    return tuple(out)
+
+
+def _non_finite(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    for prefix, owner, name in float_fields():
+        value = getattr(getattr(config, prefix) if prefix else config, name)
+        if value is not None and not math.isfinite(value):
+            problems.append(_problem(owner, prefix, name, f"must be a finite number, got {value}"))
+    return problems
+
+
 def check(config: RunConfig) -> list[ConfigProblem]:
-    """Every problem with ``config``, in field order; empty when it can run."""
-    problems: list[ConfigProblem] = []
+    """Every problem with ``config``, in field order; empty when it can run.
+
+    A NaN or infinite number is reported alone (with every other one): the invariants that
+    compare numbers would otherwise blame a neighbouring field (``lr = nan`` fails ``min_lr <=
+    lr``)."""
+    problems: list[ConfigProblem] = _non_finite(config)
+    if problems:
+        return problems
     r, t, m, e, c = (
         config.rollout,
         config.train,
@@ -825,6 +861,10 @@ def _make_converter() -> cattrs.Converter:
     return conv
 
 
+class _NotFinite(ValueError):
+    """A NaN or infinite float value (reported without the "invalid value" prefix)."""
+
+
 # Strict scalars: cattrs' defaults call int()/bool() and would turn 3.7 into 3 and "no" into True.
 def _structure_path(value: object) -> Path:
     if isinstance(value, (str, Path)):
@@ -844,14 +884,20 @@ def _structure_int(value: object) -> int:
 
 
 def _structure_float(value: object) -> float:
+    number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise TypeError(f"expected a number, got {value!r}")
+    if number is None:
+        raise TypeError(f"expected a number, got {value!r}")
+    if not math.isfinite(number):
+        # Refused here, so the field itself is named and no invariant sees it.
+        raise _NotFinite(f"must be a finite number, got {value}")
+    return number
 
 
 def _structure_bool(value: object) -> bool:
@@ -899,11 +945,13 @@ def _problems_from(exc: BaseException, path: str, cls: type[Any] | None) -> list
         return out
     if isinstance(exc, ConfigError):
         return list(exc.problems)
+    if isinstance(exc, _NotFinite):
+        return [ConfigProblem(path=with_flag(path) or "<root>", message=str(exc))]
     del cls
-    return [ConfigProblem(path=_with_flag(path) or "<root>", message=f"invalid value: {exc}")]
+    return [ConfigProblem(path=with_flag(path) or "<root>", message=f"invalid value: {exc}")]
 
 
-def _with_flag(path: str) -> str:
+def with_flag(path: str) -> str:
     """``rollout.num_rollout`` -> ``rollout.num_rollout (--num-rollout)`` when the field has a
     flag."""
     owner: type[Any] = RunConfig

@@ -20,6 +20,10 @@ sampling's surplus, when kept) are carried to the next rollout and saved in chec
 resumed run continues exactly.
 
 The "should we save / eval at rollout k" decisions are small pure functions, property-tested.
+Every call into the backend, its stacks and the engine goes through :mod:`rlcore.contracts`, so a
+component that breaks its contract is named in an rlcore error. What can be checked before any
+stack is built is (:func:`check_inputs`, :func:`resume_point`). Ctrl-C raises
+:class:`RunInterrupted`, which carries what the run had done.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import assert_never
 import attrs
 
 from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.contracts import CheckedEngine, build_eval_stack, build_training_stack
 from rlcore.data import PromptSampler
 from rlcore.errors import CheckpointError, PlanError
 from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
@@ -64,9 +69,12 @@ from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, 
 __all__ = [
     "RolloutSource",
     "RunData",
+    "RunInterrupted",
     "RunResult",
     "TrainStacks",
+    "check_inputs",
     "evaluate",
+    "resume_point",
     "rollout_source",
     "run",
     "should_eval",
@@ -125,6 +133,28 @@ class RunResult:
     rollouts: tuple[int, ...] = ()
     """The rollout ids whose groups came through the rollout seam (generated or replayed; not
     the supervised warm start's)."""
+    interrupted: bool = False
+    """The run was stopped by Ctrl-C (see :class:`RunInterrupted`)."""
+    interrupted_at: int | None = None
+    """When interrupted: the rollout id it was working on (its training, save, weight sync or
+    eval; ``trained`` says whether its training finished); ``None`` before the first rollout."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`run`. A ``KeyboardInterrupt`` (an ``except Exception`` does not
+    catch it) that carries what the run had done by then in :attr:`result`."""
+
+    def __init__(self, result: RunResult) -> None:
+        where = (
+            f"at rollout {result.interrupted_at}"
+            if result.interrupted_at is not None
+            else "before its first rollout"
+        )
+        super().__init__(f"interrupted {where}")
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[RunInterrupted], tuple[RunResult]]:
+        return (type(self), (self.result,))
 
 
 class _NullSink:
@@ -133,6 +163,31 @@ class _NullSink:
 
     def close(self) -> None:
         pass
+
+
+@attrs.define
+class _Progress:
+    """What a run has done so far, kept outside its function so Ctrl-C can report it."""
+
+    trained: list[int] = attrs.field(factory=list)
+    saved: list[int] = attrs.field(factory=list)
+    evaluated: list[int] = attrs.field(factory=list)
+    rollouts: list[int] = attrs.field(factory=list)
+    built: tuple[str, ...] = ()
+    current: int | None = None
+
+    def result(self) -> RunResult:
+        return RunResult(
+            tuple(self.trained),
+            tuple(self.saved),
+            tuple(self.evaluated),
+            {},
+            {},
+            self.built,
+            tuple(self.rollouts),
+            interrupted=True,
+            interrupted_at=self.current,
+        )
 
 
 @attrs.frozen
@@ -372,9 +427,9 @@ def rollout_source(
 
 def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
     return TrainStacks(
-        actor=backend.build_training_stack(plan.actor),
-        critic=backend.build_training_stack(plan.critic) if plan.critic is not None else None,
-        reference=backend.build_eval_stack(plan.reference) if plan.reference is not None else None,
+        actor=build_training_stack(backend, plan.actor),
+        critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
+        reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
     )
 
 
@@ -383,15 +438,70 @@ CARRIED_FILE = "rollout/carried.json"
 surplus), when there are any."""
 
 
+def check_inputs(plan: Plan, data: RunData) -> None:
+    """Refuse, before anything is built, a run that would silently do nothing it was asked to:
+    evaluating without eval sets, training without prompts, or (eval-only) evaluating weights
+    that come from neither a checkpoint nor a model folder. Raises :class:`PlanError`."""
+    evaluates = isinstance(plan, EvalPlan) or (
+        isinstance(plan, TrainPlan) and (plan.eval_before_train or plan.eval_interval is not None)
+    )
+    if evaluates and not data.eval_sets:
+        raise PlanError(
+            "the plan evaluates (the config names eval sets: --eval-prompt-data) but the RunData "
+            "holds no eval sets, so nothing would be evaluated; load them "
+            "(rlcore.data.load_eval_sets) into RunData(eval_sets=...)"
+        )
+    if isinstance(plan, TrainPlan | RolloutOnlyPlan) and not data.train_prompts:
+        raise PlanError(
+            f"a {type(plan).__name__} needs prompts, but the RunData holds no train_prompts; "
+            "load them (rlcore.data.load_prompts) into RunData(train_prompts=...)"
+        )
+    if (
+        isinstance(plan, EvalPlan)
+        and plan.load is None
+        and plan.actor.model.hf_checkpoint is None
+        and not plan.random_weights
+    ):
+        raise PlanError(
+            "an eval-only run with neither a checkpoint (--load) nor a model folder "
+            "(--hf-checkpoint) would evaluate the backend's freshly initialised, random weights; "
+            "give one of them, or opt in with attrs.evolve(plan, random_weights=True)"
+        )
+
+
+def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
+    """(first rollout id, prompts already consumed, checkpoint folder or ``None``), read from the
+    checkpoint ``plan.load`` names before any stack is built.
+
+    Raises :class:`~rlcore.errors.CheckpointError` naming the path when there is no checkpoint,
+    and :class:`PlanError` when the checkpoint leaves nothing to train: a training run that
+    trains nothing is a mistaken ``--num-rollout`` more often than a wish to evaluate, which
+    ``--num-rollout 0`` says plainly.
+    """
+    start = plan.start_rollout_id
+    if plan.load is None:
+        first = start or 0
+        return first, first * plan.rollout_batch_size, None
+    folder = find_checkpoint(plan.load)
+    meta = read_meta(folder)
+    first = meta.rollout_id + 1 if start is None else start
+    if first >= plan.num_rollout:
+        raise PlanError(
+            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
+            f"so training would start at rollout {first}, but --num-rollout is "
+            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
+            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
+        )
+    return first, meta.consumed_prompts, folder
+
+
 def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group, ...]]:
     """(first rollout id, prompts already consumed, groups carried into the first rollout). Loads
     every training stack from ``plan.load`` (the reference model keeps its initial weights); all
     must agree on the rollout id."""
-    start = plan.start_rollout_id
-    if plan.load is None:
-        first = start or 0
-        return first, first * plan.rollout_batch_size, ()
-    folder = find_checkpoint(plan.load)
+    first, consumed, folder = resume_point(plan)
+    if folder is None:
+        return first, consumed, ()
     meta = read_meta(folder)
     ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
     if any(i != meta.rollout_id for i in ids.values()):
@@ -400,8 +510,7 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group,
             f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
         )
     log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
-    first = meta.rollout_id + 1 if start is None else start
-    return first, meta.consumed_prompts, _read_carried(folder, meta.rollout_id)
+    return first, consumed, _read_carried(folder, meta.rollout_id)
 
 
 def _read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
@@ -416,6 +525,7 @@ def run_training(
     reward_fn: RewardFn,
     data: RunData,
     sink: MetricsSink,
+    progress: _Progress,
     rollout_fn: RolloutFn | None = None,
 ) -> RunResult:
     evaluates = bool(data.eval_sets) and (plan.eval_before_train or plan.eval_interval is not None)
@@ -423,6 +533,7 @@ def run_training(
         raise PlanError("this plan evaluates, but no rollout engine was given to evaluate with")
     rollout = rollout_source(plan, engine, reward_fn, rollout_fn)
     stacks = build_stacks(plan, backend)
+    progress.built = stacks.built()
     start, consumed, carried = resume(plan, stacks)
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
@@ -430,10 +541,8 @@ def run_training(
     if engine is not None:
         engine.update_weights(stacks.actor.export_weights(), version=start)
 
-    trained: list[int] = []
-    rollouts: list[int] = []
-    saved: list[int] = []
-    evaluated: list[int] = []
+    trained, saved, evaluated = progress.trained, progress.saved, progress.evaluated
+    rollouts = progress.rollouts
     last_eval: dict[str, float] = {}
     last_train: dict[str, float] = {}
 
@@ -446,10 +555,11 @@ def run_training(
         evaluated.append(after)
         sink.log(max(after + 1, start), last_eval)
 
-    if plan.eval_before_train and data.eval_sets:
+    if plan.eval_before_train:
         run_eval(start - 1)
 
     for rollout_id in range(start, plan.num_rollout):
+        progress.current = rollout_id
         t0 = time.perf_counter()
         if rollout_id < plan.sft_warmup_rollouts:
             prompts = sampler.next_batch()
@@ -491,7 +601,7 @@ def run_training(
         )
         last_train = metrics
         sink.log(rollout_id, metrics)
-        if data.eval_sets and should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
+        if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             run_eval(rollout_id)
     return RunResult(
         tuple(trained),
@@ -526,10 +636,12 @@ def run_eval_only(
     reward_fn: RewardFn,
     data: RunData,
     sink: MetricsSink,
+    progress: _Progress,
 ) -> RunResult:
     for line in plan.skipped:
         log.info("eval-only run, not built: %s", line)
-    actor = backend.build_eval_stack(plan.actor)
+    actor = build_eval_stack(backend, plan.actor)
+    progress.built = ("eval:actor",)
     version = 0
     if plan.load is not None:
         folder = find_checkpoint(plan.load)
@@ -549,6 +661,7 @@ def run_rollout_only(
     reward_fn: RewardFn,
     data: RunData,
     sink: MetricsSink,
+    progress: _Progress,
     rollout_fn: RolloutFn | None = None,
 ) -> RunResult:
     """Generate (and save) every rollout; no training stack exists anywhere in this function."""
@@ -558,22 +671,21 @@ def run_rollout_only(
     start = plan.start_rollout_id or 0
     consumed = start * plan.rollout_batch_size
     carried: tuple[Group, ...] = ()
-    built: tuple[str, ...] = ()
     if plan.load is not None:  # the checkpoint's weights, prompt position and carried groups
-        actor = backend.build_eval_stack(plan.actor)
+        actor = build_eval_stack(backend, plan.actor)
+        progress.built = ("eval:actor",)
         folder = find_checkpoint(plan.load)
         meta = read_meta(folder)
         actor.load(folder / "actor")
         start = meta.rollout_id + 1 if plan.start_rollout_id is None else plan.start_rollout_id
         consumed, carried = meta.consumed_prompts, _read_carried(folder, meta.rollout_id)
         engine.update_weights(actor.export_weights(), version=start)
-        built = ("eval:actor",)
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
     )
-    rollouts: list[int] = []
     metrics: dict[str, float] = {}
     for rollout_id in range(start, plan.num_rollout):
+        progress.current = rollout_id
         t0 = time.perf_counter()
         output = rollout(rollout_id, sampler, carried)  # the rollout seam, and nothing else
         carried = output.surplus
@@ -583,9 +695,9 @@ def run_rollout_only(
             **output.metrics,
             "perf/generate_s": time.perf_counter() - t0,
         }
-        rollouts.append(rollout_id)
+        progress.rollouts.append(rollout_id)
         sink.log(rollout_id, metrics)
-    return RunResult((), (), (), {}, metrics, built, tuple(rollouts))
+    return RunResult((), (), (), {}, metrics, progress.built, tuple(progress.rollouts))
 
 
 def run(
@@ -604,18 +716,38 @@ def run(
     (``--load-debug-rollout-data``) and evaluates nothing; otherwise :class:`PlanError`.
     ``rollout_fn`` replaces the plan's rollout function (``--rollout-function-path``, else
     :func:`~rlcore.rollout.default_rollout`).
+
+    Raises :class:`PlanError` before building anything when the inputs cannot do what the plan
+    asks (:func:`check_inputs`, :func:`resume_point`), the rlcore error of a component that fails
+    or breaks its contract, and :class:`RunInterrupted` on Ctrl-C.
     """
     sink = sink or _NullSink()
-    match plan:
-        case EvalPlan():
-            return run_eval_only(plan, backend, _needed(engine, "evaluates"), reward_fn, data, sink)
-        case TrainPlan():
-            return run_training(plan, backend, engine, reward_fn, data, sink, rollout_fn)
-        case RolloutOnlyPlan():
-            engine = _needed(engine, "generates rollouts")
-            return run_rollout_only(plan, backend, engine, reward_fn, data, sink, rollout_fn)
-        case _:
-            assert_never(plan)
+    check_inputs(plan, data)
+    checked = (
+        engine if engine is None or isinstance(engine, CheckedEngine) else CheckedEngine(engine)
+    )
+    progress = _Progress()
+    try:
+        match plan:
+            case EvalPlan():
+                engine = _needed(checked, "evaluates")
+                return run_eval_only(plan, backend, engine, reward_fn, data, sink, progress)
+            case TrainPlan():
+                resume_point(plan)  # a bad --load fails here, before any stack is built
+                return run_training(
+                    plan, backend, checked, reward_fn, data, sink, progress, rollout_fn
+                )
+            case RolloutOnlyPlan():
+                engine = _needed(checked, "generates rollouts")
+                return run_rollout_only(
+                    plan, backend, engine, reward_fn, data, sink, progress, rollout_fn
+                )
+            case _:
+                assert_never(plan)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(progress.result()) from None
 
 
 def _needed(engine: RolloutEngine | None, what: str) -> RolloutEngine:

@@ -44,6 +44,10 @@ class EvalPlan:
     n_samples_per_eval_prompt: int
     load: Path | None
     skipped: tuple[str, ...] = ()
+    random_weights: bool = False
+    """Opt in to evaluating the backend's freshly initialised weights when there is neither
+    ``load`` nor a model folder (``attrs.evolve(plan, random_weights=True)``); otherwise that run
+    is refused as a mistake."""
 
 
 @attrs.frozen

@@ -143,9 +143,12 @@ class RolloutEngine(Protocol):
 
 
 class RewardFn(Protocol):
-    """Scores one generation for one prompt. ``prompt.label`` holds the reference answer."""
+    """Scores one generation for one prompt. ``prompt.label`` holds the reference answer.
 
-    def __call__(self, prompt: Prompt, generation: Generation) -> float: ...
+    The parameters are positional-only: any callable taking a prompt and a generation fits,
+    whatever it names them (``def reward(p, g)``)."""
+
+    def __call__(self, prompt: Prompt, generation: Generation, /) -> float: ...
 
 
 class PromptSource(Protocol):

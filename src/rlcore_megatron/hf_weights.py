@@ -25,10 +25,11 @@ import attrs
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcore.errors import CheckpointError
+from rlcore.preflight import safetensors_problem
 from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.model import LlamaArch
@@ -177,6 +178,9 @@ class HFReader:
                 weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
                 self._files = {name: self.folder / file for name, file in weight_map.items()}
             elif single.is_file():
+                incomplete = safetensors_problem(single)  # safetensors' own error is cryptic
+                if incomplete is not None:
+                    raise CheckpointError(f"cannot read HF weights: {incomplete}")
                 with safe_open(str(single), framework="pt") as f:
                     self._files = {name: single for name in f.keys()}
             else:
@@ -197,9 +201,10 @@ class HFReader:
             with safe_open(str(self._files[name]), framework="pt") as f:
                 tensor: torch.Tensor = f.get_tensor(name)
                 return tensor
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SafetensorError) as exc:
+            why = safetensors_problem(self._files[name]) or exc  # "incomplete" says more
             raise CheckpointError(
-                f"cannot read tensor {name!r} from {self._files[name]}: {exc}"
+                f"cannot read tensor {name!r} from {self._files[name]}: {why}"
             ) from exc
 
 

@@ -31,6 +31,9 @@ rank's index among the group's ranks on its node.
 Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is
 tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
 
+Lifetime: each rank's actor starts a watchdog (:func:`~rlcore_megatron.watchdog.watch_group`)
+that kills the processes the rank started when the rank dies, however it dies.
+
 Failures: a call fails as soon as one rank fails. Errors a stack raises on purpose (an
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
 :class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
@@ -72,6 +75,7 @@ from rlcore.errors import CheckpointError, RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore_megatron.watchdog import watch_group
 
 if TYPE_CHECKING:
     import torch
@@ -204,6 +208,9 @@ class _RankWorker:
     """The actor class: one Megatron rank. Driven only by :class:`RayTrainGroup`."""
 
     def __init__(self, rank: int, world_size: int, threads: int, runtime: RankRuntime) -> None:
+        # What this rank starts (Megatron's checkpoint writer starts a multiprocessing manager)
+        # dies with it, even when Ray kills it because the driver was killed.
+        self._watchdog = watch_group()
         self._threads = threads
         self._rank = rank
         self._world_size = world_size

@@ -301,14 +301,18 @@ def test_help_is_grouped() -> None:
         check=True,
         timeout=120,
     )
+    titles = [line for line in out.stdout.splitlines() if line and not line.startswith(" ")]
+    # Each group's title names its TOML section, so a flag's place in a --config file is clear.
     for title in (
-        "rollout:",
-        "algorithm (advantages, loss, KL):",
-        "checkpoints:",
-        "evaluation:",
-        "debug (saving and replaying rollouts):",
+        "run (top level of the TOML file):",
+        "rollout [rollout]:",
+        "algorithm (advantages, loss, KL) [algorithm]:",
+        "optimizer and LR schedule [optim]:",
+        "checkpoints [checkpoint]:",
+        "evaluation [eval]:",
+        "debug (saving and replaying rollouts) [debug]:",
     ):
-        assert title in out.stdout
+        assert title in titles
     for flag in (
         "--num-rollout",
         "--sft-warmup-rollouts",
@@ -322,6 +326,9 @@ def test_help_is_grouped() -> None:
         "--debug-rollout-only",
     ):
         assert flag in out.stdout, flag
+    # The usage is one line, not every flag again (the groups below describe them).
+    usage = out.stdout.split("\n\n")[0]
+    assert usage == "usage: python -m rlcore_megatron.run [--config FILE.toml] [--FLAG VALUE ...]"
 
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

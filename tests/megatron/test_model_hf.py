@@ -157,6 +157,15 @@ def test_weights_that_do_not_match_the_config_are_refused(tiny_hf: Path, tmp_pat
         load_hf_weights(build_gpt(arch, "actor", CPU), tmp_path, arch, "actor")
 
 
+def test_truncated_weights_are_named_incomplete(tiny_hf: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((tiny_hf / "config.json").read_text())
+    full = (tiny_hf / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(full[: len(full) // 2])  # a copy cut short
+    arch = read_hf_config(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors is incomplete: \d+ bytes of"):
+        load_hf_weights(build_gpt(arch, "actor", CPU), tmp_path, arch, "actor")
+
+
 def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
     arch = read_hf_config(tiny_hf)
     critic = build_gpt(arch, "critic", CPU).eval()

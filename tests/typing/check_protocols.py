@@ -22,8 +22,10 @@ from rlcore import (
     TrainPlan,
     TrainSpec,
 )
-from rlcore.protocols import Backend, GroupFilter, RolloutFn
+from rlcore.protocols import Backend, GroupFilter, RewardFn, RolloutFn
+from rlcore.rewards import AsyncRewardFn
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
+from rlcore.samples import Generation, Prompt
 from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
 
 
@@ -141,3 +143,22 @@ wrong_return: Backend = WrongReturnBackend()  # type: ignore[assignment]
 
 def an_eval_stack_is_not_a_training_stack(stack: FakeEvalStack) -> TrainingStack:
     return stack  # type: ignore[return-value]
+
+
+def short_names(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+async def short_names_async(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+def takes_one(p: Prompt) -> float:
+    return 0.0
+
+
+def reward_parameters_are_positional_only() -> None:
+    fits: RewardFn = short_names  # any names: the protocol's parameters are positional-only
+    fits_async: AsyncRewardFn = short_names_async
+    too_few: RewardFn = takes_one  # type: ignore[assignment]
+    del fits, fits_async, too_few

@@ -121,7 +121,10 @@ class EmbeddedEngine:
         Raises :class:`~rlcore.errors.RolloutError` naming the folder when it cannot be loaded.
         """
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+            # A local folder only: never a model hub lookup (which waits on the network).
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, local_files_only=True
+            )
         except (OSError, ValueError) as exc:
             raise RolloutError(
                 f"EmbeddedEngine: cannot load a causal LM from {folder} ({exc}); point at a "
