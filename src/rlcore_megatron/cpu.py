@@ -47,6 +47,8 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
 )
 """The Megatron modules whose global ``torch`` is replaced by :class:`_CpuTorch`."""
 

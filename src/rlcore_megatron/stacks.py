@@ -26,8 +26,8 @@ from rlcore.protocols import NamedTensors
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore_megatron import checkpoint
+from rlcore_megatron.arch import ModelArch
 from rlcore_megatron.hf_weights import export_hf_weights
-from rlcore_megatron.model import LlamaArch
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
@@ -44,7 +44,7 @@ DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
 
 
-def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
+def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
     """What a checkpoint records about the model, checked when it is loaded."""
     return {
         "head": "value" if role == "critic" else "lm",
@@ -64,7 +64,7 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def model_output(
-    model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool
+    model: torch.nn.Module, tb: TensorBatch, arch: ModelArch, is_critic: bool
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
 
@@ -83,7 +83,7 @@ def model_output(
 def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
-    arch: LlamaArch,
+    arch: ModelArch,
     is_critic: bool,
     device: torch.device,
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
@@ -110,7 +110,7 @@ class MegatronEvalStack:
     """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
 
     def __init__(
-        self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device
+        self, spec: EvalSpec, model: GPTModel, arch: ModelArch, device: torch.device
     ) -> None:
         self._spec = spec
         self.model = model
@@ -149,7 +149,7 @@ class MegatronTrainingStack:
         model: DistributedDataParallel,
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-        arch: LlamaArch,
+        arch: ModelArch,
         device: torch.device,
     ) -> None:
         if not isinstance(model.module, GPTModel):

@@ -1,4 +1,6 @@
-from megatron.core.transformer import ModuleSpec
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+
+class TransformerBlockSubmodules: ...
 
 def get_gpt_layer_local_spec(
     num_experts: int | None = None,
@@ -9,3 +11,8 @@ def get_gpt_layer_local_spec(
     moe_use_legacy_grouped_gemm: bool | None = False,
     normalization: str | None = None,
 ) -> ModuleSpec: ...
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: str | None = None,
+) -> TransformerBlockSubmodules: ...
