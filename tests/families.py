@@ -34,6 +34,7 @@ __all__ = [
     "FAMILIES",
     "PUBLISHED",
     "Family",
+    "FamilyModels",
     "build_family_model",
     "tiny_config",
 ]
@@ -222,8 +223,10 @@ def build_family_model(
     *,
     seed: int = 0,
     peaked: bool = False,
+    alphabet: str | None = None,
 ) -> Path:
-    """Write a randomly initialised fp32 HF checkpoint of ``config`` into ``folder``.
+    """Write a randomly initialised fp32 HF checkpoint of ``config`` into ``folder`` (with a
+    character tokenizer over ``alphabet`` when given: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2).
 
     Norm weights and biases start at 1 and 0 in transformers; both get noise here so that a
     mis-mapped norm or bias cannot hide. ``peaked`` scales the output layer by 40, so greedy
@@ -249,4 +252,39 @@ def build_family_model(
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if alphabet is not None:
+        from rlcore.tiny import build_char_tokenizer
+
+        build_char_tokenizer(folder, alphabet)
     return folder
+
+
+class FamilyModels:
+    """Family checkpoints under ``root``, each built on first request and then reused."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._built: dict[str, Path] = {}
+
+    def folder(
+        self,
+        family: Family,
+        *,
+        seed: int = 0,
+        peaked: bool = False,
+        alphabet: str | None = None,
+        **overrides: Any,
+    ) -> Path:
+        """The checkpoint of ``tiny_config(family, **overrides)`` built with these options."""
+        key = repr((family, seed, peaked, alphabet, sorted(overrides.items())))
+        if key not in self._built:
+            folder = self.root / f"{family}-{len(self._built)}"
+            build_family_model(
+                folder,
+                tiny_config(family, **overrides),
+                seed=seed,
+                peaked=peaked,
+                alphabet=alphabet,
+            )
+            self._built[key] = folder
+        return self._built[key]

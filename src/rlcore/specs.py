@@ -36,18 +36,26 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 @attrs.frozen
 class ParallelSpec:
     """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
-    across."""
+    across. A mixture-of-experts model also shares its experts out over
+    ``expert_model_parallel_size`` ranks (folded into the same ranks, as Megatron does)."""
 
     tensor_model_parallel_size: int = 1
     world_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if self.tensor_model_parallel_size < 1 or self.world_size < 1:
+        sizes = (self.tensor_model_parallel_size, self.world_size, self.expert_model_parallel_size)
+        if min(sizes) < 1:
             raise ValueError("parallel sizes must be >= 1")
         if self.world_size % self.tensor_model_parallel_size:
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of "
                 f"tensor_model_parallel_size {self.tensor_model_parallel_size}"
+            )
+        if self.world_size % self.expert_model_parallel_size:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of "
+                f"expert_model_parallel_size {self.expert_model_parallel_size}"
             )
 
     @property
@@ -68,6 +76,8 @@ class ModelSpec:
     hf_checkpoint: Path | None
     seed: int = 1234
     parallel: ParallelSpec = ParallelSpec()
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a mixture-of-experts router's load-balancing loss in training (0 = none)."""
 
 
 @attrs.frozen

@@ -114,9 +114,12 @@ class MegatronBackend:
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
     def _model(self, spec: ModelSpec) -> tuple[Any, ModelArch]:
-        init_megatron(spec.parallel.tensor_model_parallel_size, spec.seed)
+        parallel = spec.parallel
+        init_megatron(
+            parallel.tensor_model_parallel_size, spec.seed, parallel.expert_model_parallel_size
+        )
         arch = self._arch(spec)
-        model = build_gpt(arch, spec.role, device())
+        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff)
         if spec.hf_checkpoint is not None:
             load_hf_weights(model, Path(spec.hf_checkpoint), arch, spec.role)
         return model, arch

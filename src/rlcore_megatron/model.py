@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    TransformerBlockSubmodules,
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import Role
@@ -207,7 +208,8 @@ def _router_without_transformer_engine() -> None:
     define it as the missing-TE fallback intends, so that the router takes its ``torch.mm`` path."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        # The stubs do not declare this module attribute: it is set on purpose.
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 def build_gpt(
@@ -219,6 +221,7 @@ def build_gpt(
     check_parallel(arch, tp_size, ep_size)
     config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff)
     is_critic = role == "critic"
+    layers: ModuleSpec | TransformerBlockSubmodules
     if arch.moe is None:
         layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     else:  # one spec per layer: sparse and dense layers may alternate

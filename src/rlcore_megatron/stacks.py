@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, final
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -25,9 +25,10 @@ from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
-from rlcore_megatron import checkpoint
+from rlcore_megatron import checkpoint, moe
 from rlcore_megatron.arch import ModelArch
 from rlcore_megatron.hf_weights import export_hf_weights
+from rlcore_megatron.model import uses_sequence_parallel
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
@@ -38,6 +39,7 @@ __all__ = [
     "model_info",
     "model_output",
     "score_samples",
+    "sequence_multiple",
 ]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
@@ -63,15 +65,30 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
 
 
+def sequence_multiple(arch: ModelArch) -> int:
+    """Sequence parallelism splits the sequence over the TP ranks: its length must divide."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return tp if uses_sequence_parallel(arch, tp) else 1
+
+
 def model_output(
     model: torch.nn.Module, tb: TensorBatch, arch: ModelArch, is_critic: bool
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
-    context (no attention mask tensor is built).
+    context (no attention mask tensor is built); under sequence parallelism more padding makes
+    the length a multiple of the TP size, and is cut off again.
     """
-    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None)
+    tokens = tb.tokens
+    seq = tokens.shape[1]
+    extra = -seq % sequence_multiple(arch)
+    if extra:
+        tokens = torch.cat(
+            [tokens, tokens.new_full((tokens.shape[0], extra), arch.pad_token_id)], 1
+        )
+    out: torch.Tensor = model(tokens, _positions(tokens), None)
+    out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)
     if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
@@ -256,17 +273,26 @@ class MegatronTrainingStack:
         # Per-sequence means weighted by micro-batch size; summed over DP below.
         sums: dict[str, float] = {}
         tokens = 0
-        for mb in self._local_micro_batches(global_batch):
+        micro_batches = self._local_micro_batches(global_batch)
+        split = sequence_multiple(self.arch)
+        for mb in micro_batches:
+            if self.arch.moe is not None:  # the tokens this rank's routers see
+                rows, seq = mb.tokens.shape
+                routed = rows * (seq + -seq % split) // split
+                moe.set_aux_loss_scale(rows, global_size, routed)
             loss, parts = self._micro_loss(mb)
             torch.autograd.backward(loss / global_size)
             b = mb.num_sequences
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * b
             tokens += int(mb.response_mask.sum())
-        self.model.finish_grad_sync()
+        # DP gradient reduction, and the TP all-reduce of replicated weights that see only their
+        # rank's heads (QK-norms) or sequence shard (sequence parallelism).
+        finalize_model_grads([self.model])
         lr = float(self._optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self._optimizer.step()
         self._scheduler.step(increment=1)
+        balance = moe.pop_load_balancing_loss(self.arch, len(micro_batches))
         keys = sorted(sums)
         totals = [sums[k] for k in keys] + [float(tokens)]
         if parallel_state.get_data_parallel_world_size() > 1:
@@ -277,6 +303,8 @@ class MegatronTrainingStack:
         loss_value = means.pop("loss", 0.0)
         if not ok:
             means["skipped_step"] = 1.0
+        if balance is not None:
+            means[moe.LOAD_BALANCING_LOSS] = balance
         return TrainMetrics(
             loss=loss_value,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,

@@ -10,13 +10,13 @@ import torch
 import transformers
 
 from rlcore.errors import CheckpointError, ConfigError
+from rlcore_megatron.arch import arch_from_hf_config, read_hf_config
 from rlcore_megatron.hf_weights import (
     export_hf_weights,
     load_hf_weights,
     load_named_tensors,
     save_hf,
 )
-from rlcore_megatron.arch import arch_from_hf_config, read_hf_config
 from rlcore_megatron.model import build_gpt
 from tests.megatron.helpers import weights
 

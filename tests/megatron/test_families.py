@@ -1,0 +1,204 @@
+"""Each supported model family (Llama 3.2, Qwen2.5, Qwen3, Qwen3-MoE; ``tests/families.py``)
+against transformers: the config is read as published, the Megatron model's logits equal
+transformers', and a trained model's export loads in transformers and round-trips bit for bit.
+Unsupported config fields are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from rlcore.errors import ConfigError
+from rlcore_megatron.arch import ModelArch, RopeScaling, arch_from_hf_config, read_hf_config
+from rlcore_megatron.backend import MegatronBackend
+from rlcore_megatron.hf_weights import (
+    HFReader,
+    export_hf_weights,
+    load_hf_weights,
+    save_hf,
+)
+from rlcore_megatron.model import build_gpt, check_parallel
+from tests.families import FAMILIES, PUBLISHED, Family, FamilyModels, tiny_config
+from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+
+pytestmark = pytest.mark.megatron
+
+CPU = torch.device("cpu")
+
+
+def megatron_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` (without the rows that pad the vocabulary)."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        out: torch.Tensor = model(tokens, positions, None)
+    return out[..., :vocab]
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits: torch.Tensor = hf(tokens).logits
+    return logits
+
+
+def random_tokens(vocab: int, seed: int = 0, shape: tuple[int, int] = (3, 11)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def loaded_model(folder: Path) -> tuple[torch.nn.Module, ModelArch]:
+    arch = read_hf_config(folder)
+    model = build_gpt(arch, "actor", CPU).eval()
+    load_hf_weights(model, folder, arch, "actor")
+    return model, arch
+
+
+def test_published_configs_are_read_with_each_familys_structure() -> None:
+    llama, qwen2, qwen3, moe = (arch_from_hf_config(PUBLISHED[f]) for f in FAMILIES)
+    assert llama.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    assert llama.tie_word_embeddings and not llama.qkv_bias and not llama.qk_norm
+    assert llama.architecture == "LlamaForCausalLM"
+    assert qwen2.qkv_bias and qwen2.tie_word_embeddings and qwen2.head_dim == 896 // 14
+    assert qwen3.qk_norm and qwen3.head_dim == 128 != qwen3.hidden_size // qwen3.num_heads
+    assert moe.moe is not None and moe.qk_norm and not moe.tie_word_embeddings
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.ffn_hidden_size) == (128, 8, 768)
+    assert moe.moe.norm_topk_prob and moe.moe.moe_layers == (True,) * 48
+    assert moe.architecture == "Qwen3MoeForCausalLM"
+    # Megatron pads the vocabulary to a multiple of 128 x TP: Qwen's pads at TP 2.
+    assert (qwen2.padded_vocab_size(1), qwen2.padded_vocab_size(2)) == (151936, 152064)
+    assert llama.padded_vocab_size(2) == 128256
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(family: Family, family_models: FamilyModels) -> None:
+    folder = family_models.folder(family)
+    model, arch = loaded_model(folder)
+    tokens = random_tokens(arch.vocab_size)
+    torch.testing.assert_close(
+        megatron_logits(model, tokens, arch.vocab_size),
+        hf_logits(folder, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sparse_layers"),
+    [
+        ({"norm_topk_prob": False}, (True, True)),  # expert weights: softmax over all experts
+        ({"mlp_only_layers": [0]}, (False, True)),  # a dense layer, intermediate_size wide
+        ({"num_hidden_layers": 3, "decoder_sparse_step": 2}, (False, True, False)),
+    ],
+    ids=["softmax-over-all", "mlp-only-layers", "sparse-step"],
+)
+def test_moe_options_match_transformers(
+    overrides: dict[str, Any], sparse_layers: tuple[bool, ...], family_models: FamilyModels
+) -> None:
+    folder = family_models.folder("qwen3_moe", **overrides)
+    model, arch = loaded_model(folder)
+    assert arch.moe is not None and arch.moe.moe_layers == sparse_layers
+    routers = [name for name, _ in model.named_parameters() if name.endswith("mlp.router.weight")]
+    assert len(routers) == sum(sparse_layers)
+    tokens = random_tokens(arch.vocab_size, seed=1)
+    torch.testing.assert_close(
+        megatron_logits(model, tokens, arch.vocab_size),
+        hf_logits(folder, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_llama3_rope_frequencies_equal_transformers(family_models: FamilyModels) -> None:
+    """The Llama 3 scaling touches only frequencies whose wavelength exceeds 2048 positions,
+    which short test sequences hardly see: compare the frequencies themselves."""
+    folder = family_models.folder("llama")
+    model, _ = loaded_model(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = hf.model.rotary_emb.inv_freq
+    got = model.rotary_pos_emb.inv_freq
+    assert torch.equal(got.cpu(), expected.cpu())
+    unscaled = read_hf_config(family_models.folder("llama", rope_scaling=None))
+    plain, _ = loaded_model(family_models.folder("llama", rope_scaling=None))
+    assert unscaled.rope_scaling is None
+    assert not torch.equal(plain.rotary_pos_emb.inv_freq, got)  # the scaling did change some
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_model_exports_a_checkpoint_transformers_loads(
+    family: Family, family_models: FamilyModels, tmp_path: Path
+) -> None:
+    source = family_models.folder(family)
+    stack = MegatronBackend().build_training_stack(train_spec(source))
+    stack.train_step(make_batch(make_samples(4, seed=3), seed=4))
+    exported = weights(stack.export_weights())
+    original = HFReader(source)
+    assert exported.keys() == original.names()  # the published checkpoint's tensor names
+    assert any(not torch.equal(t, original.get(n)) for n, t in exported.items())  # trained
+
+    out = save_hf(stack, tmp_path / "hf", stack.arch)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [stack.arch.architecture]
+    assert (config["model_type"], config["dtype"]) == (family, "float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == stack.arch.architecture
+    tokens = random_tokens(stack.arch.vocab_size, seed=5)
+    stack.gpt.eval()
+    torch.testing.assert_close(
+        megatron_logits(stack.gpt, tokens, stack.arch.vocab_size),
+        hf_logits(out, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+    # ... and back: the saved folder imports into a fresh model that exports the same bits
+    again, arch = loaded_model(out)
+    round_trip = weights(export_hf_weights(again, arch, "actor"))
+    assert round_trip.keys() == exported.keys()
+    for name, tensor in round_trip.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "field"),
+    [
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling.low_freq_factor",
+        ),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("qwen2", {"use_mrope": True}, "use_mrope"),
+        ("qwen2", {"attention_dropout": 0.1}, "attention_dropout"),
+        ("qwen3", {"attention_bias": True}, "attention_bias"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ("qwen3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+        ("qwen3_moe", {"mlp_only_layers": [7]}, "mlp_only_layers"),
+        ("qwen3_moe", {"num_experts_per_tok": 32}, "num_experts_per_tok"),
+    ],
+)
+def test_unsupported_config_fields_are_refused_by_name(
+    family: Family, overrides: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        arch_from_hf_config(tiny_config(family, **overrides))
+    assert field in info.value.paths
+    assert field in str(info.value)
+
+
+def test_parallel_sizes_that_do_not_fit_the_model_are_refused() -> None:
+    moe = arch_from_hf_config(tiny_config("qwen3_moe"))  # 16 experts
+    check_parallel(moe, 2, 2)
+    with pytest.raises(ConfigError) as info:
+        check_parallel(moe, 1, 3)
+    assert "num_experts" in info.value.paths
+    with pytest.raises(ConfigError) as info:
+        check_parallel(arch_from_hf_config(tiny_config("qwen3")), 1, 2)
+    assert "expert_model_parallel_size" in info.value.paths
