@@ -441,12 +441,15 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             "tensor_model_parallel_size",
             f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks",
         )
-    if m.expert_model_parallel_size >= 1 and m.world_size % m.expert_model_parallel_size:
+    expert_ranks = m.tensor_model_parallel_size * m.expert_model_parallel_size
+    if m.expert_model_parallel_size >= 1 and expert_ranks >= 1 and m.world_size % expert_ranks:
         add(
             ModelConfig,
             "model",
             "expert_model_parallel_size",
-            f"{m.expert_model_parallel_size} does not divide the actor's {m.world_size} ranks",
+            f"{m.expert_model_parallel_size} x tensor_model_parallel_size "
+            f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks",
+            "each expert is split over the tensor parallel ranks: pick sizes that divide",
         )
 
     if r.num_rollout is None and r.num_epoch is None:

@@ -37,7 +37,8 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 class ParallelSpec:
     """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
     across. A mixture-of-experts model also shares its experts out over
-    ``expert_model_parallel_size`` ranks (folded into the same ranks, as Megatron does)."""
+    ``expert_model_parallel_size`` groups of TP ranks (folded into the same ranks, as Megatron
+    does)."""
 
     tensor_model_parallel_size: int = 1
     world_size: int = 1
@@ -52,10 +53,11 @@ class ParallelSpec:
                 f"world_size {self.world_size} is not a multiple of "
                 f"tensor_model_parallel_size {self.tensor_model_parallel_size}"
             )
-        if self.world_size % self.expert_model_parallel_size:
+        if self.world_size % (self.tensor_model_parallel_size * self.expert_model_parallel_size):
             raise ValueError(
-                f"world_size {self.world_size} is not a multiple of "
-                f"expert_model_parallel_size {self.expert_model_parallel_size}"
+                f"world_size {self.world_size} is not a multiple of tensor_model_parallel_size "
+                f"{self.tensor_model_parallel_size} x expert_model_parallel_size "
+                f"{self.expert_model_parallel_size} (each expert is split over the TP ranks)"
             )
 
     @property

@@ -49,6 +49,7 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.layers",
 )
 """The Megatron modules whose global ``torch`` is replaced by :class:`_CpuTorch`."""
 

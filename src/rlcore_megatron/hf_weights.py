@@ -89,6 +89,13 @@ def _ep() -> tuple[int, int]:
     )
 
 
+def _etp() -> tuple[int, int]:
+    return (
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
 @torch.no_grad()
 def load_hf_tensors(
     model: torch.nn.Module,
@@ -106,7 +113,7 @@ def load_hf_tensors(
     come from in error messages.
     """
     params = dict(model.named_parameters())
-    rank, size = _tp()
+    tp, etp = _tp(), _etp()
     entries = param_map(arch, role, *_ep())
     unmapped = sorted(set(params) - {entry.megatron for entry in entries})
     if unmapped:  # a model the weight map does not describe would keep random weights
@@ -122,6 +129,7 @@ def load_hf_tensors(
             raise CheckpointError(
                 f"{source} has no tensor {missing[0]!r} (needed for {entry.megatron})"
             )
+        rank, size = etp if entry.kind in EXPERT_KINDS else tp
         shard = local_shard(entry, [get(n) for n in entry.hf], arch, rank, size)
         param = params[entry.megatron]
         if shard.shape != param.shape:
@@ -167,21 +175,25 @@ def export_hf_weights(
     """
     params = dict(model.named_parameters())
     _, tp_size = _tp()
+    _, etp_size = _etp()
     ep_rank, ep_size = _ep()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
     # Every EP rank's map has the same Megatron names in the same order; entry i of rank r
     # names the HF experts that rank r holds there.
     maps = [param_map(arch, role, r, ep_size) for r in range(ep_size)]
     for i, entry in enumerate(maps[ep_rank]):
         local = params[entry.megatron].detach()
-        if entry.kind in EXPERT_KINDS:
-            group = parallel_state.get_expert_model_parallel_group()
-            for r, shard in enumerate(_gather(local, group, ep_size)):
-                owner = maps[r][i]
-                yield from zip(owner.hf, full_tensors(owner, [shard], arch), strict=True)
-        else:
-            group = parallel_state.get_tensor_model_parallel_group()
-            full = full_tensors(entry, _gather(local, group, tp_size), arch)
+        if entry.kind not in EXPERT_KINDS:
+            full = full_tensors(entry, _gather(local, tp_group, tp_size), arch)
             yield from zip(entry.hf, full, strict=True)
+            continue
+        # this EP rank's expert, whole; then every EP rank's
+        mine = full_tensors(entry, _gather(local, etp_group, etp_size), arch)
+        for k, tensor in enumerate(mine):
+            for r, full_tensor in enumerate(_gather(tensor, ep_group, ep_size)):
+                yield maps[r][i].hf[k], full_tensor
 
 
 def hf_config_for_save(

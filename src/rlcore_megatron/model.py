@@ -10,7 +10,7 @@ A critic is the same model with :class:`ValueHead` (hidden -> 1) in place of the
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from typing import Literal, TypedDict, final
 
 import torch
@@ -26,11 +26,14 @@ from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import Role
+from rlcore_megatron import moe
 from rlcore_megatron.arch import ModelArch
 
 __all__ = [
+    "RMSNorm",
     "ValueHead",
     "build_gpt",
+    "decoder_spec",
     "check_parallel",
     "transformer_config",
     "uses_sequence_parallel",
@@ -65,7 +68,15 @@ def check_parallel(arch: ModelArch, tp_size: int, ep_size: int = 1) -> None:
                 "use expert parallelism only for mixture-of-experts models",
             )
         )
-    elif arch.moe is not None and arch.moe.num_experts % ep_size:
+    elif arch.moe is not None and arch.moe.ffn_hidden_size % tp_size:
+        problems.append(
+            ConfigProblem(
+                "moe_intermediate_size",
+                f"{arch.moe.ffn_hidden_size} is not divisible by tensor_model_parallel_size "
+                f"{tp_size} (experts are split over the tensor parallel ranks too)",
+            )
+        )
+    if arch.moe is not None and arch.moe.num_experts % ep_size:
         problems.append(
             ConfigProblem(
                 "num_experts",
@@ -105,8 +116,10 @@ def transformer_config(
 ) -> TransformerConfig:
     """fp32, no fusions, no dropout, CPU initialisation (deterministic across TP ranks).
 
-    Experts are not split over tensor parallel ranks (``expert_tensor_parallel_size=1``): each
-    expert is whole on the rank that holds it, and ``ep_size`` ranks share them out.
+    ``ep_size`` ranks share the experts out, and each expert is split over the tensor parallel
+    ranks like a dense MLP (``expert_tensor_parallel_size = tp_size``, Megatron's default: with
+    whole experts on TP ranks that each see their own sequence shard, megatron-core 0.16 reduces
+    no expert gradient over the TP ranks when ``ep_size`` is 1).
     ``moe_aux_loss_coeff > 0`` adds Megatron's load-balancing loss (Switch Transformer, Fedus et
     al. 2021) to the training loss.
     """
@@ -126,7 +139,7 @@ def transformer_config(
             "moe_router_load_balancing_type": "aux_loss" if moe_aux_loss_coeff > 0 else "none",
             "moe_aux_loss_coeff": moe_aux_loss_coeff,
             "expert_model_parallel_size": ep_size,
-            "expert_tensor_parallel_size": 1,
+            "expert_tensor_parallel_size": tp_size,
             "moe_permute_fusion": False,
         }
     return TransformerConfig(
@@ -202,14 +215,53 @@ def _set_rope_frequencies(model: GPTModel, arch: ModelArch) -> None:
     model.rotary_pos_emb.inv_freq = inv_freq
 
 
-def _router_without_transformer_engine() -> None:
-    """megatron-core 0.16.1's router matmul tests ``te_general_gemm is not None``, but the name
-    exists only when Transformer Engine imported (else a ``NameError``, on GPUs without TE too):
-    define it as the missing-TE fallback intends, so that the router takes its ``torch.mm`` path."""
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        # The stubs do not declare this module attribute: it is set on purpose.
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+class RMSNorm(torch.nn.RMSNorm):
+    """RMSNorm (``torch.nn.RMSNorm``, what Megatron's local spec builds) that also serves under
+    sequence parallelism: its weight is marked ``sequence_parallel``, so that
+    ``finalize_model_grads`` sums its gradient over the TP ranks' sequence shards, as Transformer
+    Engine's and Apex's norms mark theirs. Megatron's ``WrappedTorchNorm`` refuses sequence
+    parallelism instead, and without TE or Apex (the CPU; GPUs without them) that refusal would
+    rule out MoE under tensor parallelism, which Megatron trains only with sequence parallelism.
+    """
+
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object
+    ) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # read by finalize_model_grads
+
+
+def _with_rms_norm(layer: ModuleSpec, qk_norm: bool) -> ModuleSpec:
+    """``layer``'s spec with :class:`RMSNorm` for its norms (and its QK-norms, if it has them)."""
+    parts = layer.submodules
+    attention = parts.self_attention
+    heads = attention.submodules
+    if qk_norm:
+        heads = dataclasses.replace(heads, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
+    parts = dataclasses.replace(
+        parts,
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+        self_attention=dataclasses.replace(attention, submodules=heads),
+    )
+    return dataclasses.replace(layer, submodules=parts)
+
+
+def decoder_spec(arch: ModelArch, config: TransformerConfig) -> TransformerBlockSubmodules:
+    """One local (no Transformer Engine) layer spec per layer, sparse or dense, with
+    :class:`RMSNorm` as every norm."""
+    if arch.moe is None:
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        layers = [layer] * arch.num_layers
+    else:
+        moe.fix_router()
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        layers = list(block.layer_specs)
+    return TransformerBlockSubmodules(
+        layer_specs=[_with_rms_norm(layer, arch.qk_norm) for layer in layers], layer_norm=RMSNorm
+    )
 
 
 def build_gpt(
@@ -221,17 +273,9 @@ def build_gpt(
     check_parallel(arch, tp_size, ep_size)
     config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff)
     is_critic = role == "critic"
-    layers: ModuleSpec | TransformerBlockSubmodules
-    if arch.moe is None:
-        layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
-    else:  # one spec per layer: sparse and dense layers may alternate
-        _router_without_transformer_engine()
-        layers = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layers,
+        transformer_layer_spec=decoder_spec(arch, config),
         vocab_size=arch.padded_vocab_size(tp_size),
         max_sequence_length=arch.max_position_embeddings,
         parallel_output=False,

@@ -54,10 +54,11 @@ def init_megatron(tp_size: int = 1, seed: int = 1234, ep_size: int = 1) -> None:
 
     ``torch.distributed`` comes from ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE`` when set (gloo on
     the CPU, nccl on GPUs), else a single process. On the CPU, :mod:`rlcore_megatron.cpu` is applied
-    first. ``ep_size`` ranks share out a mixture-of-experts model's experts, each expert whole
-    (expert tensor parallel 1). Seeds torch's CPU generator too, on every rank: CPU initialisation
-    draws from it and Megatron's seeding does not touch it, so data-parallel replicas would
-    otherwise start apart. Calling again with the same sizes only re-seeds; other sizes raise.
+    first. ``ep_size`` ranks share out a mixture-of-experts model's experts, each split over the
+    ``tp_size`` ranks like a dense MLP (Megatron's default expert tensor parallel size). Seeds
+    torch's CPU generator too, on every rank: CPU initialisation draws from it and Megatron's
+    seeding does not touch it, so data-parallel replicas would otherwise start apart. Calling
+    again with the same sizes only re-seeds; other sizes raise.
     """
     cpu.apply()
     if not dist.is_initialized():
@@ -78,17 +79,17 @@ def init_megatron(tp_size: int = 1, seed: int = 1234, ep_size: int = 1) -> None:
         world = dist.get_world_size()
         for name, size in (
             ("tensor_model_parallel_size", tp_size),
-            ("expert_model_parallel_size", ep_size),
+            ("tensor_model_parallel_size x expert_model_parallel_size", tp_size * ep_size),
         ):
             if world % size:
                 raise BackendUnavailableError(
-                    f"ParallelSpec.{name}={size} does not divide the torch.distributed world "
+                    f"ParallelSpec {name} = {size} does not divide the torch.distributed world "
                     f"size {world}"
                 )
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
             expert_model_parallel_size=ep_size,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=tp_size,
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(

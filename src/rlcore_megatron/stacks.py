@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, final
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -38,6 +39,7 @@ __all__ = [
     "MegatronTrainingStack",
     "model_info",
     "model_output",
+    "routed_tokens",
     "score_samples",
     "sequence_multiple",
 ]
@@ -80,20 +82,35 @@ def model_output(
     context (no attention mask tensor is built); under sequence parallelism more padding makes
     the length a multiple of the TP size, and is cut off again.
     """
-    tokens = tb.tokens
+    tokens, real = tb.tokens, tb.attention_mask.bool()
     seq = tokens.shape[1]
     extra = -seq % sequence_multiple(arch)
     if extra:
-        tokens = torch.cat(
-            [tokens, tokens.new_full((tokens.shape[0], extra), arch.pad_token_id)], 1
-        )
-    out: torch.Tensor = model(tokens, _positions(tokens), None)
+        tokens = F.pad(tokens, (0, extra), value=arch.pad_token_id)
+        real = F.pad(real, (0, extra), value=False)
+    # The MoE router leaves padding out of its load-balancing loss (True marks padding).
+    moe_kwargs = {"padding_mask": ~real} if arch.moe is not None else {}
+    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs)
     out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)
     if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
         out = out[..., : arch.vocab_size]
     return out
+
+
+def routed_tokens(arch: ModelArch, attention_mask: torch.Tensor) -> int:
+    """The real (not padding) tokens that this rank's MoE routers see in a micro-batch with
+    ``attention_mask`` ``[B, S]``: all of them, or under sequence parallelism this TP rank's
+    contiguous share of the positions."""
+    split = sequence_multiple(arch)
+    mask = attention_mask.bool()
+    if split > 1:
+        mask = F.pad(mask, (0, -mask.shape[1] % split), value=False)
+        chunk = mask.shape[1] // split
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        mask = mask[:, rank * chunk : (rank + 1) * chunk]
+    return int(mask.sum())
 
 
 @torch.no_grad()
@@ -274,12 +291,10 @@ class MegatronTrainingStack:
         sums: dict[str, float] = {}
         tokens = 0
         micro_batches = self._local_micro_batches(global_batch)
-        split = sequence_multiple(self.arch)
         for mb in micro_batches:
-            if self.arch.moe is not None:  # the tokens this rank's routers see
-                rows, seq = mb.tokens.shape
-                routed = rows * (seq + -seq % split) // split
-                moe.set_aux_loss_scale(rows, global_size, routed)
+            if self.arch.moe is not None:
+                routed = routed_tokens(self.arch, mb.attention_mask)
+                moe.set_aux_loss_scale(mb.num_sequences, global_size, max(routed, 1))
             loss, parts = self._micro_loss(mb)
             torch.autograd.backward(loss / global_size)
             b = mb.num_sequences

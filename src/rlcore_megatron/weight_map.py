@@ -10,9 +10,9 @@ Megatron fuses what HF keeps apart, and splits it over tensor-parallel (TP) and 
 - embeddings and the output layer are split over the (padded) vocabulary, ``linear_proj`` and
   ``linear_fc2`` over their input dimension; norms (QK-norms included), the MoE router and the
   critic's value head are replicated.
-- Experts are whole (``expert_tensor_parallel_size = 1``); EP rank ``r`` of ``E`` holds experts
-  ``r * n .. (r + 1) * n - 1`` (``n = num_experts / E``) as its local experts ``0 .. n - 1``,
-  with ``linear_fc1 = cat(gate_proj, up_proj)``.
+- Experts: EP rank ``r`` of ``E`` holds experts ``r * n .. (r + 1) * n - 1``
+  (``n = num_experts / E``) as its local experts ``0 .. n - 1``, each split over the expert
+  tensor-parallel ranks (the TP ranks) like a dense MLP's ``linear_fc1`` and ``linear_fc2``.
 
 The HF names are the published checkpoints' (per-expert ``mlp.experts.{e}.gate_proj.weight``,
 which transformers 5 fuses on load and splits again on ``save_pretrained``).
@@ -30,9 +30,10 @@ from rlcore_megatron.arch import ModelArch
 
 __all__ = ["EXPERT_KINDS", "Kind", "ParamMapping", "full_tensors", "local_shard", "param_map"]
 
-Kind = Literal["vocab", "row", "replicated", "qkv", "fc1", "expert_fc1", "expert"]
-EXPERT_KINDS: Final = frozenset({"expert_fc1", "expert"})
-"""Kinds held by one expert-parallel rank each (gathered over the EP group on export)."""
+Kind = Literal["vocab", "row", "replicated", "qkv", "fc1", "expert_fc1", "expert_row"]
+EXPERT_KINDS: Final = frozenset({"expert_fc1", "expert_row"})
+"""Kinds held by one expert-parallel rank each, split over the expert tensor-parallel ranks
+like ``fc1`` and ``row``."""
 
 
 @final
@@ -106,7 +107,7 @@ def _mlp(
                 (e + "gate_proj.weight", e + "up_proj.weight"),
                 "expert_fc1",
             ),
-            ParamMapping(x + "linear_fc2.weight", (e + "down_proj.weight",), "expert"),
+            ParamMapping(x + "linear_fc2.weight", (e + "down_proj.weight",), "expert_row"),
         ]
     return out
 
@@ -160,17 +161,16 @@ def _split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, ...]:
 def local_shard(
     entry: ParamMapping, tensors: list[torch.Tensor], arch: ModelArch, rank: int, size: int
 ) -> torch.Tensor:
-    """This TP rank's slice of the Megatron parameter made from the full HF ``tensors``."""
-    if entry.kind in ("replicated", "expert"):
+    """This rank's slice of the Megatron parameter made from the full HF ``tensors``; ``rank``
+    and ``size`` are the tensor-parallel ones (the expert tensor-parallel ones for experts)."""
+    if entry.kind == "replicated":
         return tensors[0]
-    if entry.kind == "expert_fc1":
-        return torch.cat(tensors, dim=0)
-    if entry.kind == "row":
+    if entry.kind in ("row", "expert_row"):
         return tensors[0].chunk(size, dim=1)[rank]
     if entry.kind == "qkv":
         q, k, v = tensors
         return _fuse_qkv(q, k, v, arch).chunk(size, dim=0)[rank]
-    if entry.kind == "fc1":
+    if entry.kind in ("fc1", "expert_fc1"):
         gate, up = (t.chunk(size, dim=0)[rank] for t in tensors)
         return torch.cat([gate, up], dim=0)
     # vocab: pad rows up to the padded vocabulary, then split
@@ -184,15 +184,13 @@ def local_shard(
 def full_tensors(
     entry: ParamMapping, shards: list[torch.Tensor], arch: ModelArch
 ) -> list[torch.Tensor]:
-    """Inverse of :func:`local_shard`: the HF tensors from every TP rank's shard (one shard for
-    the kinds that are not split over TP)."""
-    if entry.kind in ("replicated", "expert"):
+    """Inverse of :func:`local_shard`: the HF tensors from every (expert) tensor-parallel rank's
+    shard, in rank order."""
+    if entry.kind == "replicated":
         return [shards[0]]
-    if entry.kind == "expert_fc1":
-        return list(shards[0].chunk(2, dim=0))
-    if entry.kind == "row":
+    if entry.kind in ("row", "expert_row"):
         return [shards[0] if len(shards) == 1 else torch.cat(shards, dim=1)]
-    if entry.kind == "fc1":
+    if entry.kind in ("fc1", "expert_fc1"):
         halves = [s.chunk(2, dim=0) for s in shards]
         if len(shards) == 1:
             return list(halves[0])

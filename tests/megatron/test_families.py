@@ -9,11 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import transformers
 
 from rlcore.errors import ConfigError
+from rlcore.samples import Sample
 from rlcore_megatron.arch import ModelArch, RopeScaling, arch_from_hf_config, read_hf_config
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.hf_weights import (
@@ -160,6 +162,50 @@ def test_trained_model_exports_a_checkpoint_transformers_loads(
     assert round_trip.keys() == exported.keys()
     for name, tensor in round_trip.items():
         assert torch.equal(tensor, exported[name]), name
+
+
+def _expected_load_balancing_loss(folder: Path, micro_batches: list[list[Sample]]) -> float:
+    """Megatron's router aux loss (Switch Transformer, eq. 4: ``E * sum_e f_e * P_e``, ``f_e``
+    the share of top-k slots routed to expert ``e``, ``P_e`` its mean router probability), from
+    transformers' router logits over each micro-batch's tokens, averaged over the sparse layers
+    and micro-batches."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    top_k, experts = hf.config.num_experts_per_tok, hf.config.num_experts
+    losses = []
+    for micro_batch in micro_batches:
+        per_layer: list[list[torch.Tensor]] = []
+        for sample in micro_batch:
+            ids = torch.tensor([[*sample.prompt.token_ids, *sample.response.token_ids]])
+            with torch.no_grad():
+                router_logits = hf(ids, output_router_logits=True).router_logits
+            per_layer = per_layer or [[] for _ in router_logits]
+            for layer, logits in zip(per_layer, router_logits, strict=True):
+                layer.append(logits)
+        for layer in per_layer:
+            probs = torch.cat(layer).softmax(dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, probs.topk(top_k, dim=1).indices, 1.0)
+            share = chosen.sum(0) / (probs.shape[0] * top_k)
+            losses.append(experts * float((share * probs.mean(0)).sum()))
+    return sum(losses) / len(losses)
+
+
+def test_router_load_balancing_loss_is_reported_and_trained(family_models: FamilyModels) -> None:
+    folder = family_models.folder("qwen3_moe")
+    samples = make_samples(4, seed=3)
+    batch = make_batch(samples, seed=4)
+    routers: list[torch.Tensor] = []
+    for coeff in (0.0, 1.0):
+        spec = train_spec(folder)  # global batch 4 in micro-batches of 2
+        spec = attrs.evolve(spec, model=attrs.evolve(spec.model, moe_aux_loss_coeff=coeff))
+        stack = MegatronBackend().build_training_stack(spec)
+        extra = stack.train_step(batch).extra
+        routers.append(weights(stack.export_weights())["model.layers.0.mlp.gate.weight"])
+        if coeff == 0.0:
+            assert "load_balancing_loss" not in extra
+        else:
+            expected = _expected_load_balancing_loss(folder, [samples[:2], samples[2:]])
+            assert extra["load_balancing_loss"] == pytest.approx(expected, rel=1e-5)
+    assert not torch.equal(*routers)  # the loss reaches the router's gradient
 
 
 @pytest.mark.parametrize(

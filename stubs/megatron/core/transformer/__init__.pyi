@@ -1,9 +1,16 @@
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-class ModuleSpec: ...
+@dataclass
+class ModuleSpec:
+    module: type | tuple[str, ...]
+    params: dict[str, Any] = ...
+    # A dataclass of the module's own submodule specs (TransformerLayerSubmodules, ...).
+    submodules: Any = None
+    metainfo: dict[str, Any] = ...
 
 class TransformerConfig:
     init_method_std: float

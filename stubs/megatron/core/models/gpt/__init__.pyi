@@ -32,5 +32,7 @@ class GPTModel(torch.nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        *,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
     def sharded_state_dict(self, prefix: str = "") -> ShardedStateDict: ...

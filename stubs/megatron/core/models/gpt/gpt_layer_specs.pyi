@@ -1,6 +1,13 @@
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
-class TransformerBlockSubmodules: ...
+class TransformerBlockSubmodules:
+    layer_specs: list[ModuleSpec]
+    layer_norm: type | ModuleSpec | None
+    def __init__(
+        self,
+        layer_specs: list[ModuleSpec] | None = None,
+        layer_norm: type | ModuleSpec | None = None,
+    ) -> None: ...
 
 def get_gpt_layer_local_spec(
     num_experts: int | None = None,
