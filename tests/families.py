@@ -22,7 +22,7 @@ every other field.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -31,13 +31,18 @@ import torch
 from rlcore_megatron.arch import Family
 
 __all__ = [
+    "ALPHABET",
     "FAMILIES",
     "PUBLISHED",
     "Family",
     "FamilyModels",
     "build_family_model",
+    "greedy_reference",
     "tiny_config",
 ]
+
+ALPHABET: Final = "0123456789+= abcdefghijklmnopqrstuvwxyz"
+"""The character tokenizer's alphabet for engine tests (ids 3 to 41 after the 3 specials)."""
 
 FAMILIES: Final[tuple[Family, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -288,3 +293,22 @@ class FamilyModels:
             )
             self._built[key] = folder
         return self._built[key]
+
+
+@torch.no_grad()
+def greedy_reference(
+    model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs from a transformers model (fp32), one full forward per
+    step: no cache, nothing shared with the engines under test."""
+    ids = list(prompt)
+    tokens: list[int] = []
+    log_probs: list[float] = []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(lp))
+        tokens.append(token)
+        log_probs.append(float(lp[token]))
+        ids.append(token)
+    return tokens, log_probs
