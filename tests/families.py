@@ -245,7 +245,10 @@ def build_family_model(
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        # transformers leaves from_config unannotated.
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            hf_config, dtype=torch.float32
+        )
         with torch.no_grad():
             for param in model.parameters():
                 if param.dim() == 1:
@@ -254,7 +257,10 @@ def build_family_model(
                 model.get_output_embeddings().weight.mul_(40.0)
     finally:
         torch.random.set_rng_state(rng_state)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # GenerationConfig's constructor takes untyped ``**kwargs``.
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     if alphabet is not None:

@@ -258,6 +258,7 @@ def decoder_spec(arch: ModelArch, config: TransformerConfig) -> TransformerBlock
         block = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
+        assert block.layer_specs is not None  # one spec per layer, built from the config
         layers = list(block.layer_specs)
     return TransformerBlockSubmodules(
         layer_specs=[_with_rms_norm(layer, arch.qk_norm) for layer in layers], layer_norm=RMSNorm

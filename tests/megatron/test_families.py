@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 import transformers
+from megatron.core.models.gpt import GPTModel
 
 from rlcore.errors import ConfigError
 from rlcore.samples import Sample
@@ -52,7 +53,7 @@ def random_tokens(vocab: int, seed: int = 0, shape: tuple[int, int] = (3, 11)) -
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def loaded_model(folder: Path) -> tuple[torch.nn.Module, ModelArch]:
+def loaded_model(folder: Path) -> tuple[GPTModel, ModelArch]:
     arch = read_hf_config(folder)
     model = build_gpt(arch, "actor", CPU).eval()
     load_hf_weights(model, folder, arch, "actor")
@@ -170,7 +171,7 @@ def _expected_load_balancing_loss(folder: Path, micro_batches: list[list[Sample]
     transformers' router logits over each micro-batch's tokens, averaged over the sparse layers
     and micro-batches."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    top_k, experts = hf.config.num_experts_per_tok, hf.config.num_experts
+    top_k, experts = int(hf.config.num_experts_per_tok), int(hf.config.num_experts)
     losses = []
     for micro_batch in micro_batches:
         per_layer: list[list[torch.Tensor]] = []

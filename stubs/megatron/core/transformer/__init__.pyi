@@ -6,7 +6,7 @@ import torch
 
 @dataclass
 class ModuleSpec:
-    module: type | tuple[str, ...]
+    module: tuple[str, ...] | type
     params: dict[str, Any] = ...
     # A dataclass of the module's own submodule specs (TransformerLayerSubmodules, ...).
     submodules: Any = None

@@ -1,7 +1,7 @@
 from typing import Literal
 
 import torch
-from megatron.core.dist_checkpointing import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import TransformerBlockSubmodules
 from megatron.core.transformer import ModuleSpec, TransformerConfig

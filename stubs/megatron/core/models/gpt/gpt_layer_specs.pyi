@@ -1,13 +1,11 @@
+from dataclasses import dataclass
+
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
+@dataclass
 class TransformerBlockSubmodules:
-    layer_specs: list[ModuleSpec]
-    layer_norm: type | ModuleSpec | None
-    def __init__(
-        self,
-        layer_specs: list[ModuleSpec] | None = None,
-        layer_norm: type | ModuleSpec | None = None,
-    ) -> None: ...
+    layer_specs: list[ModuleSpec] | None = None
+    layer_norm: type | ModuleSpec | None = None
 
 def get_gpt_layer_local_spec(
     num_experts: int | None = None,
