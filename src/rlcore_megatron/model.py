@@ -33,8 +33,8 @@ __all__ = [
     "RMSNorm",
     "ValueHead",
     "build_gpt",
-    "decoder_spec",
     "check_parallel",
+    "decoder_spec",
     "transformer_config",
     "uses_sequence_parallel",
 ]
@@ -123,17 +123,17 @@ def transformer_config(
     ``moe_aux_loss_coeff > 0`` adds Megatron's load-balancing loss (Switch Transformer, Fedus et
     al. 2021) to the training loss.
     """
-    moe = arch.moe
+    experts = arch.moe
     moe_fields: _MoEFields = {}
-    if moe is not None:
+    if experts is not None:
         moe_fields = {
-            "num_moe_experts": moe.num_experts,
-            "moe_ffn_hidden_size": moe.ffn_hidden_size,
-            "moe_router_topk": moe.top_k,
+            "num_moe_experts": experts.num_experts,
+            "moe_ffn_hidden_size": experts.ffn_hidden_size,
+            "moe_router_topk": experts.top_k,
             # Softmax over the top-k logits is the top-k probabilities renormalised
             # (norm_topk_prob); pre-softmax keeps the probabilities over all experts.
-            "moe_router_pre_softmax": not moe.norm_topk_prob,
-            "moe_layer_freq": [int(sparse) for sparse in moe.moe_layers],
+            "moe_router_pre_softmax": not experts.norm_topk_prob,
+            "moe_layer_freq": [int(sparse) for sparse in experts.moe_layers],
             "moe_grouped_gemm": False,
             "moe_token_dispatcher_type": "allgather",
             "moe_router_load_balancing_type": "aux_loss" if moe_aux_loss_coeff > 0 else "none",
