@@ -213,22 +213,27 @@ class _Reader:
     def problem(self, field: str, message: str, hint: str = "") -> None:
         self.problems.append(ConfigProblem(field, message, hint))
 
+    def get(self, field: str, default: Any) -> Any:
+        """The field's value; ``default`` when it is absent or null."""
+        value = self.cfg.get(field)
+        return default if value is None else value
+
     def positive_int(self, field: str, default: int | None = None) -> int:
-        value = self.cfg.get(field, default)
+        value = self.get(field, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             self.problem(field, f"must be a positive integer, got {value!r}")
             return 1
         return value
 
     def number(self, field: str, default: float) -> float:
-        value = self.cfg.get(field, default)
+        value = self.get(field, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.problem(field, f"must be a number, got {value!r}")
             return default
         return float(value)
 
     def flag(self, field: str, default: bool) -> bool:
-        value = self.cfg.get(field, default)
+        value = self.get(field, default)
         if not isinstance(value, bool):
             self.problem(field, f"must be true or false, got {value!r}")
             return default
@@ -243,18 +248,35 @@ class _Reader:
 
 def _rope(r: _Reader) -> tuple[float, RopeScaling | None]:
     """``rope_theta`` and the Llama 3 scaling from either config style: transformers 5's
-    ``rope_parameters`` (theta inside) or the Hub's ``rope_scaling`` beside ``rope_theta``."""
-    cfg = r.cfg
-    field = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
-    params = cfg.get(field)
+    ``rope_parameters`` (theta inside) or the Hub's ``rope_scaling`` beside ``rope_theta``; a
+    config with both must say the same in each."""
     theta = r.number("rope_theta", 10000.0)
-    if params is None:
-        return theta, None
+    found = {
+        field: _rope_field(r, field, theta)
+        for field in ("rope_parameters", "rope_scaling")
+        if r.cfg.get(field) is not None
+    }
+    if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
+        r.problem(
+            "rope_scaling",
+            f"{r.cfg['rope_scaling']!r} disagrees with rope_parameters "
+            f"{r.cfg['rope_parameters']!r}",
+            "keep one of the two",
+        )
+    return next(iter(found.values()), (theta, None))
+
+
+def _rope_field(r: _Reader, field: str, theta: float) -> tuple[float, RopeScaling | None]:
+    params = r.cfg[field]
     if not isinstance(params, Mapping):
         r.problem(field, f"must be a mapping or null, got {params!r}")
         return theta, None
     if "rope_theta" in params:
-        theta = float(params["rope_theta"])
+        value = params["rope_theta"]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            r.problem(f"{field}.rope_theta", f"must be a number, got {value!r}")
+        else:
+            theta = float(value)
     rope_type = params.get("rope_type", params.get("type", "default"))
     known = {"rope_type", "type", "rope_theta"}
     if rope_type == "llama3":
@@ -317,7 +339,7 @@ def _moe(r: _Reader, num_layers: int) -> MoEArch | None:
     ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule); ``None`` when no layer is."""
     cfg = r.cfg
     experts_field = "num_experts" if "num_experts" in cfg else "num_local_experts"
-    num_experts = cfg.get(experts_field, 128)
+    num_experts = r.get(experts_field, 128)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 0:
         r.problem(experts_field, f"must be an integer >= 0, got {num_experts!r}")
         return None

@@ -219,6 +219,11 @@ def test_router_load_balancing_loss_is_reported_and_trained(family_models: Famil
             "rope_scaling.low_freq_factor",
         ),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
+        (  # both config styles, saying different things
+            "llama",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+            "rope_scaling",
+        ),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen2", {"use_mrope": True}, "use_mrope"),
         ("qwen2", {"attention_dropout": 0.1}, "attention_dropout"),
@@ -238,6 +243,14 @@ def test_unsupported_config_fields_are_refused_by_name(
         arch_from_hf_config(tiny_config(family, **overrides))
     assert field in info.value.paths
     assert field in str(info.value)
+
+
+def test_both_rope_styles_and_null_fields_read_like_transformers() -> None:
+    llama3 = dict(PUBLISHED["llama"]["rope_scaling"], rope_theta=500000.0)
+    both = arch_from_hf_config(tiny_config("llama", rope_parameters=llama3))
+    assert both.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    # null is "not given": Qwen2.5's head_dim is hidden_size / heads
+    assert arch_from_hf_config(tiny_config("qwen2", head_dim=None)).head_dim == 112 // 14
 
 
 def test_parallel_sizes_that_do_not_fit_the_model_are_refused() -> None:
