@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from rlcore.config import RolloutConfig, RunConfig, float_fields, structure_config
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.flags import build_parser, load_config
+from rlcore.plan import TrainPlan, plan
 from tests.strategies import config_dicts, corrupted_config_dicts
 
 TRAIN = [
@@ -123,6 +124,22 @@ def test_all_problems_are_reported_together_with_paths_and_flags() -> None:
     assert "eval.prompt_data" in joined and "--eval-prompt-data" in joined
     assert "checkpoint.save (--save)" in joined
     assert len(problems) == 3
+
+
+def test_expert_parallel_flags_reach_the_model_spec_and_are_checked() -> None:
+    flags = [*TRAIN, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    the_plan = plan(
+        load_config([*flags, "--actor-num-gpus-per-node", "4", "--moe-aux-loss-coeff", "0.01"])
+    )
+    assert isinstance(the_plan, TrainPlan)
+    model = the_plan.actor.model
+    assert (model.parallel.expert_model_parallel_size, model.moe_aux_loss_coeff) == (2, 0.01)
+    # 2 ranks cannot hold experts split over 2 TP ranks in 2 expert-parallel groups
+    joined = "\n".join(
+        _problems([*flags, "--actor-num-gpus-per-node", "2", "--moe-aux-loss-coeff", "-1"])
+    )
+    assert "model.expert_model_parallel_size (--expert-model-parallel-size)" in joined
+    assert "model.moe_aux_loss_coeff (--moe-aux-loss-coeff)" in joined
 
 
 def test_lr_decay_steps_below_one_is_refused_at_load_time() -> None:

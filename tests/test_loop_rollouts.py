@@ -14,7 +14,7 @@ from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.config import RunConfig, structure_config
 from rlcore.errors import PlanError, RolloutError
 from rlcore.loop import CARRIED_FILE, RunData, run
-from rlcore.plan import RolloutOnlyPlan, TrainPlan, plan
+from rlcore.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.replay import load_rollout_data, rollout_data_path
 from rlcore.rollout import RolloutContext, RolloutOutput, default_rollout
 from rlcore.samples import EvalSet, Prompt, TrainBatch
@@ -195,7 +195,9 @@ def test_a_plan_that_generates_or_evaluates_needs_an_engine(tmp_path: Path) -> N
         {"rollout": {"num_rollout": 0}, "eval": {"prompt_data": [{"name": "h", "path": "x"}]}}
     )
     with_eval_sets = attrs.evolve(DATA, eval_sets=(EvalSet("h", PROMPTS),))
-    eval_plan = attrs.evolve(plan(eval_only), random_weights=True)
+    eval_plan = plan(eval_only)
+    assert isinstance(eval_plan, EvalPlan)
+    eval_plan = attrs.evolve(eval_plan, random_weights=True)
     with pytest.raises(PlanError, match="evaluates, but no rollout engine"):
         run(eval_plan, FakeBackend(), None, label_reward, with_eval_sets)
 

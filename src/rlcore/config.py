@@ -32,6 +32,7 @@ from rlcore.specs import (
     KLType,
     LossAggMode,
     batch_split_problem,
+    expert_split_problem,
     parallel_split_problem,
     schedule_length_problem,
 )
@@ -270,6 +271,12 @@ class ModelConfig:
     )
     tensor_model_parallel_size: int = _opt(
         1, "--tensor-model-parallel-size", "tensor-parallel ranks"
+    )
+    expert_model_parallel_size: int = _opt(
+        1, "--expert-model-parallel-size", "expert-parallel ranks (MoE models share experts out)"
+    )
+    moe_aux_loss_coeff: float = _opt(
+        0.0, "--moe-aux-loss-coeff", "MoE router load-balancing loss weight (0 = off)"
     )
     actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
     actor_num_gpus_per_node: int = _opt(
@@ -541,9 +548,16 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     for name in ("global_batch_size", "micro_batch_size"):
         if getattr(t, name) < 1:
             add(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
-    for name in ("tensor_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+    for name in (
+        "tensor_model_parallel_size",
+        "expert_model_parallel_size",
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+    ):
         if getattr(m, name) < 1:
             add(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
+    if not m.moe_aux_loss_coeff >= 0:
+        add(ModelConfig, "model", "moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
     if e.interval is not None and e.interval < 1:
         add(EvalConfig, "eval", "interval", f"must be >= 1, got {e.interval}")
     if e.n_samples_per_eval_prompt < 1:
@@ -600,6 +614,15 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     )
     if split:
         add(ModelConfig, "model", "tensor_model_parallel_size", split)
+    experts = (
+        expert_split_problem(
+            m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size
+        )
+        if min(m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size) >= 1
+        else None
+    )
+    if experts and not split:
+        add(ModelConfig, "model", "expert_model_parallel_size", experts)
 
     problems += _check_debug(config)
     if r.num_rollout is None and r.num_epoch is None:

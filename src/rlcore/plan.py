@@ -128,9 +128,17 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 def _model(config: RunConfig, role: Role) -> ModelSpec:
     m = config.model
     parallel = ParallelSpec(
-        tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        world_size=m.world_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
     )
-    return ModelSpec(role=role, hf_checkpoint=m.hf_checkpoint, seed=config.seed, parallel=parallel)
+    return ModelSpec(
+        role=role,
+        hf_checkpoint=m.hf_checkpoint,
+        seed=config.seed,
+        parallel=parallel,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+    )
 
 
 def _eval_params(config: RunConfig) -> SamplingParams:

@@ -68,6 +68,21 @@ def parallel_split_problem(tensor_model_parallel_size: int, world_size: int) -> 
     return None
 
 
+def expert_split_problem(
+    expert_model_parallel_size: int, tensor_model_parallel_size: int, world_size: int
+) -> str | None:
+    """Why ``world_size`` ranks cannot hold a mixture-of-experts model's experts shared out over
+    ``expert_model_parallel_size`` groups of tensor-parallel ranks (each expert is split over the
+    TP ranks, as Megatron does by default), or ``None``. All sizes >= 1."""
+    if world_size % (expert_model_parallel_size * tensor_model_parallel_size):
+        return (
+            f"expert_model_parallel_size {expert_model_parallel_size} x "
+            f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
+            f"{world_size} ranks (each expert is split over the tensor parallel ranks)"
+        )
+    return None
+
+
 def batch_split_problem(
     global_batch_size: int, micro_batch_size: int, data_parallel_size: int
 ) -> str | None:
@@ -97,15 +112,23 @@ def schedule_length_problem(
 @attrs.frozen
 class ParallelSpec:
     """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
-    across."""
+    across. A mixture-of-experts model also shares its experts out over
+    ``expert_model_parallel_size`` groups of TP ranks (folded into the same ranks, as Megatron
+    does)."""
 
     tensor_model_parallel_size: int = 1
     world_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if self.tensor_model_parallel_size < 1 or self.world_size < 1:
+        sizes = (self.tensor_model_parallel_size, self.world_size, self.expert_model_parallel_size)
+        if min(sizes) < 1:
             raise ValueError("parallel sizes must be >= 1")
-        problem = parallel_split_problem(self.tensor_model_parallel_size, self.world_size)
+        problem = parallel_split_problem(
+            self.tensor_model_parallel_size, self.world_size
+        ) or expert_split_problem(
+            self.expert_model_parallel_size, self.tensor_model_parallel_size, self.world_size
+        )
         if problem:
             raise ValueError(f"ParallelSpec: {problem}")
 
@@ -127,6 +150,8 @@ class ModelSpec:
     hf_checkpoint: Path | None
     seed: int = 1234
     parallel: ParallelSpec = ParallelSpec()
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a mixture-of-experts router's load-balancing loss in training (0 = none)."""
 
 
 @attrs.frozen

@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,11 +60,10 @@ DESCRIPTION = (
 
 
 def _model_problems(hf_config: dict[str, Any], path: Path, where: str) -> list[ConfigProblem]:
-    """What the Megatron backend cannot build in ``config.json``, by its own validator."""
-    with warnings.catch_warnings():
-        # Importing Megatron says that Apex and Transformer Engine are missing: not this run's news.
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        from rlcore_megatron.model import arch_from_hf_config
+    """What the Megatron backend cannot build in ``config.json``, by its own validator (which
+    imports no Megatron)."""
+    from rlcore_megatron.arch import arch_from_hf_config
+
     try:
         arch_from_hf_config(hf_config, str(path))
     except ConfigError as exc:

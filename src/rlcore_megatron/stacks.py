@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, final
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -28,9 +29,10 @@ from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
-from rlcore_megatron import checkpoint
+from rlcore_megatron import checkpoint, moe
+from rlcore_megatron.arch import ModelArch
 from rlcore_megatron.hf_weights import export_hf_weights
-from rlcore_megatron.model import LlamaArch
+from rlcore_megatron.model import uses_sequence_parallel
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
@@ -41,14 +43,16 @@ __all__ = [
     "MegatronTrainingStack",
     "model_info",
     "model_output",
+    "routed_tokens",
     "score_samples",
+    "sequence_multiple",
 ]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
 
 
-def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
+def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
     """What a checkpoint records about the model, checked when it is loaded."""
     return {
         "head": "value" if role == "critic" else "lm",
@@ -67,15 +71,31 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
 
 
+def sequence_multiple(arch: ModelArch) -> int:
+    """Sequence parallelism splits the sequence over the TP ranks: its length must divide."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return tp if uses_sequence_parallel(arch, tp) else 1
+
+
 def model_output(
-    model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool
+    model: torch.nn.Module, tb: TensorBatch, arch: ModelArch, is_critic: bool
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
-    context (no attention mask tensor is built).
+    context (no attention mask tensor is built); under sequence parallelism more padding makes
+    the length a multiple of the TP size, and is cut off again.
     """
-    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None)
+    tokens, real = tb.tokens, tb.attention_mask.bool()
+    seq = tokens.shape[1]
+    extra = -seq % sequence_multiple(arch)
+    if extra:
+        tokens = F.pad(tokens, (0, extra), value=arch.pad_token_id)
+        real = F.pad(real, (0, extra), value=False)
+    # The MoE router leaves padding out of its load-balancing loss (True marks padding).
+    moe_kwargs = {"padding_mask": ~real} if arch.moe is not None else {}
+    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs)
+    out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)
     if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
@@ -83,11 +103,25 @@ def model_output(
     return out
 
 
+def routed_tokens(arch: ModelArch, attention_mask: torch.Tensor) -> int:
+    """The real (not padding) tokens that this rank's MoE routers see in a micro-batch with
+    ``attention_mask`` ``[B, S]``: all of them, or under sequence parallelism this TP rank's
+    contiguous share of the positions."""
+    split = sequence_multiple(arch)
+    mask = attention_mask.bool()
+    if split > 1:
+        mask = F.pad(mask, (0, -mask.shape[1] % split), value=False)
+        chunk = mask.shape[1] // split
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        mask = mask[:, rank * chunk : (rank + 1) * chunk]
+    return int(mask.sum())
+
+
 @torch.no_grad()
 def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
-    arch: LlamaArch,
+    arch: ModelArch,
     is_critic: bool,
     device: torch.device,
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
@@ -114,7 +148,7 @@ class MegatronEvalStack:
     """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
 
     def __init__(
-        self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device
+        self, spec: EvalSpec, model: GPTModel, arch: ModelArch, device: torch.device
     ) -> None:
         self._spec = spec
         self.model = model
@@ -153,7 +187,7 @@ class MegatronTrainingStack:
         model: DistributedDataParallel,
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-        arch: LlamaArch,
+        arch: ModelArch,
         device: torch.device,
     ) -> None:
         if not isinstance(model.module, GPTModel):
@@ -261,7 +295,13 @@ class MegatronTrainingStack:
         maxima: dict[str, float] = {}
         token_keys: set[str] = set()
         tokens = 0
-        for mb in self._local_micro_batches(global_batch):
+        global_size = global_batch.num_sequences
+        micro_batches = self._local_micro_batches(global_batch)
+        for mb in micro_batches:
+            if self.arch.moe is not None:
+                # The router's aux loss is a per-sequence mean, whatever --loss-agg-mode says.
+                routed = routed_tokens(self.arch, mb.attention_mask)
+                moe.set_aux_loss_scale(mb.num_sequences, global_size, max(routed, 1))
             out = self._micro_loss(mb)
             torch.autograd.backward(out.loss / normalizer)
             for key, value in out.metrics.items():
@@ -271,10 +311,13 @@ class MegatronTrainingStack:
             for key, value in out.maxima.items():
                 maxima[key] = max(maxima.get(key, value), value)
             tokens += out.tokens
-        self.model.finish_grad_sync()
+        # DP gradient reduction, and the TP all-reduce of replicated weights that see only their
+        # rank's heads (QK-norms) or sequence shard (sequence parallelism).
+        finalize_model_grads([self.model])
         lr = float(self._optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self._optimizer.step()
         self._scheduler.step(increment=1)
+        balance = moe.pop_load_balancing_loss(self.arch, len(micro_batches))
         keys, max_keys = sorted(sums), sorted(maxima)
         totals = [sums[k] for k in keys] + [float(tokens)]
         peaks = [maxima[k] for k in max_keys]
@@ -295,6 +338,8 @@ class MegatronTrainingStack:
         loss_value = means.pop("loss", 0.0)
         if not ok:
             means["skipped_step"] = 1.0
+        if balance is not None:
+            means[moe.LOAD_BALANCING_LOSS] = balance
         return TrainMetrics(
             loss=loss_value,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,

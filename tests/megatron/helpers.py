@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -108,3 +111,27 @@ def train_spec(
 def weights(named: Any) -> dict[str, torch.Tensor]:
     """Exported weights as detached copies (exports may be views of live parameters)."""
     return {name: t.detach().clone() for name, t in named}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_two_ranks(target: Callable[..., None], *args: object, timeout: float = 600) -> None:
+    """Run ``target(rank, 2, port, *args)`` in two spawned processes (two gloo ranks) and wait;
+    a rank left stuck in a collective after its peer died is killed."""
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"

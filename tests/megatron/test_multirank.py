@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,36 +12,22 @@ import transformers
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron import multirank_worker
-from tests.megatron.helpers import TOKEN_MEAN_TIS, make_batch, make_samples, train_spec, weights
+from tests.megatron.helpers import (
+    TOKEN_MEAN_TIS,
+    make_batch,
+    make_samples,
+    run_two_ranks,
+    train_spec,
+    weights,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=multirank_worker.run, args=(r, 2, port, str(tiny_hf), str(out)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:  # a rank stuck in a collective after its peer died
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"
+    run_two_ranks(multirank_worker.run, str(tiny_hf), str(out), timeout=300)
     return out
 
 
