@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import threading
 from pathlib import Path
 
 import attrs
 import pytest
+from rich.console import Console
 
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink, read_jsonl_metrics
 
@@ -46,12 +49,18 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
     from rlcore.flags import load_config
     from rlcore.plan import plan
     from rlcore_megatron import run as run_module
+    from rlcore_megatron.console import ProgressSink
 
     class UnreachableWandb:
         def __init__(self, folder: Path, config: object) -> None:
             raise RuntimeError("wandb cannot start")
 
     monkeypatch.setattr(run_module, "WandbSink", UnreachableWandb)
+    # On a terminal, where the progress display runs a refresh thread (elsewhere it only logs).
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    monkeypatch.setattr(
+        run_module, "ProgressSink", functools.partial(ProgressSink, console=terminal)
+    )
     config = load_config(
         [
             *("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),

@@ -105,7 +105,7 @@ class EchoRuntime:
     rollout_ids: tuple[int, ...]
     failing: frozenset[int] = frozenset()
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None:
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             assert name in os.environ, name
 
@@ -276,10 +276,10 @@ class TensorParallelCpuRuntime:
     ``megatron.core.utils``. A no-op once the shim covers it, and on GPUs.
     """
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None:
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
         import importlib
 
-        MegatronRuntime().init(tensor_parallel_size, seed)
+        MegatronRuntime().init(tensor_parallel_size, seed, expert_parallel_size)
         utils = importlib.import_module("megatron.core.utils")
         mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
         shimmed = utils.torch
