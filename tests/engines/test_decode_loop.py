@@ -1,9 +1,11 @@
-"""The embedded engine's decode loop on every model family it serves (tiny local Llama, Qwen2,
-Qwen2 with sliding-window layers, Qwen3, Qwen3-MoE): the preallocated cache against a cache-free
-reference, ended rows leaving the batch, and the sampling distribution once they have."""
+"""The embedded engine's decode loop on every model family it serves (rlcore's tiny Llama and the
+cut-down published Llama 3, Qwen2.5 (also with sliding-window layers), Qwen3 and Qwen3-MoE configs
+of tests/families.py): the preallocated cache against a cache-free reference, ended rows leaving
+the batch, and the sampling distribution once they have."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -11,81 +13,55 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    DynamicCache,
-    GenerationMixin,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from rlcore.data import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
 from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+from tests.families import Family, build_family_model, tiny_config
 
 ALPHABET = "0123456789+= "
 VOCAB = 3 + len(ALPHABET)
 NEVER = VOCAB + 1  # a stop id the model cannot sample: no row ends early
 TEXTS = ["12+34=", "1+2=", "99+1=", "7=", "45+45=", "123+456=", "3+3="]
 
-SMALL: dict[str, Any] = {
+# The tests' cut-down published configs (tests/families.py), on this file's 16-token vocabulary;
+# untied, so that sharpening the output layer leaves the input embeddings alone.
+SMALL_VOCAB: dict[str, Any] = {
     "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 64,
-    "max_position_embeddings": 128,
     "tie_word_embeddings": False,
     "pad_token_id": PAD_ID,
     "bos_token_id": BOS_ID,
     "eos_token_id": EOS_ID,
 }
-
-
-def _save(model: PreTrainedModel, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder), safe_serialization=True)
+BUILDS: dict[str, tuple[Family, dict[str, Any]]] = {
+    "llama3": ("llama", {}),  # Llama 3 RoPE scaling, explicit head_dim, GQA ratio 4
+    "qwen2": ("qwen2", {}),  # biased q/k/v projections, GQA ratio 7
+    # Layer 1 attends to a 4-token window: not a full-attention layer, the cache keeps its own.
+    "qwen2-sliding": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    ),
+    "qwen3": ("qwen3", {}),  # q/k RMS norms, head_dim * heads != hidden
+    "qwen3-moe": ("qwen3_moe", {}),  # 16 experts, 8 per token
+}
 
 
 def _build(folder: Path, family: str) -> None:
-    torch.manual_seed(7)
-    config: PretrainedConfig
-    if family == "llama":
+    if family == "llama":  # the library's own tiny Llama (rlcore.tiny), as bench-tiny builds it
         build_tiny_llama(folder, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, seed=7)
         return
-    if family == "qwen2":  # biased q/k/v projections
-        _save(Qwen2ForCausalLM(Qwen2Config(**SMALL)), folder)
-    elif (
-        family == "qwen2-sliding"
-    ):  # layer 1 attends to a 4-token window: not a full-attention layer
-        config = Qwen2Config(
-            **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1
-        )
-        assert config.layer_types == ["full_attention", "sliding_attention"]
-        _save(Qwen2ForCausalLM(config), folder)
-    elif family == "qwen3":  # q/k RMS norms, explicit head_dim
-        _save(Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16)), folder)
-    elif family == "qwen3-moe":
-        config = Qwen3MoeConfig(
-            **{k: v for k, v in SMALL.items() if k != "intermediate_size"},
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-        )
-        _save(Qwen3MoeForCausalLM(config), folder)
-    else:
-        raise AssertionError(family)
+    published, overrides = BUILDS[family]
+    config = tiny_config(published, **SMALL_VOCAB, **overrides)
+    build_family_model(folder, config, seed=7)
+    if family == "qwen2-sliding":
+        layer_types = json.loads((folder / "config.json").read_text())["layer_types"]
+        assert layer_types == ["full_attention", "sliding_attention"]
 
 
-FAMILIES = ["llama", "qwen2", "qwen2-sliding", "qwen3", "qwen3-moe"]
+FAMILIES = ["llama", *BUILDS]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -192,7 +168,7 @@ def test_sampling_matches_a_cache_free_loop_draw_for_draw(
 ) -> None:
     # Prompts of several lengths (left padding), each twice (shared prefill), no early stop.
     batch = encode(tokenizer, TEXTS) * 2
-    engine = engine_factory(11)
+    engine = engine_factory(11, sharpen=5.0)  # peaked, yet every family really samples
     gens = engine.generate(batch, params)
     expected = cache_free_reference(engine.model, batch, params, seed=11)
     for gen, (tokens, log_probs) in zip(gens, expected, strict=True):
