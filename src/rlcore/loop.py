@@ -27,11 +27,28 @@ from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write
 from rlcore.data import PromptSampler
 from rlcore.errors import CheckpointError, PlanError
 from rlcore.plan import EvalPlan, Plan, TrainPlan
-from rlcore.protocols import Backend, EvalStack, MetricsSink, RewardFn, RolloutEngine, TrainingStack
+from rlcore.protocols import (
+    Backend,
+    EvalStack,
+    MetricsSink,
+    RewardFn,
+    RolloutEngine,
+    TrainingStack,
+    WeightSource,
+)
 from rlcore.rewards import score_samples
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
 
-__all__ = ["RunData", "RunResult", "TrainStacks", "evaluate", "run", "should_eval", "should_save"]
+__all__ = [
+    "RunData",
+    "RunResult",
+    "TrainStacks",
+    "evaluate",
+    "push_weights",
+    "run",
+    "should_eval",
+    "should_save",
+]
 
 log = logging.getLogger("rlcore")
 
@@ -113,6 +130,13 @@ class TrainStacks:
 
 # --------------------------------------------------------------------------------------------
 # Steps
+
+
+def push_weights(source: WeightSource, engine: RolloutEngine, version: int) -> None:
+    """The policy's weights to the engine, straight from where they live (the engine's sinks go
+    to the weights, not the weights to the caller), served from now on as ``version``."""
+    with engine.receive_weights(version) as sinks:
+        source.send_weights(sinks)
 
 
 def generate(
@@ -285,7 +309,7 @@ def run_training(
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
     )
-    engine.update_weights(stacks.actor.export_weights(), version=start)
+    push_weights(stacks.actor, engine, version=start)
 
     trained: list[int] = []
     saved: list[int] = []
@@ -324,7 +348,7 @@ def run_training(
             write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id))
             saved.append(rollout_id)
         t4 = time.perf_counter()
-        engine.update_weights(stacks.actor.export_weights(), version=rollout_id + 1)
+        push_weights(stacks.actor, engine, version=rollout_id + 1)
         t5 = time.perf_counter()
         metrics.update(
             {
@@ -367,7 +391,7 @@ def run_eval_only(
     if plan.load is not None:
         folder = find_checkpoint(plan.load)
         version = actor.load(folder / "actor")
-    engine.update_weights(actor.export_weights(), version=version)
+    push_weights(actor, engine, version=version)
     metrics = evaluate(
         engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from pathlib import Path
-from typing import Any, Literal, final
+from typing import Any, Literal, Protocol, final, runtime_checkable
 
 import attrs
 import torch
@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlcore.errors import CheckpointError
-from rlcore.protocols import EvalStack, NamedTensors
+from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.model import LlamaArch
 
@@ -295,17 +295,25 @@ def _hf_config_for_save(hf_config: Mapping[str, Any] | LlamaArch) -> dict[str, A
     return cfg
 
 
+@runtime_checkable
+class _Exporting(Protocol):
+    """A stack whose weights are in this process (the Megatron stacks)."""
+
+    def export_weights(self) -> NamedTensors: ...
+
+
 def save_hf(
-    source: EvalStack | NamedTensors, folder: Path, hf_config: Mapping[str, Any] | LlamaArch
+    source: _Exporting | NamedTensors, folder: Path, hf_config: Mapping[str, Any] | LlamaArch
 ) -> Path:
     """Write ``model.safetensors`` and ``config.json`` into ``folder`` so that
     ``transformers.LlamaForCausalLM.from_pretrained(folder)`` loads them. Returns ``folder``.
 
-    ``source`` is a stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs. With several
-    ranks, call it on every rank (the export gathers over tensor parallel); only rank 0 writes.
+    ``source`` is a Megatron stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs. With
+    several ranks, call it on every rank (the export gathers over tensor parallel); only rank 0
+    writes.
     """
     pairs: Iterable[tuple[str, torch.Tensor]] = (
-        source.export_weights() if isinstance(source, EvalStack) else source
+        source.export_weights() if isinstance(source, _Exporting) else source
     )
     tensors = {name: t.detach().to("cpu", torch.float32).clone().contiguous() for name, t in pairs}
     folder = Path(folder)

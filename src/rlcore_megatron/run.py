@@ -20,18 +20,20 @@ import attrs
 
 from rlcore.config import RunConfig
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
+from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
 from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunResult, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.plan import Plan, TrainPlan, plan, resolve_num_rollout
-from rlcore.protocols import MetricsSink, RolloutEngine
+from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rewards import get_reward_fn
 from rlcore.samples import Prompt
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
 from rlcore_megatron.demo import demo_flags, prepare_demo
+from rlcore_megatron.placement import PlacementRequest
 
-__all__ = ["load_run_data", "main", "make_engine"]
+__all__ = ["load_run_data", "main", "make_engine", "placement_request"]
 
 log = logging.getLogger("rlcore")
 
@@ -103,30 +105,39 @@ def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
     return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
 
 
-def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
-    """The rollout engine the config names, loaded with the initial HF weights."""
+def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
+    """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only)
+    and, when the engine runs servers, the rollout GPUs."""
+    k = config.cluster
+    kind = load_engine(config.rollout.engine)
+    servers = kind.runs_servers(kind.options(config.rollout.engine_options))
+    critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
+    reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    return PlacementRequest(
+        actor_ranks=k.actor_ranks,
+        critic_ranks=k.critic_ranks if critic else 0,
+        reference=reference,
+        rollout_gpus=k.rollout_gpus if servers else 0,
+        gpus_per_engine=k.rollout_num_gpus_per_engine,
+        colocate=k.colocate,
+    )
+
+
+def make_engine(
+    config: RunConfig, tokenizer: HFTokenizer, hosts: Sequence[ProcessHost] = ()
+) -> RolloutEngine:
+    """The rollout engine the config names (``--rollout-engine``), built by its kind from the
+    initial HF weights; its servers, if any, on ``hosts``."""
     assert config.model.hf_checkpoint is not None
-    if config.rollout.engine == "sglang":
-        import torch
-
-        from rlcore.engines.sglang import EngineOptions, SGLangEngine
-        from rlcore.engines.sglang_server import LaunchSettings
-
-        options = EngineOptions(weight_sync=config.rollout.weight_sync)
-        if config.rollout.sglang_urls:
-            return SGLangEngine.connect(config.rollout.sglang_urls, options)
-        on_gpu = torch.cuda.is_available()
-        settings = LaunchSettings(
-            model_path=config.model.hf_checkpoint,
-            device="cuda" if on_gpu else "cpu",
-            dtype="bfloat16" if on_gpu else "float32",
-            random_seed=config.seed,
-            log_dir=config.output_dir / "sglang",
-        )
-        return SGLangEngine.launch(settings, config.rollout.sglang_num_servers, options)
-    from rlcore.engines.embedded import EmbeddedEngine
-
-    return EmbeddedEngine.from_pretrained(config.model.hf_checkpoint, tokenizer, seed=config.seed)
+    kind = load_engine(config.rollout.engine)
+    setup = EngineSetup(
+        model_path=config.model.hf_checkpoint,
+        tokenizer=tokenizer,
+        seed=config.seed,
+        log_dir=config.output_dir / kind.name,
+        hosts=tuple(hosts),
+    )
+    return kind.build(setup, config.rollout.engine_options)
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
@@ -178,7 +189,7 @@ def execute(config: RunConfig) -> RunResult:
     """Run one configured job to the end; the pieces are closed whatever happens."""
     import ray
 
-    from rlcore_megatron.ray_group import GroupOptions
+    from rlcore_megatron.cluster import ClusterPlacement
     from rlcore_megatron.ray_stacks import RayMegatronBackend
 
     setup_logging(config.output_dir / "run.log")
@@ -188,15 +199,19 @@ def execute(config: RunConfig) -> RunResult:
         config = resolve_num_rollout(config, len(data.train_prompts))
     the_plan = plan(config)
     reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
+    request = placement_request(config, the_plan)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
     started_ray = not ray.is_initialized()
     _start_ray(config)
-    threads = max(1, (os.cpu_count() or 1))
-    backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
+    placement: ClusterPlacement | None = None
+    backend: RayMegatronBackend | None = None
     engine: RolloutEngine | None = None
     sink = _sinks(config, the_plan)
     try:
-        engine = make_engine(config, tokenizer)
+        # Every slot of the run is reserved (or refused) before any rank or server starts.
+        placement = ClusterPlacement.reserve(request)
+        backend = RayMegatronBackend(placement)
+        engine = make_engine(config, tokenizer, placement.start_hosts())
         result = run(the_plan, backend, engine, reward_fn, data, sink)
         write_summary(config.output_dir / "summary.json", result)
         return result
@@ -204,7 +219,10 @@ def execute(config: RunConfig) -> RunResult:
         sink.close()
         if engine is not None:
             engine.close()
-        backend.close()
+        if backend is not None:
+            backend.close()
+        if placement is not None:
+            placement.close()
         if started_ray:
             ray.shutdown()
 

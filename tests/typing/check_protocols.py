@@ -6,11 +6,26 @@ type-check, the ignore becomes unused and the type check fails.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import assert_never, assert_type
 
 from rlcore import EvalPlan, EvalSpec, EvalStack, Plan, TrainingStack, TrainPlan, TrainSpec
-from rlcore.protocols import Backend
-from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
+from rlcore.protocols import (
+    Backend,
+    NamedTensors,
+    RolloutEngine,
+    WeightSink,
+    WeightSource,
+)
+from rlcore.samples import Generation, Prompt, SamplingParams
+from rlcore.testing import (
+    FakeBackend,
+    FakeEvalStack,
+    FakeTrainingStack,
+    RecordingWeightSink,
+    ScriptedEngine,
+)
+from rlcore.weights import AnyProcess, InProcess, OnHost
 
 
 def eval_stack_has_no_optimizer(stack: EvalStack) -> None:
@@ -86,3 +101,54 @@ wrong_return: Backend = WrongReturnBackend()  # type: ignore[assignment]
 
 def an_eval_stack_is_not_a_training_stack(stack: FakeEvalStack) -> TrainingStack:
     return stack  # type: ignore[return-value]
+
+
+# -- the weight seam ----------------------------------------------------------------------------
+
+
+def engines_and_stacks_meet_through_sinks(
+    engine: RolloutEngine, stack: EvalStack, source: WeightSource
+) -> None:
+    with engine.receive_weights(3) as sinks:
+        assert_type(sinks, Sequence[WeightSink])
+        stack.send_weights(sinks)
+        source.send_weights(sinks)
+        for sink in sinks:
+            assert_type(sink.placement, InProcess | AnyProcess | OnHost)
+
+
+def an_engine_takes_no_weights_from_the_caller(engine: RolloutEngine) -> None:
+    engine.update_weights([], 1)  # type: ignore[attr-defined]
+
+
+def a_stack_has_no_driver_side_export(stack: EvalStack) -> None:
+    stack.export_weights()  # type: ignore[attr-defined]
+
+
+scripted_ok: RolloutEngine = ScriptedEngine()
+sink_ok: WeightSink = RecordingWeightSink()
+
+
+class HalfAnEngine:
+    """Generates but cannot take weights."""
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        return []
+
+    @property
+    def weight_version(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+not_an_engine: RolloutEngine = HalfAnEngine()  # type: ignore[assignment]
+
+
+class SinkWithoutPlacement:
+    def receive(self, weights: NamedTensors) -> None:
+        pass
+
+
+not_a_sink: WeightSink = SinkWithoutPlacement()  # type: ignore[assignment]
