@@ -31,7 +31,7 @@ from rlcore.rewards import get_reward_fn
 from rlcore.samples import Prompt
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
 from rlcore_megatron.demo import demo_flags, prepare_demo
-from rlcore_megatron.placement import PlacementRequest
+from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
 
 __all__ = ["load_run_data", "main", "make_engine", "placement_request"]
 
@@ -176,8 +176,23 @@ def _start_ray(config: RunConfig) -> None:
             ) from exc
         log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False)
+        local = local_node()
+        ray.init(
+            num_cpus=int(local.cpus),
+            num_gpus=int(local.gpus),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         log.info("ray: started a local instance at %s", ray.get_runtime_context().gcs_address)
+
+
+def local_node() -> NodeResources:
+    """This machine as the local Ray instance the CLI starts will declare it: its CPUs (at least
+    2, so a rank and a server fit on a 1-core machine) and its CUDA GPUs."""
+    import torch
+
+    cpus = max(os.cpu_count() or 1, 2)
+    return NodeResources("local", "127.0.0.1", cpus, torch.cuda.device_count())
 
 
 def write_summary(path: Path, result: RunResult) -> None:
@@ -202,6 +217,10 @@ def execute(config: RunConfig) -> RunResult:
     request = placement_request(config, the_plan)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
     started_ray = not ray.is_initialized()
+    if started_ray and config.ray_address is None:
+        # The local instance will hold exactly this machine: refuse a run that cannot fit now,
+        # before Ray starts. (A joined cluster is checked as Ray reports it, in reserve().)
+        plan_layout(request, [local_node()])
     _start_ray(config)
     placement: ClusterPlacement | None = None
     backend: RayMegatronBackend | None = None

@@ -22,7 +22,7 @@ from rlcore.errors import RolloutError
 from rlcore.protocols import ProcessHost
 from rlcore_sglang.server import SGLangServer
 
-__all__ = ["LaunchSettings", "launch_servers"]
+__all__ = ["LaunchSettings", "launch_servers", "start_server"]
 
 
 @final
@@ -103,11 +103,10 @@ class LaunchSettings:
 def launch_servers(settings: LaunchSettings, hosts: Sequence[ProcessHost]) -> list[SGLangServer]:
     """Start one server per host at once and wait until every one is healthy; if any fails, stop
     them all and raise :class:`~rlcore.errors.RolloutError` with its log tail."""
-    log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="rlcore-sglang-"))
     servers: list[SGLangServer] = []
     try:
         for index, host in enumerate(hosts):
-            servers.append(_start(settings, host, index, log_dir / f"sglang-{index}.log"))
+            servers.append(start_server(settings, host, index))
         for server in servers:
             server.wait_until_healthy(settings.startup_timeout_s)
     except BaseException:
@@ -117,7 +116,11 @@ def launch_servers(settings: LaunchSettings, hosts: Sequence[ProcessHost]) -> li
     return servers
 
 
-def _start(settings: LaunchSettings, host: ProcessHost, index: int, log: Path) -> SGLangServer:
+def start_server(settings: LaunchSettings, host: ProcessHost, index: int = 0) -> SGLangServer:
+    """Start server ``index`` on ``host`` (log ``sglang-<index>.log``) without waiting for it;
+    call its ``wait_until_healthy`` next."""
+    log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="rlcore-sglang-"))
+    log = log_dir / f"sglang-{index}.log"
     gpus = host.gpu_ids
     if gpus and gpus != tuple(range(gpus[0], gpus[0] + len(gpus))):
         raise RolloutError(
