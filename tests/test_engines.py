@@ -241,4 +241,5 @@ def test_placement_flags_that_cannot_work_are_refused() -> None:
             "1",
         ]
     )
-    assert problem.startswith("model.tensor_model_parallel_size") and "critic's 3 ranks" in problem
+    assert problem.startswith("model.tensor_model_parallel_size")
+    assert "the critic's ranks: tensor_model_parallel_size 2 does not divide the 3 ranks" in problem

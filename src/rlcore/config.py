@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
@@ -21,7 +21,14 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from rlcore.engines import KNOWN_ENGINES, load_engine
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
-from rlcore.specs import AdvantageEstimator, DecayStyle, KLType
+from rlcore.specs import (
+    AdvantageEstimator,
+    DecayStyle,
+    KLType,
+    batch_split_problem,
+    parallel_split_problem,
+    schedule_length_problem,
+)
 
 __all__ = [
     "AlgorithmConfig",
@@ -32,6 +39,7 @@ __all__ = [
     "EvalDataConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RewardName",
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
@@ -40,6 +48,9 @@ __all__ = [
     "option",
     "structure_config",
 ]
+
+RewardName = Literal["exact_match", "math"]
+"""The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
 
 _T = TypeVar("_T")
 
@@ -246,9 +257,7 @@ class DataConfig:
     apply_chat_template: bool = _opt(
         False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template"
     )
-    rm_type: str = _opt(
-        "exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial"
-    )
+    rm_type: RewardName = _opt("exact_match", "--rm-type", "built-in reward: exact_match or math")
     custom_rm_path: str | None = _opt(
         None, "--custom-rm-path", "reward function as module:function (sync or async)"
     )
@@ -467,16 +476,14 @@ def check(config: RunConfig) -> list[ConfigProblem]:
         )
     tp = m.tensor_model_parallel_size
     if tp >= 1 and not _problems_in(problems, "cluster."):
-        for role, ranks in (
-            ("actor", config.cluster.actor_ranks),
-            ("critic", config.cluster.critic_ranks),
-        ):
-            if ranks % tp and (role == "actor" or config.algorithm.critic):
+        for role, ranks in _ranks_by_role(config).items():
+            split = parallel_split_problem(tp, ranks)
+            if split:
                 add(
                     ModelConfig,
                     "model",
                     "tensor_model_parallel_size",
-                    f"{tp} does not divide the {role}'s {ranks} ranks",
+                    f"the {role}'s ranks: {split}",
                     f"make --{role}-num-nodes x --{role}-num-gpus-per-node a multiple of it",
                 )
 
@@ -595,34 +602,34 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
                 f"{r.n_samples_per_prompt} samples",
                 "use a multiple of --n-samples-per-prompt",
             )
-    tp = max(m.tensor_model_parallel_size, 1)
-    ranks = {"actor": config.cluster.actor_ranks}
-    if a.critic:
-        ranks["critic"] = config.cluster.critic_ranks
-    for role, count in ranks.items():
-        dp = max(count // tp, 1)
-        if t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
-            add(
-                TrainConfig,
-                "train",
-                "micro_batch_size",
-                f"global batch {t.global_batch_size} is not a multiple of micro_batch_size x "
-                f"the {role}'s data-parallel ranks = {t.micro_batch_size} x {dp}",
-                "pick sizes that divide",
-            )
+    tp = m.tensor_model_parallel_size
+    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp) >= 1
+    for role, ranks in _ranks_by_role(config).items():
+        if sizes_valid and ranks >= 1 and not parallel_split_problem(tp, ranks):
+            # TrainSpec's own rule, so that a config that passes plans into valid TrainSpecs.
+            split = batch_split_problem(t.global_batch_size, t.micro_batch_size, ranks // tp)
+            if split:
+                add(
+                    TrainConfig,
+                    "train",
+                    "micro_batch_size",
+                    f"the {role}'s {split}",
+                    "pick sizes that divide",
+                )
 
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
+        # LRSchedule's own rule, applied to the steps the plan will give it.
         decay = config.lr_decay_steps
-        if decay < 1:
+        length = schedule_length_problem(o.lr_warmup_iters, decay)
+        if length and length[0] == "decay_steps":
             add(
                 OptimizerConfig,
                 "optim",
                 "lr_decay_iters",
-                f"the run would decay the LR over {decay} optimizer steps; "
-                "Megatron's scheduler needs >= 1",
+                f"the run would decay the LR over {decay} optimizer steps: {length[1]}",
                 "give --lr-decay-iters or train more samples",
             )
-        elif o.lr_warmup_iters >= decay:
+        elif length:
             add(
                 OptimizerConfig,
                 "optim",
@@ -643,6 +650,15 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
             "lower --start-rollout-id or raise --num-rollout",
         )
     return problems
+
+
+def _ranks_by_role(config: RunConfig) -> dict[str, int]:
+    """The rank count of each trained (or scored) model with its own ranks: the actor, and the
+    critic when there is one (the reference model is split like the actor)."""
+    ranks = {"actor": config.cluster.actor_ranks}
+    if config.algorithm.critic:
+        ranks["critic"] = config.cluster.critic_ranks
+    return ranks
 
 
 def _problems_in(problems: list[ConfigProblem], prefix: str) -> bool:

@@ -52,7 +52,7 @@ import attrs
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
+from rlcore.errors import RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
@@ -278,8 +278,6 @@ class RankGroup(Generic[S]):
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
         self._tp = parallel.tensor_model_parallel_size
-        if isinstance(spec, TrainSpec):
-            _check_batch_divisibility(spec)
         self._own: ClusterPlacement | None = None
         if slots is None:
             request = PlacementRequest(actor_ranks=self._world_size)
@@ -508,21 +506,6 @@ def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> 
         out.append(seen.get(node_id, 0))
         seen[node_id] = out[-1] + 1
     return out
-
-
-def _check_batch_divisibility(spec: TrainSpec) -> None:
-    dp = spec.model.parallel.data_parallel_size
-    if spec.global_batch_size % (dp * spec.micro_batch_size):
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "global_batch_size",
-                    f"{spec.global_batch_size} is not divisible by data-parallel size {dp} "
-                    f"x micro_batch_size {spec.micro_batch_size}",
-                    "choose a global batch size that is a multiple of both",
-                )
-            ]
-        )
 
 
 def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:

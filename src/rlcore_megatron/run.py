@@ -141,14 +141,21 @@ def make_engine(
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
+    """Every sink the config asks for; when one fails to start, those already started are closed
+    (the progress display included) before the error propagates."""
     out = config.output_dir
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl")]
-    if isinstance(the_plan, TrainPlan):
-        sinks.append(ProgressSink(total=the_plan.num_rollout))
-    if config.use_tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
-    if config.use_wandb:
-        sinks.append(WandbSink(out, config))
+    sinks: list[MetricsSink] = []
+    try:
+        sinks.append(JsonlSink(out / "metrics.jsonl"))
+        if isinstance(the_plan, TrainPlan):
+            sinks.append(ProgressSink(total=the_plan.num_rollout))
+        if config.use_tensorboard:
+            sinks.append(TensorBoardSink(out / "tensorboard"))
+        if config.use_wandb:
+            sinks.append(WandbSink(out, config))
+    except BaseException:
+        MultiSink(sinks).close()
+        raise
     return MultiSink(sinks)
 
 
@@ -225,8 +232,9 @@ def execute(config: RunConfig) -> RunResult:
     placement: ClusterPlacement | None = None
     backend: RayMegatronBackend | None = None
     engine: RolloutEngine | None = None
-    sink = _sinks(config, the_plan)
+    sink: MetricsSink | None = None
     try:
+        sink = _sinks(config, the_plan)
         # Every slot of the run is reserved (or refused) before any rank or server starts.
         placement = ClusterPlacement.reserve(request)
         backend = RayMegatronBackend(placement)
@@ -235,7 +243,8 @@ def execute(config: RunConfig) -> RunResult:
         write_summary(config.output_dir / "summary.json", result)
         return result
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
         if engine is not None:
             engine.close()
         if backend is not None:

@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from rlcore.errors import CheckpointError, ConfigError
+from rlcore.errors import CheckpointError
 from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
@@ -273,14 +273,6 @@ def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -
         assert "in _wait_for_a_peer_that_never_comes" in stuck and "time.sleep(600)" in stuck
         with pytest.raises(RayGroupError, match="broken"):
             group.call_ranks(_rank_of, {0: ()})
-
-
-def test_batch_must_split_over_data_parallel_micro_batches(ray_cluster: None) -> None:
-    spec = _train_spec(Path("/unused"), ParallelSpec(1, 2), global_batch_size=3)
-    groups = len(placement_group_table())
-    with pytest.raises(ConfigError, match="global_batch_size"):
-        RankGroup.start_training(spec, runtime=EchoRuntime((0, 0)))
-    assert len(placement_group_table()) == groups  # refused before reserving anything
 
 
 # -- the real Megatron backend -------------------------------------------------------------------
