@@ -206,8 +206,8 @@ def test_plan_gives_the_critic_its_own_rank_count() -> None:
 
 def test_placement_flags_that_cannot_work_are_refused() -> None:
     assert _problems([*TRAIN, "--rollout-num-gpus", "2"]) == [
-        "cluster.rollout_num_gpus (--rollout-num-gpus): the 'embedded' engine runs no servers "
-        "(drop the flag)"
+        "cluster.rollout_num_gpus (--rollout-num-gpus): the 'embedded' engine starts no servers "
+        "(with these settings) (drop the flag)"
     ]
     sglang = [*TRAIN, "--rollout-engine", "sglang"]
     assert _problems(
@@ -223,7 +223,7 @@ def test_placement_flags_that_cannot_work_are_refused() -> None:
     (problem,) = _problems(
         [*sglang, "--sglang-url", "http://10.0.0.1:1", "--rollout-num-gpus", "1"]
     )
-    assert "connects to --sglang-url servers, it launches none" in problem
+    assert "the 'sglang' engine starts no servers (with these settings)" in problem
     assert _problems([*TRAIN, "--critic-num-nodes", "0", "--use-critic"]) == [
         "cluster.critic_num_nodes (--critic-num-nodes): must be >= 1, got 0"
     ]

@@ -709,9 +709,7 @@ def _check_engine_and_cluster(config: RunConfig) -> list[ConfigProblem]:
     if _problems_in(problems, "cluster."):
         return problems
     if not runs_servers:
-        why = f"the {r.engine!r} engine runs no servers"
-        if r.engine == "sglang":
-            why = "the sglang engine connects to --sglang-url servers, it launches none"
+        why = f"the {r.engine!r} engine starts no servers (with these settings)"
         if k.rollout_num_gpus is not None:
             add(ClusterConfig, "cluster", "rollout_num_gpus", why, "drop the flag")
         if k.colocate:
