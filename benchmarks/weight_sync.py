@@ -5,12 +5,12 @@ Builds a ~420M-parameter Llama locally (random weights, fp32, 1.7 GB; no downloa
 Megatron rank holding it (a Ray actor, as in a run) and one SGLang server on it (CPU unless
 ``--device cuda``). Then, in alternating rounds:
 
-- ``copy``: the rank copies its exported weights into preallocated tensors (the floor: the same
-  bytes, moved once, in the process that holds them);
+- ``copy``: the rank copies its exported weights into a preallocated buffer of one bucket's size,
+  wrapping around (the floor: the same bytes, each moved once, in the process that holds them);
 - each mode (``tensor``, ``distributed``, ``disk``): ``push_weights(rank, engine, version)``, the
   loop's own call: the engine's sinks run in the rank, which sends straight to the server;
-- ``driver`` (for comparison, what every sync did before): the rank's weights pulled into the
-  driver and sent from there by tensor.
+- ``driver`` (only when asked for, for comparison: what every sync did before): the rank's
+  weights pulled into the driver and sent from there by tensor.
 
 For each it prints the median seconds per sync, the ratio to the copy, and the driver's peak RSS
 growth during the sync (``VmHWM``, reset before each sync through ``/proc/self/clear_refs``) as a
@@ -21,6 +21,8 @@ just pushed.
 Usage (in an environment with SGLang and Megatron, e.g. the ``nox -s sglang`` virtualenv)::
 
     python benchmarks/weight_sync.py [--repeats 3] [--modes tensor distributed disk driver]
+
+It needs about 8 GB of memory (the rank's model, the server's, shared-memory buckets).
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def build_model(folder: Path, vocab_size: int) -> tuple[int, int]:
 
 
 class _CopySink:
-    """Copies every tensor into the rank's preallocated destination (kept on the stack object
-    between calls: this script's module does not exist in the rank process)."""
+    """Copies every tensor into a preallocated buffer of one bucket's size, wrapping around: the
+    model's bytes, each moved once, without a second copy of the model in memory (this
+    machine's memory is shared)."""
 
-    def __init__(self, destination: dict[str, torch.Tensor]) -> None:
+    def __init__(self, destination: torch.Tensor) -> None:
         self.destination = destination
 
     @property
@@ -95,19 +98,24 @@ class _CopySink:
         return AnyProcess()
 
     def receive(self, weights: NamedTensors) -> None:
-        for name, tensor in weights:
-            target = self.destination.get(name)
-            if target is None:
-                target = self.destination[name] = torch.empty_like(tensor)
-            target.copy_(tensor)
+        offset, size = 0, self.destination.numel()
+        for _, tensor in weights:  # as the tensor sink fills its buffer, strided sources included
+            nbytes = tensor.numel() * tensor.element_size()
+            if offset + nbytes > size:
+                offset = 0
+            target = self.destination[offset : offset + nbytes].view(tensor.dtype)
+            target.view(tensor.shape).copy_(tensor)
+            offset += -(-nbytes // 64) * 64
 
 
-def _copy_in_rank(context: RankContext[EvalStack]) -> float:
+def _copy_in_rank(context: RankContext[EvalStack], buffer_bytes: int) -> float:
+    """Seconds for the rank to copy its exported weights once. The buffer is kept on the stack
+    object between calls (this script's module does not exist in the rank process)."""
     destination = getattr(context.stack, "bench_destination", None)
     if destination is None:
-        destination = {}
-        context.stack.bench_destination = destination  # type: ignore[attr-defined]  # see _CopySink
-        context.stack.send_weights([_CopySink(destination)])  # allocate and fault in once
+        destination = torch.empty(buffer_bytes, dtype=torch.uint8)
+        destination.fill_(0)  # fault the pages in, as a warm buffer would be
+        context.stack.bench_destination = destination  # type: ignore[attr-defined]  # see above
     start = time.perf_counter()
     context.stack.send_weights([_CopySink(destination)])
     return time.perf_counter() - start
@@ -139,7 +147,14 @@ def measured(sync: Callable[[], None]) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(WEIGHT_SYNC_MODES),
+        help="'driver' (the old path, the whole model through the driver) needs ~4 GB more",
+    )
+    parser.add_argument("--bucket-bytes", type=int, default=512 * 1024**2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args()
@@ -169,7 +184,9 @@ def main() -> None:
         urls = [server.url for server in launcher.servers]
         for mode in args.modes:
             sync_mode: WeightSyncMode = "tensor" if mode == "driver" else mode
-            options = EngineOptions(weight_sync=sync_mode, sync_dir=work / "sync")
+            options = EngineOptions(
+                weight_sync=sync_mode, sync_dir=work / "sync", bucket_bytes=args.bucket_bytes
+            )
             engines[mode] = SGLangEngine.connect(urls, options)
             seconds[mode], growth[mode] = [], []
         version = 0
@@ -183,12 +200,12 @@ def main() -> None:
         for mode, engine in engines.items():  # warm-up: groups, buffers, folders
             version += 1
             sync(mode, engine, version)
-        rank.group.call_ranks(_copy_in_rank, {0: ()})
+        rank.group.call_ranks(_copy_in_rank, {0: (args.bucket_bytes,)})
         prompt = [Prompt(0, "", (1, 5, 6, 7))]
         greedy = SamplingParams(max_new_tokens=2, temperature=0)
         # Rounds alternate the floor and every mode, so that a busy machine hurts them alike.
         for _ in range(args.repeats):
-            seconds["copy"] += rank.group.call_ranks(_copy_in_rank, {0: ()})
+            seconds["copy"] += rank.group.call_ranks(_copy_in_rank, {0: (args.bucket_bytes,)})
             for mode, engine in engines.items():
                 version += 1
                 took, grew = measured(lambda: sync(mode, engine, version))  # noqa: B023
