@@ -190,10 +190,14 @@ _SHARED = _SharedBuffers()
 
 
 def _share(bucket: list[_Named], slot: int) -> list[_Named]:
-    """The bucket as tensors another process on this machine can map without a further copy:
-    CPU tensors copied into shared buffer ``slot``, CUDA tensors as they are (IPC handles)."""
-    if any(t.is_cuda for _, t in bucket):
-        return [(name, t.contiguous()) for name, t in bucket]
+    """The bucket as tensors another process on this machine can map without a further copy.
+
+    CUDA tensors and CPU tensors already in shared memory (a Megatron rank's parameters on the
+    CPU, views of them included) go as they are: the server reads the live weights. Other CPU
+    tensors are first copied into shared buffer ``slot``.
+    """
+    if all(t.is_cuda or _in_shared_memory(t) for _, t in bucket):
+        return [(name, t.contiguous() if t.is_cuda else t) for name, t in bucket]
     offsets, total = _layout(bucket)
     with _SHARED.lock:
         buffer = _SHARED.buffers[slot]
@@ -208,6 +212,11 @@ def _share(bucket: list[_Named], slot: int) -> list[_Named]:
         view.copy_(tensor)
         out.append((name, view))
     return out
+
+
+def _in_shared_memory(tensor: torch.Tensor) -> bool:
+    shared: bool = tensor.is_shared()  # type: ignore[no-untyped-call]  # unannotated in torch
+    return shared
 
 
 def release_shared_buffers() -> None:
