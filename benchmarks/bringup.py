@@ -9,7 +9,7 @@ subprocess so that its peak RSS is its own:
 Printed side by side with their ratio. Target: eval peak RSS <= 0.6 x training peak RSS (an eval
 stack holds no gradient buffers, no optimizer state, no scheduler).
 
-    python benchmarks/bringup.py [--layers 12] [--hidden 768] [--batch 4] [--seq 128]
+    python -m benchmarks.bringup [--layers 12] [--hidden 768] [--batch 4] [--seq 128]
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from benchmarks.results import Ratio, write_ratios
 
 TARGET_RSS_RATIO = 0.6
 
@@ -119,6 +122,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args)))
@@ -126,7 +132,7 @@ def main() -> None:
 
     results = {}
     for side in ("eval", "train"):
-        cmd = [sys.executable, __file__, "--child", side] + sys.argv[1:]
+        cmd = [sys.executable, "-m", "benchmarks.bringup", "--child", side] + sys.argv[1:]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{side} subprocess failed:\n{out.stderr[-4000:]}")
@@ -151,6 +157,9 @@ def main() -> None:
     ratio = ev["peak_rss_mib"] / tr["peak_rss_mib"]
     verdict = "meets" if ratio <= TARGET_RSS_RATIO else "MISSES"
     print(f"peak RSS ratio {ratio:.2f} {verdict} the target <= {TARGET_RSS_RATIO}")
+    write_ratios(
+        args.json, [Ratio("bringup", "peak RSS, eval vs training stack", ratio, TARGET_RSS_RATIO)]
+    )
 
 
 if __name__ == "__main__":

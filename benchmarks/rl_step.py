@@ -38,6 +38,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
+from benchmarks.results import Ratio, write_ratios
+
 THREADS = 2
 PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 
@@ -68,7 +70,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         )
         answers = [r["answer"] for r in batch for _ in range(SAMPLES)]
         n = prompt_ids.shape[0]
-        model.eval()
+        model.train(False)  # nn.Module's typed spelling of eval()
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             x, done, out = prompt_ids, torch.zeros(n, dtype=torch.bool), []
@@ -86,7 +88,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         eos_seen = (completion == 2).cumsum(1)
         mask = (eos_seen == 0) | ((completion == 2) & (eos_seen == 1))
         texts = [
-            tok.decode(c[m].tolist(), skip_special_tokens=True)
+            str(tok.decode(c[m].tolist(), skip_special_tokens=True))  # one sequence: one str
             for c, m in zip(completion, mask, strict=True)
         ]
         rewards = torch.tensor(
@@ -103,7 +105,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         per_tok = -torch.exp(logp - logp.detach()) * adv[:, None]
         loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
         opt.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         now = time.perf_counter()
@@ -214,6 +216,9 @@ def main() -> None:
         "--steps", type=int, default=20, help="measured steps per round (after 2 warm-up steps)"
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
 
@@ -251,6 +256,7 @@ def main() -> None:
     floor = _summary("floor", floor_rounds)
     ours_med = _summary("rlcore", ours_rounds)
     print(f"  ratio: {ours_med / floor:.2f}x the floor (target <= 1.15x)")
+    write_ratios(args.json, [Ratio("rl_step", "s/step vs plain PyTorch", ours_med / floor, 1.15)])
     keys = sorted({k for p in perf for k in p})
     print(
         "  rlcore split (median s): "

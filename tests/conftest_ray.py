@@ -71,7 +71,7 @@ def simulated_cluster(_ray_session: None) -> Iterator[SimulatedCluster]:
         if ray.is_initialized():
             ray.shutdown()
         while clusters:
-            clusters.pop().shutdown()
+            clusters.pop().shutdown()  # type: ignore[no-untyped-call]  # unannotated in ray
 
     def start(nodes: Sequence[NodeShape]) -> str:
         stop()

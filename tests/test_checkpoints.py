@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write
 from rlcore.errors import CheckpointError
 
 
-def _writer(text: str):  # type: ignore[no-untyped-def]
+def _writer(text: str) -> Callable[[Path], None]:
     def save(folder: Path) -> None:
         folder.mkdir()
         (folder / "weights").write_text(text)

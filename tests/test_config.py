@@ -220,7 +220,8 @@ def test_every_field_has_a_flag_and_help() -> None:
     ):
         assert name in flags
     for section in attrs.fields(RunConfig):
-        fields = attrs.fields(section.type) if attrs.has(section.type) else [section]  # type: ignore[arg-type]
+        owner = section.type
+        fields = attrs.fields(owner) if isinstance(owner, type) and attrs.has(owner) else [section]
         for f in fields:
             if f.name not in ("name", "path"):
                 assert f.metadata.get("help"), f"{section.name}.{f.name} has no help text"

@@ -24,7 +24,10 @@ def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None
         {"step": 1, "eval/heldout/reward": 1.0},
     ]
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # tensorboard ships no type information (no py.typed, no stubs)
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

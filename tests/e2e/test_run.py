@@ -254,6 +254,8 @@ def other_ray_cluster() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             head.kill()
             raise
+        finally:
+            head.stdout.close()  # unclosed, it surfaces as a ResourceWarning (an error here)
 
 
 def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
@@ -296,7 +298,10 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
     ]
     assert len(rewards) == 2
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # tensorboard ships no type information (no py.typed, no stubs)
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

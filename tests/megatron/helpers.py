@@ -8,8 +8,10 @@ from typing import Any, Final
 
 import torch
 
+from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import LossSpec, LRSchedule, ModelSpec, OptimizerSpec, Role, TrainSpec
+from rlcore.weights import InProcess
 
 TINY: Final[dict[str, Any]] = {
     "vocab_size": 32,
@@ -93,3 +95,24 @@ def train_spec(
 def weights(named: Any) -> dict[str, torch.Tensor]:
     """Exported weights as detached copies (exports may be views of live parameters)."""
     return {name: t.detach().clone() for name, t in named}
+
+
+class _Keep:
+    """An in-process sink that keeps detached copies of what it receives."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, named: NamedTensors) -> None:
+        self.tensors = weights(named)
+
+
+def sent_weights(stack: EvalStack) -> dict[str, torch.Tensor]:
+    """What ``stack`` sends an engine, as detached copies (any stack: through the protocol)."""
+    keep = _Keep()
+    stack.send_weights([keep])
+    return keep.tensors

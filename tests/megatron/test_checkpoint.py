@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlcore.errors import CheckpointError
+from rlcore.samples import TrainBatch
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.checkpoint import read_rollout_id
@@ -35,7 +36,7 @@ def _stack(hf: Path, role: str = "actor") -> MegatronTrainingStack:
     return MegatronBackend().build_training_stack(spec)
 
 
-def _batches(role: str) -> list:  # type: ignore[type-arg]
+def _batches(role: str) -> list[TrainBatch]:
     return [
         make_batch(make_samples(4, seed=100 + k), seed=200 + k, returns=role == "critic")
         for k in range(ROLLOUTS)

@@ -124,7 +124,9 @@ def test_disjoint_gpus_for_actor_critic_and_rollout(two_gpu_nodes: list[str]) ->
         # The critic and the rollout engine share the other node, one GPU each.
         other = critic[0]["node"]
         assert other != actor[0]["node"]
-        assert sorted([*critic[0]["gpus"], str(host.gpu_ids[0])]) == ["0", "1"]  # type: ignore[list-item]
+        critic_gpus = critic[0]["gpus"]
+        assert isinstance(critic_gpus, list) and len(host.gpu_ids) == 1
+        assert sorted([*critic_gpus, str(host.gpu_ids[0])]) == ["0", "1"]
         # The reference model shares the actor's GPUs: the same bundles, half of each.
         reference = placement.slots("reference")
         assert [s.bundle_index for s in reference] == [

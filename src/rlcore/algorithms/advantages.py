@@ -54,7 +54,7 @@ def grpo_advantages(
     grouped = rewards.reshape(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
-        if group_size > 1:
+        if group_size > 1 and grouped.numel():  # torch warns on the std of no groups at all
             std = grouped.std(dim=1, correction=1, keepdim=True)
         else:
             std = torch.zeros_like(centered)

@@ -129,8 +129,8 @@ class EmbeddedEngine:
                 f"EmbeddedEngine: cannot load a causal LM from {folder} ({exc}); point at a "
                 "Hugging Face folder with config.json and the weights"
             ) from exc
-        # functools.wraps on PreTrainedModel.to hides its real signature from mypy.
-        model.to(device)  # type: ignore[arg-type]
+        # functools.wraps on PreTrainedModel.to hides its real signature from mypy:
+        model.to(device)  # type: ignore[arg-type]  # see above
         return cls(model, tokenizer, seed=seed)
 
     @property

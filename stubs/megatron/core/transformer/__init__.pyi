@@ -1,8 +1,16 @@
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-class ModuleSpec: ...
+class ModuleSpec:
+    def __init__(
+        self,
+        module: tuple[str, ...] | type,
+        params: dict[str, Any] = ...,
+        submodules: object = None,
+        metainfo: dict[str, Any] = ...,
+    ) -> None: ...
 
 class TransformerConfig:
     init_method_std: float

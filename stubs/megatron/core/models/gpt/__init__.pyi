@@ -1,7 +1,7 @@
 from typing import Literal
 
 import torch
-from megatron.core.dist_checkpointing import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 class GPTModel(torch.nn.Module):
