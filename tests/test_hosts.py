@@ -87,8 +87,9 @@ def test_a_process_started_to_die_with_its_parent_does(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert parent.stdout is not None
-    pid = int(parent.stdout.readline())
-    assert _alive(pid)
-    parent.kill()
-    parent.wait(timeout=30)
+    with parent.stdout:
+        pid = int(parent.stdout.readline())
+        assert _alive(pid)
+        parent.kill()
+        parent.wait(timeout=30)
     assert _wait_gone(pid)
