@@ -63,7 +63,7 @@ def batch(mask: torch.Tensor, response: torch.Tensor, **fields: torch.Tensor) ->
         response_index=torch.arange(t).expand(b, t),
         response_mask=response,
         model_token_mask=mask,
-        **fields,  # type: ignore[arg-type]  # tensors for TensorBatch's optional fields
+        **fields,
     )
 
 
