@@ -27,7 +27,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         [],
         ["--vocab", "1024", "--hidden", "128", "--ffn", "256", "--layers", "2", "--heads", "4"],
     ),
-    "weight_sync": ([], ["--repeats", "1", "--vocab-size", "256"]),
+    "weight_sync": (
+        [],
+        ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
+    ),
 }
 NEEDS_SGLANG = {"weight_sync"}
 
