@@ -12,12 +12,14 @@ import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import pytest
 
 from rlcore.environments import StepResult
 from rlcore.errors import RolloutError
 from rlcore.multiturn import EpisodeEngine, GenerateContext, with_env_reward
+from rlcore.protocols import WeightSink
 from rlcore.rewards import score_samples
 from rlcore.rollout import generate_groups
 from rlcore.samples import Generation, Prompt, SamplingParams, Turn
@@ -187,8 +189,8 @@ def test_episodes_run_concurrently_and_their_turns_are_batched() -> None:
             seen.append([p.token_ids for p in prompts])
             return base.generate(prompts, params)
 
-        def update_weights(self, weights: object, version: int) -> None:
-            pass
+        def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+            return base.receive_weights(version)
 
         def close(self) -> None:
             pass

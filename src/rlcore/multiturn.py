@@ -31,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, final
+from contextlib import AbstractContextManager
+from typing import Protocol, final
 
 import attrs
 
+from rlcore.config import EnvRewardMode
 from rlcore.data import Tokenizer
 from rlcore.environments import EnvironmentFactory
 from rlcore.errors import RolloutError
 from rlcore.imports import load_function
-from rlcore.protocols import NamedTensors, RewardFn, RolloutEngine
+from rlcore.protocols import RewardFn, RolloutEngine, WeightSink
 from rlcore.rewards import AsyncReward, AsyncRewardFn, _run_coroutine
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams, Turn
 
@@ -54,9 +56,6 @@ __all__ = [
     "run_episode",
     "with_env_reward",
 ]
-
-EnvRewardMode = Literal["ignore", "replace", "add"]
-"""How an environment's reward meets the reward function's (``--env-reward``)."""
 
 
 @final
@@ -274,8 +273,8 @@ class EpisodeEngine:
         self.engine_calls = batching.calls
         return generations
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        self.engine.update_weights(weights, version)
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+        return self.engine.receive_weights(version)
 
     @property
     def weight_version(self) -> int:
