@@ -1,6 +1,6 @@
 """The multi-turn demo: a tiny model learns to add long numbers by calling a calculator tool.
 
-Task: ``"48213907+51822374="`` -> ``"100036281"``, exact match on the model's final answer. Adding
+X
 8-digit numbers digit by digit with carries is beyond a freshly trained 2-layer, 64-wide model;
 copying the operands into a tool call and copying the tool's result back is not. An episode::
 
@@ -13,7 +13,7 @@ Calls use the Hermes/Qwen ``<tool_call>{json}</tool_call>`` format (parsed by
 :func:`rlcore.tools.parse_tool_calls`); the tokenizer has no chat template, so results use the
 documented fallback, :class:`rlcore.tools.PlainFormat` with the template
 ``<tool_response>{content}</tool_response>``. The tokenizer is character-level plus a few
-multi-character tokens for the fixed parts of the call, so an episode is about 40 tokens.
+multi-character tokens for the fixed parts of the call, so an episode is about 37 tokens.
 
 The run is a supervised warm start on tool-use traces (``--sft-warmup-rollouts``: the label is
 the whole trace, the reward reads its final answer), then GRPO on episodes with the calculator.
@@ -46,7 +46,7 @@ __all__ = [
     "tool_demo_flags",
 ]
 
-DIGITS: Final = 8
+DIGITS: Final = 6
 """Digits per operand."""
 CALL_OPEN: Final = '<tool_call>{"name":"add","arguments":{"a":'
 CALL_MID: Final = ',"b":'
@@ -177,7 +177,7 @@ def prepare_tool_demo(
         _write_jsonl(folder / "eval.jsonl", rows[:heldout])
 
 
-def tool_demo_flags(folder: Path, *, num_rollout: int = 60, sft: int = 30) -> list[str]:
+def tool_demo_flags(folder: Path, *, num_rollout: int = 230, sft: int = 150) -> list[str]:
     """The demo run's flags (``--help`` says what each does)."""
     here = "rlcore_megatron.tool_demo"
     return [
@@ -190,7 +190,7 @@ def tool_demo_flags(folder: Path, *, num_rollout: int = 60, sft: int = 30) -> li
         *("--num-rollout", str(num_rollout), "--sft-warmup-rollouts", str(sft)),
         *("--rollout-batch-size", "16", "--n-samples-per-prompt", "8"),
         *("--global-batch-size", "128", "--micro-batch-size", "128"),
-        *("--rollout-max-response-len", "48", "--rollout-temperature", "1.0"),
+        *("--rollout-max-response-len", "40", "--rollout-temperature", "1.0"),
         *("--lr", "1e-3", "--clip-grad", "1.0"),
         *("--eval-interval", "10", "--eval-temperature", "0"),
         *("--save", str(folder / "ckpt"), "--save-interval", str(num_rollout)),
