@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import pytest
 
@@ -162,13 +163,10 @@ def test_episode_is_token_in_token_out_with_a_loss_mask() -> None:
     )
     # Engine log-probs on model tokens (the script's -1.0), 0.0 on the observation.
     assert gen.log_probs == tuple(-1.0 if m else 0.0 for m in gen.loss_mask)
-    # The second turn continued from exactly the ids of the conversation so far.
-    second_call_context = prompt("x").token_ids + model1.token_ids + obs.token_ids
     assert engine.calls[1][0] == 1
     assert "It is 42." in gen.text and gen.model_tokens == len(model1.token_ids) + len(
         model2.token_ids
     )
-    del second_call_context
 
 
 def test_episodes_run_concurrently_and_their_turns_are_batched() -> None:
@@ -356,3 +354,46 @@ def test_hung_tool_threads_do_not_block_other_episodes() -> None:
     env = ToolEnvironment([hang], TOK, timeout=0.1)
     result = asyncio.run(env.step(Turn("model", (), call("hang"))))
     assert started.is_set() and "timed out after 0.1 s" in result.observation
+
+
+QWEN_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2.5's layout of tool results (its template's tool branch, trimmed to what is used here)."""
+
+
+def test_a_real_chat_template_formats_tool_results(tmp_path: Path) -> None:
+    """Qwen2.5's tool-turn layout through a Hugging Face tokenizer's own chat template."""
+    from transformers import AutoTokenizer
+
+    from rlcore.data import HFTokenizer
+    from rlcore.tiny import build_char_tokenizer
+    from rlcore.tools import ToolResult, default_observation_format
+
+    hf = build_char_tokenizer(tmp_path, "0123456789abcdefghijklmnopqrstuvwxyz_<>/|\n ")
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.eos_token = "<|im_end|>"
+    hf.chat_template = QWEN_STYLE_TEMPLATE
+    hf.save_pretrained(str(tmp_path))
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(tmp_path)))
+    fmt = default_observation_format(tok)
+    assert isinstance(fmt, ChatTemplateFormat)
+    model_turn = Turn("model", (*tok.encode_rendered("abc"), tok.eos_token_id), "abc")
+    ids, text = fmt([ToolResult("add", "42"), ToolResult("add", "7")], model_turn)
+    assert text == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response>"
+        "\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Appended to the model's turn (which ended with <|im_end|>), the ids are exactly the
+    # template's rendering of the whole conversation from there on.
+    assert list(ids) == tok.encode_rendered(text)[1:]
+    assert tok.decode(model_turn.token_ids + ids).startswith("abc\n")
