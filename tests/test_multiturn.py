@@ -397,3 +397,28 @@ def test_a_real_chat_template_formats_tool_results(tmp_path: Path) -> None:
     # template's rendering of the whole conversation from there on.
     assert list(ids) == tok.encode_rendered(text)[1:]
     assert tok.decode(model_turn.token_ids + ids).startswith("abc\n")
+
+
+def test_config_checks_the_multiturn_flags() -> None:
+    from rlcore.config import MultiTurnConfig, RunConfig
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-turns"):
+        RunConfig(multiturn=MultiTurnConfig(environment_path="a:b", max_turns=0))
+    with pytest.raises(ConfigError, match="--env-reward"):
+        RunConfig(multiturn=MultiTurnConfig(env_reward="add"))
+    assert RunConfig(
+        multiturn=MultiTurnConfig(custom_generate_function_path="a:b")
+    ).multiturn.enabled
+    assert not RunConfig().multiturn.enabled
+
+
+def test_bad_function_paths_name_their_flag() -> None:
+    from rlcore.errors import ConfigError
+    from rlcore.multiturn import load_custom_generate_function, load_environment_factory
+
+    with pytest.raises(ConfigError, match="--environment-path"):
+        load_environment_factory("rlcore.tools:nothing_here")
+    with pytest.raises(ConfigError, match="--custom-generate-function-path"):
+        load_custom_generate_function("no_such_module_xyz:generate")
+    assert load_environment_factory("rlcore_megatron.tool_demo:calculator") is not None
