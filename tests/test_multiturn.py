@@ -400,17 +400,17 @@ def test_a_real_chat_template_formats_tool_results(tmp_path: Path) -> None:
 
 
 def test_config_checks_the_multiturn_flags() -> None:
-    from rlcore.config import MultiTurnConfig, RunConfig
+    from rlcore.config import MultiTurnConfig, RolloutConfig, RunConfig
     from rlcore.errors import ConfigError
 
+    rollout = RolloutConfig(num_rollout=1)
     with pytest.raises(ConfigError, match="--max-turns"):
-        RunConfig(multiturn=MultiTurnConfig(environment_path="a:b", max_turns=0))
+        RunConfig(rollout, multiturn=MultiTurnConfig(environment_path="a:b", max_turns=0))
     with pytest.raises(ConfigError, match="--env-reward"):
-        RunConfig(multiturn=MultiTurnConfig(env_reward="add"))
-    assert RunConfig(
-        multiturn=MultiTurnConfig(custom_generate_function_path="a:b")
-    ).multiturn.enabled
-    assert not RunConfig().multiturn.enabled
+        RunConfig(rollout, multiturn=MultiTurnConfig(env_reward="add"))
+    custom = MultiTurnConfig(custom_generate_function_path="a:b", env_reward="replace")
+    assert RunConfig(rollout, multiturn=custom).multiturn.enabled
+    assert not RunConfig(rollout).multiturn.enabled
 
 
 def test_bad_function_paths_name_their_flag() -> None:
