@@ -55,8 +55,9 @@ RESPONSE_OPEN: Final = "<tool_response>"
 RESPONSE_CLOSE: Final = "</tool_response>"
 PIECES: Final = ("<tool_call>", '{"name":"add","arguments":{"a":', CALL_MID, "}}", "</tool_call>")
 PIECES_ALL: Final = (*PIECES, RESPONSE_OPEN, RESPONSE_CLOSE)
-ALPHABET: Final = "0123456789+=-abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:'()., _"
-"""Single characters: digits and the expression, plus what error observations spell."""
+ALPHABET: Final = "".join(chr(c) for c in range(32, 127)) + "\n"
+"""Single characters: printable ASCII and newline, so that every observation (error messages
+quote the model's malformed JSON) encodes: a WordLevel model without ``<unk>`` refuses others."""
 OBSERVATION_FORMAT: Final = RESPONSE_OPEN + "{content}" + RESPONSE_CLOSE
 SPECIAL: Final = ("<pad>", "<bos>", "<eos>")
 
@@ -177,7 +178,7 @@ def prepare_tool_demo(
         _write_jsonl(folder / "eval.jsonl", rows[:heldout])
 
 
-def tool_demo_flags(folder: Path, *, num_rollout: int = 230, sft: int = 150) -> list[str]:
+def tool_demo_flags(folder: Path, *, num_rollout: int = 320, sft: int = 250) -> list[str]:
     """The demo run's flags (``--help`` says what each does)."""
     here = "rlcore_megatron.tool_demo"
     return [
@@ -192,7 +193,7 @@ def tool_demo_flags(folder: Path, *, num_rollout: int = 230, sft: int = 150) -> 
         *("--global-batch-size", "128", "--micro-batch-size", "128"),
         *("--rollout-max-response-len", "40", "--rollout-temperature", "1.0"),
         *("--lr", "1e-3", "--clip-grad", "1.0"),
-        *("--eval-interval", "10", "--eval-temperature", "0"),
+        *("--eval-interval", "20", "--eval-temperature", "0"),
         *("--save", str(folder / "ckpt"), "--save-interval", str(num_rollout)),
         *("--output-dir", str(folder / "run"), "--seed", "0"),
     ]
