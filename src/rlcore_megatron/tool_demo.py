@@ -43,6 +43,7 @@ __all__ = [
     "final_answer_reward",
     "no_calculator",
     "prepare_tool_demo",
+    "tool_demo_eval_flags",
     "tool_demo_flags",
 ]
 
@@ -196,6 +197,28 @@ def tool_demo_flags(folder: Path, *, num_rollout: int = 320, sft: int = 250) -> 
         *("--eval-interval", "20", "--eval-temperature", "0"),
         *("--save", str(folder / "ckpt"), "--save-interval", str(num_rollout)),
         *("--output-dir", str(folder / "run"), "--seed", "0"),
+    ]
+
+
+def tool_demo_eval_flags(folder: Path, environment: str = "calculator") -> list[str]:
+    """Eval-only flags for the demo's saved checkpoint, with the ``calculator`` environment or
+    ``no_calculator`` (every call refused)."""
+    here = "rlcore_megatron.tool_demo"
+    return [
+        *("--num-rollout", "0", "--load", str(folder / "ckpt")),
+        *(
+            "--hf-checkpoint",
+            str(folder / "model"),
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+        ),
+        *("--eval-prompt-data", "heldout", str(folder / "eval.jsonl")),
+        *("--custom-rm-path", f"{here}:final_answer_reward"),
+        *("--environment-path", f"{here}:{environment}", "--max-turns", "3"),
+        *("--rollout-max-response-len", "40", "--eval-temperature", "0"),
+        *("--output-dir", str(folder / f"eval_{environment}")),
     ]
 
 
