@@ -83,6 +83,9 @@ def test_episode_ids_are_what_the_trainer_scores(model_folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(model_folder))
     samples = [Sample(p, g, 0.0, i) for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
     batch = tensorize_samples(samples, tokenizer.pad_token_id)
+    for row, (p, g) in zip(batch.tokens.tolist(), zip(prompts, gens, strict=True), strict=True):
+        conversation = p.token_ids + tuple(i for t in g.turns for i in t.token_ids)
+        assert tuple(row[: len(conversation)]) == conversation
     with torch.no_grad():
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits
     trainer = token_log_probs(logits, batch)
