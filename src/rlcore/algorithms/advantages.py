@@ -19,8 +19,10 @@ model's own response tokens: False on padding and, in a multi-turn episode, on t
 environment or tool inserted. Those are not actions: the recursions (:func:`gae`, the discounted
 returns of REINFORCE++) skip them, so ``gamma`` and ``lambd`` discount once per *model* token and
 an observation neither discounts nor adds a TD error (verl's ``compute_gae_advantage_return``
-does the same since its multi-turn support: "skip values and TD-error on observation tokens";
-OpenRLHF zeroes rewards and values there but still steps ``gamma`` over them). The outcome reward
+does the same since its multi-turn support: "skip values and TD-error on observation tokens",
+as does RAGEN's masked GAE; slime's ``get_advantages_and_returns_batch`` runs over every response
+token, reward on the last, and masks only the losses; OpenRLHF zeroes rewards and values there
+but still steps ``gamma`` over them). The outcome reward
 sits on the last model token; whitening and means count model tokens only.
 """
 
