@@ -422,3 +422,29 @@ def test_bad_function_paths_name_their_flag() -> None:
     with pytest.raises(ConfigError, match="--custom-generate-function-path"):
         load_custom_generate_function("no_such_module_xyz:generate")
     assert load_environment_factory("rlcore_megatron.tool_demo:calculator") is not None
+
+
+def test_an_engine_failure_reaches_every_episode() -> None:
+    def script(p: Prompt, i: int) -> str:
+        raise RolloutError("server gone")
+
+    wrapped = EpisodeEngine(ScriptedEngine(script), TOK, max_turns=2, make_environment=tool_env)
+    with pytest.raises(RolloutError, match="server gone"):
+        wrapped.generate([prompt("x"), prompt("y", 1)], PARAMS)
+
+
+def test_rollout_metrics_count_turns_and_model_tokens() -> None:
+    from rlcore.loop import rollout_metrics
+    from rlcore.samples import Sample
+
+    engine = stop_script({"x": [call("add", a=1, b=2), "3"]})
+    (gen,) = EpisodeEngine(engine, TOK, max_turns=3, make_environment=tool_env).generate(
+        [prompt("x")], PARAMS
+    )
+    plain = Generation((65, 66), (0.0, 0.0), "AB", "stop")
+    metrics = rollout_metrics(
+        [Sample(prompt("x"), gen, 1.0, 0), Sample(prompt("x"), plain, 0.0, 0)], 0
+    )
+    assert metrics["rollout/turns"] == 1.5  # 2 model turns, and 1 (a single-turn sample)
+    total = len(gen.token_ids) + 2
+    assert metrics["rollout/model_token_frac"] == (gen.model_tokens + 2) / total

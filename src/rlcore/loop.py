@@ -347,7 +347,10 @@ def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str,
         ),
     }
     if any(s.response.turns for s in samples):
-        turns = [sum(t.role == "model" for t in s.response.turns) for s in samples]
+        turns = [
+            sum(t.role == "model" for t in s.response.turns) if s.response.turns else 1
+            for s in samples
+        ]
         metrics["rollout/turns"] = _mean([float(n) for n in turns])
         total = sum(len(s.response.token_ids) for s in samples)
         model = sum(s.response.model_tokens for s in samples)
