@@ -149,7 +149,7 @@ def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
 
 
 def prepare_tool_demo(
-    folder: Path, seed: int = 0, *, train_size: int = 2000, heldout: int = 100
+    folder: Path, seed: int = 0, *, train_size: int = 20000, heldout: int = 100
 ) -> None:
     """Tokenizer, tiny Llama and data under ``folder`` (idempotent: kept when present)."""
     from rlcore.tiny import build_tiny_llama
@@ -179,24 +179,48 @@ def prepare_tool_demo(
         _write_jsonl(folder / "eval.jsonl", rows[:heldout])
 
 
-def tool_demo_flags(folder: Path, *, num_rollout: int = 320, sft: int = 250) -> list[str]:
-    """The demo run's flags (``--help`` says what each does)."""
+WARM_START_ROLLOUTS: Final = 300
+"""Warm-start rollouts (128 distinct traces each)."""
+GRPO_ROLLOUTS: Final = 60
+
+
+def tool_demo_flags(
+    folder: Path, phase: str = "grpo", *, warm: int = WARM_START_ROLLOUTS, grpo: int = GRPO_ROLLOUTS
+) -> list[str]:
+    """The flags of one phase of the demo (``--help`` says what each does).
+
+    ``warm``: the supervised warm start on tool-use traces, 128 distinct prompts per rollout
+    (twice each: GRPO's groups need two samples, and the warm start trains on each prompt's
+    trace once per sample), then one GRPO rollout (``--sft-warmup-rollouts`` must leave one).
+    ``grpo``: resumes that checkpoint and runs GRPO on calculator episodes, 16 prompts x 8
+    episodes per rollout."""
     here = "rlcore_megatron.tool_demo"
-    return [
-        *("--hf-checkpoint", str(folder / "model")),
-        *("--prompt-data", str(folder / "train.jsonl")),
+    common = [
+        *("--hf-checkpoint", str(folder / "model"), "--prompt-data", str(folder / "train.jsonl")),
         *("--input-key", "prompt", "--label-key", "label"),
         *("--eval-prompt-data", "heldout", str(folder / "eval.jsonl")),
         *("--custom-rm-path", f"{here}:final_answer_reward"),
         *("--environment-path", f"{here}:calculator", "--max-turns", "3"),
-        *("--num-rollout", str(num_rollout), "--sft-warmup-rollouts", str(sft)),
+        *("--rollout-max-response-len", "40", "--rollout-temperature", "1.0"),
+        *("--lr", "1e-3", "--clip-grad", "1.0", "--eval-temperature", "0"),
+        *("--save", str(folder / "ckpt"), "--seed", "0"),
+        *("--sft-warmup-rollouts", str(warm)),
+    ]
+    if phase == "warm":
+        return [
+            *common,
+            *("--num-rollout", str(warm + 1), "--rollout-batch-size", "128"),
+            *("--n-samples-per-prompt", "2", "--global-batch-size", "256"),
+            *("--micro-batch-size", "128", "--eval-interval", "50"),
+            *("--save-interval", str(warm + 1), "--output-dir", str(folder / "run_warm")),
+        ]
+    return [
+        *common,
+        *("--load", str(folder / "ckpt"), "--num-rollout", str(warm + 1 + grpo)),
         *("--rollout-batch-size", "16", "--n-samples-per-prompt", "8"),
         *("--global-batch-size", "128", "--micro-batch-size", "128"),
-        *("--rollout-max-response-len", "40", "--rollout-temperature", "1.0"),
-        *("--lr", "1e-3", "--clip-grad", "1.0"),
-        *("--eval-interval", "20", "--eval-temperature", "0"),
-        *("--save", str(folder / "ckpt"), "--save-interval", str(num_rollout)),
-        *("--output-dir", str(folder / "run"), "--seed", "0"),
+        *("--eval-interval", "10", "--save-interval", str(grpo)),
+        *("--output-dir", str(folder / "run_grpo")),
     ]
 
 
@@ -223,12 +247,22 @@ def tool_demo_eval_flags(folder: Path, environment: str = "calculator") -> list[
 
 
 def main() -> int:
-    """``python -m rlcore_megatron.tool_demo [FOLDER]``: prepare and run the demo."""
+    """``python -m rlcore_megatron.tool_demo [FOLDER]``: prepare, warm start, GRPO, then score the
+    held-out set with and without the calculator."""
     from rlcore_megatron.run import main as run_main
 
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/tool_demo")
     prepare_tool_demo(folder)
-    return run_main(tool_demo_flags(folder))
+    for argv in (
+        tool_demo_flags(folder, "warm"),
+        tool_demo_flags(folder, "grpo"),
+        tool_demo_eval_flags(folder, "calculator"),
+        tool_demo_eval_flags(folder, "no_calculator"),
+    ):
+        code = run_main(argv)
+        if code:
+            return code
+    return 0
 
 
 if __name__ == "__main__":
