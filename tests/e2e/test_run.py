@@ -17,17 +17,9 @@ import pytest
 from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.flags import load_config
 from rlcore.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import prepare_demo
 from rlcore_megatron.run import execute, main
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
