@@ -21,7 +21,7 @@ DEMO = "rlcore_megatron.tool_demo"
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tool_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tool_demo")
     prepare_tool_demo(folder, train_size=64, heldout=4)
     return folder
@@ -42,8 +42,9 @@ def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_multiturn_grpo_save_resume_then_eval_only(
-    demo: Path, tmp_path: Path, ray_cluster: None
+    tool_demo: Path, tmp_path: Path, ray_cluster: None
 ) -> None:
+    demo = tool_demo
     ckpt, saved = tmp_path / "ckpt", tmp_path / "rollouts"
     first = execute(
         load_config(
@@ -109,8 +110,9 @@ def test_multiturn_grpo_save_resume_then_eval_only(
 
 
 def test_custom_generate_function_from_examples(
-    demo: Path, tmp_path: Path, ray_cluster: None
+    tool_demo: Path, tmp_path: Path, ray_cluster: None
 ) -> None:
+    demo = tool_demo
     result = execute(
         load_config(
             _flags(
