@@ -345,6 +345,7 @@ def test_help_is_grouped() -> None:
         "checkpoints [checkpoint]:",
         "evaluation [eval]:",
         "debug (saving and replaying rollouts) [debug]:",
+        "multi-turn and tools [multiturn]:",
     ):
         assert title in titles
     for flag in (
@@ -358,6 +359,10 @@ def test_help_is_grouped() -> None:
         "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
         "--save-debug-rollout-data",
         "--debug-rollout-only",
+        "--environment-path",
+        "--custom-generate-function-path",
+        "--max-turns",
+        "--env-reward {ignore,replace,add}",
     ):
         assert flag in out.stdout, flag
     # The usage is one line, not every flag again (the groups below describe them).
