@@ -11,15 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.checkpoints import CheckpointMeta, write_checkpoint
-from rlcore_megatron.demo import prepare_demo
 from tests.e2e.cli import WatchedCLI, model_hub
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
@@ -94,7 +86,7 @@ def test_an_unsupported_model_type_is_found_in_config_json(demo: Path, tmp_path:
     assert err.splitlines() == [
         "error: 1 configuration problem(s):",
         f"  - model.hf_checkpoint (--hf-checkpoint): {bert / 'config.json'}: model_type: 'bert' "
-        "is not supported (the Megatron backend builds llama models)",
+        "is not supported (the Megatron backend builds llama, qwen2, qwen3, qwen3_moe models)",
     ]
 
 

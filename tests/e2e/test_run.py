@@ -17,17 +17,9 @@ import pytest
 from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.flags import load_config
 from rlcore.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import prepare_demo
 from rlcore_megatron.run import execute, main
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
@@ -353,6 +345,7 @@ def test_help_is_grouped() -> None:
         "checkpoints [checkpoint]:",
         "evaluation [eval]:",
         "debug (saving and replaying rollouts) [debug]:",
+        "multi-turn and tools [multiturn]:",
     ):
         assert title in titles
     for flag in (
@@ -366,6 +359,10 @@ def test_help_is_grouped() -> None:
         "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
         "--save-debug-rollout-data",
         "--debug-rollout-only",
+        "--environment-path",
+        "--custom-generate-function-path",
+        "--max-turns",
+        "--env-reward {ignore,replace,add}",
     ):
         assert flag in out.stdout, flag
     # The usage is one line, not every flag again (the groups below describe them).
