@@ -11,7 +11,7 @@ these is timed in the same process, alternating order round by round:
 - **generate**: Hugging Face ``model.generate`` sampling the same batch with ``output_logits``,
   plus the log-softmax/gather that turns those logits into the sampled tokens' log-probs.
 - **sglang** (only where SGLang is importable, e.g. the ``nox -s sglang`` virtualenv): a CPU SGLang
-  server on the same model folder with 2 threads, ``ignore_eos`` fixed lengths, through
+  server on the same model folder with as many threads, ``ignore_eos`` fixed lengths, through
   :class:`rlcore_sglang.SGLangEngine`.
 
 Then a variable-length case: the same batch with a stop token the random model samples about
@@ -31,6 +31,10 @@ Usage::
 
 At 2048 new tokens ``model.generate`` takes tens of minutes per round on 2 CPU threads; pass
 ``--lengths 32 128 512`` for a shorter run.
+
+On a machine loaded beyond its cores, 2 threads make every operator wait for its second thread to
+be scheduled: at load ~20 on 2 cores a 32-token batch took 342 s with 2 threads and 12 s with 1.
+There, pass ``--threads 1`` (both engines get the same) and read the CPU-time table too.
 """
 
 from __future__ import annotations
@@ -161,9 +165,15 @@ def generate_runner(model_dir: Path, batch: list[Prompt]) -> Runner:
 
 
 def sglang_runner(
-    model_dir: Path, batch: list[Prompt], work: Path, longest: int, stack: contextlib.ExitStack
+    model_dir: Path,
+    batch: list[Prompt],
+    work: Path,
+    longest: int,
+    threads: int,
+    stack: contextlib.ExitStack,
 ) -> Runner:
-    """A CPU SGLang server on ``model_dir`` (closed by ``stack``), through rlcore's client."""
+    """A CPU SGLang server on ``model_dir`` with ``threads`` threads (closed by ``stack``), through
+    rlcore's client."""
     from rlcore_sglang import LaunchSettings, SGLangEngine
 
     settings = LaunchSettings(
@@ -172,7 +182,7 @@ def sglang_runner(
         dtype="float32",
         max_total_tokens=len(batch) * (PROMPT_TOKENS + longest) + 1024,
         log_dir=work / "sglang-logs",
-        env={"OMP_NUM_THREADS": str(THREADS)},
+        env={"OMP_NUM_THREADS": str(threads)},
     )
     start = time.perf_counter()
     engine = SGLangEngine.launch(settings, num_servers=1)
@@ -235,7 +245,9 @@ def main() -> None:
             "generate": generate_runner(work / "model", batch),
         }
         if not args.no_sglang and importlib.util.find_spec("sglang") is not None:
-            runners["sglang"] = sglang_runner(work / "model", batch, work, longest, stack)
+            runners["sglang"] = sglang_runner(
+                work / "model", batch, work, longest, args.threads, stack
+            )
         cases = [(n, False) for n in lengths] + [(args.variable_max_tokens, True)]
         for run in runners.values():  # warm-up: first-call allocations, server caches
             run(8, False)

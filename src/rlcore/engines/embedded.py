@@ -5,9 +5,19 @@ decode loop over ``model(input_ids, cache=..., use_cache=True)`` rather than ``m
 the loop does only what RL rollouts need (temperature / top-k / top-p sampling, stop tokens,
 log-probs of the sampled tokens), and it prefills each *distinct* prompt once and gathers its KV
 cache rows for the repeats, since an RL batch samples every prompt ``n_samples_per_prompt``
-times. On bench-tiny (128 = 16 x 8 sequences, 8 new tokens, 2 threads) that measured about 85 ms
-per batch against about 130 ms for ``model.generate`` (165 ms when it also returns the logits for
-log-probs) and 150 ms for a plain KV-cache sampling loop over all 128 rows.
+times. Keys and values go into a cache preallocated to prompt + ``max_new_tokens`` and written in
+place (:class:`~rlcore.engines.kv_cache.DecodeCache`), and rows whose answer ended leave the batch
+(once they are an eighth of it), so a token's cost grows only with the attention over a longer
+context, and a batch whose answers mostly stop early stops paying for them.
+
+``python -m benchmarks.rollout_scaling`` measures it beside ``model.generate`` with its logits
+(issue #13's 17M Llama, 32 prompts x 4 samples, 17-token prompts, temperature 1). Measured on the
+shared 2-core machine at load 8-25, 1 thread (2 threads at that load made every operator wait for
+its second thread), medians of 2 alternating rounds, tokens per CPU-second (per wall second):
+32 new tokens 1,134 (413) against 879 (326); 512 new tokens 810 (222) against 315 (99), so a
+token at 512 costs 1.40x (1.86x) what it costs at 32 and the engine has 2.6x (2.2x)
+``model.generate``'s throughput there; answers ended by a stop token (16 tokens on average, at
+most 512): 678 (321) against 213 (60). 2048 new tokens was not measured.
 
 Log-probs are those of the sampled tokens under the model's *unscaled* logits (temperature 1),
 whatever temperature, top-k or top-p shaped the sampling distribution: the trainer recomputes
