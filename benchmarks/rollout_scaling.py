@@ -83,7 +83,10 @@ def build_assets(folder: Path, max_new_tokens: int) -> HFTokenizer:
         num_heads=8,
         num_kv_heads=4,
         intermediate_size=1376,
-        max_position_embeddings=max(128, PROMPT_TOKENS + max_new_tokens),
+        # SGLang ends an answer a few positions short of the model's context length (with room
+        # for exactly prompt + answer, 128-token answers came back shorter); RoPE keeps no table,
+        # so the room costs nothing.
+        max_position_embeddings=max(128, PROMPT_TOKENS + max_new_tokens + 64),
         seed=0,
     )
     return HFTokenizer(tokenizer)
