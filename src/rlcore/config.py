@@ -156,6 +156,11 @@ class OptimizerConfig:
     weight_decay: float = _opt(0.0, "--weight-decay", "AdamW weight decay")
     adam_beta1: float = _opt(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = _opt(0.999, "--adam-beta2", "AdamW beta2")
+    use_distributed_optimizer: bool = _opt(
+        False,
+        "--use-distributed-optimizer",
+        "shard optimizer state and fp32 main weights over data-parallel ranks (ZeRO-1)",
+    )
 
 
 @attrs.frozen
@@ -179,6 +184,12 @@ class ModelConfig:
     actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
     actor_num_gpus_per_node: int = _opt(
         1, "--actor-num-gpus-per-node", "ranks per node (CPU processes without GPUs)"
+    )
+    bf16: bool = _opt(
+        False,
+        "--bf16",
+        "bf16 weights and activations (fp32 main weights, optimizer state and gradient "
+        "reduction); the rollout engine runs in bf16 too (default: fp32)",
     )
 
     @property

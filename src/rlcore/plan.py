@@ -93,7 +93,13 @@ def _model(config: RunConfig, role: Role) -> ModelSpec:
     parallel = ParallelSpec(
         tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size
     )
-    return ModelSpec(role=role, hf_checkpoint=m.hf_checkpoint, seed=config.seed, parallel=parallel)
+    return ModelSpec(
+        role=role,
+        hf_checkpoint=m.hf_checkpoint,
+        seed=config.seed,
+        parallel=parallel,
+        precision="bfloat16" if m.bf16 else "float32",
+    )
 
 
 def _eval_params(config: RunConfig) -> SamplingParams:
@@ -148,6 +154,7 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
         weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2,
+        distributed=o.use_distributed_optimizer,
     )
     return TrainSpec(
         model=_model(config, role),

@@ -23,6 +23,7 @@ __all__ = [
     "ModelSpec",
     "OptimizerSpec",
     "ParallelSpec",
+    "Precision",
     "Role",
     "TrainSpec",
 ]
@@ -31,6 +32,9 @@ Role = Literal["actor", "critic", "reference"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 AdvantageEstimator = Literal["grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+Precision = Literal["float32", "bfloat16"]
+"""The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when
+the model trains: the optimizer keeps fp32 main weights and state and reduces gradients in fp32."""
 
 
 @attrs.frozen
@@ -62,12 +66,14 @@ class ModelSpec:
     ``hf_checkpoint`` is a Hugging Face folder (``config.json`` + safetensors); a backend builds the
     architecture from it and loads its weights. ``role`` says which head the model has: a policy
     (``actor``, ``reference``) gives token log-probs, a ``critic`` a scalar value per token.
+    ``precision`` is the dtype of the model's weights and activations (see :data:`Precision`).
     """
 
     role: Role
     hf_checkpoint: Path | None
     seed: int = 1234
     parallel: ParallelSpec = ParallelSpec()
+    precision: Precision = "float32"
 
 
 @attrs.frozen
@@ -120,7 +126,12 @@ class LRSchedule:
 
 @attrs.frozen
 class OptimizerSpec:
-    """AdamW settings. ``clip_grad`` is the global L2 norm limit (0 disables clipping)."""
+    """AdamW settings. ``clip_grad`` is the global L2 norm limit (0 disables clipping).
+
+    ``distributed`` shards the optimizer state (and, in mixed precision, the fp32 main weights)
+    over the data-parallel ranks instead of replicating it (Megatron's distributed optimizer,
+    ZeRO stage 1).
+    """
 
     schedule: LRSchedule
     clip_grad: float = 1.0
@@ -128,6 +139,7 @@ class OptimizerSpec:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    distributed: bool = False
 
 
 @attrs.frozen

@@ -24,7 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.specs import Role
+from rlcore.specs import Precision, Role
 
 __all__ = ["LlamaArch", "ValueHead", "build_gpt", "read_hf_config", "transformer_config"]
 
@@ -183,8 +183,12 @@ def check_parallel(arch: LlamaArch, tp_size: int) -> None:
         raise ConfigError(problems, "ParallelSpec")
 
 
-def transformer_config(arch: LlamaArch, tp_size: int) -> TransformerConfig:
-    """fp32, no fusions, no dropout, CPU initialisation (deterministic across TP ranks)."""
+def transformer_config(
+    arch: LlamaArch, tp_size: int, precision: Precision = "float32"
+) -> TransformerConfig:
+    """No fusions, no dropout, CPU initialisation (deterministic across TP ranks); parameters in
+    ``precision`` (``bf16`` also makes Megatron keep the attention softmax in fp32)."""
+    bf16 = precision == "bfloat16"
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -207,7 +211,8 @@ def transformer_config(arch: LlamaArch, tp_size: int) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=True,
         # DDP sums gradients: the loss is already divided by the global batch size.
         calculate_per_token_loss=True,
@@ -236,11 +241,14 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def build_gpt(arch: LlamaArch, role: Role, device: torch.device) -> GPTModel:
-    """The Megatron model for ``role`` on this rank (initialised from the CPU generator)."""
+def build_gpt(
+    arch: LlamaArch, role: Role, device: torch.device, precision: Precision = "float32"
+) -> GPTModel:
+    """The Megatron model for ``role`` on this rank (initialised from the CPU generator), every
+    parameter in ``precision``."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     check_parallel(arch, tp_size)
-    config = transformer_config(arch, tp_size)
+    config = transformer_config(arch, tp_size, precision)
     is_critic = role == "critic"
     model = GPTModel(
         config=config,
@@ -254,4 +262,5 @@ def build_gpt(arch: LlamaArch, role: Role, device: torch.device) -> GPTModel:
     )
     if is_critic:
         model.output_layer = ValueHead(arch.hidden_size, config.init_method_std)
-    return model.to(device)
+    # The value head is made in fp32; Megatron's layers already are in params_dtype.
+    return model.to(device=device, dtype=config.params_dtype)

@@ -31,7 +31,7 @@ from rlcore.samples import Prompt
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
 from rlcore_megatron.demo import demo_flags, prepare_demo
 
-__all__ = ["load_run_data", "main", "make_engine"]
+__all__ = ["engine_dtype", "load_run_data", "main", "make_engine"]
 
 log = logging.getLogger("rlcore")
 
@@ -103,8 +103,16 @@ def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
     return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
 
 
+def engine_dtype(config: RunConfig) -> str:
+    """The rollout engine's dtype: the trainer's (``bfloat16`` with ``--bf16``, else ``float32``),
+    so that the weights synced after every step arrive unconverted and the engine's log-probs are
+    comparable with the trainer's."""
+    return "bfloat16" if config.model.bf16 else "float32"
+
+
 def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
-    """The rollout engine the config names, loaded with the initial HF weights."""
+    """The rollout engine the config names, loaded with the initial HF weights, in
+    :func:`engine_dtype`."""
     assert config.model.hf_checkpoint is not None
     if config.rollout.engine == "sglang":
         import torch
@@ -119,14 +127,21 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
         settings = LaunchSettings(
             model_path=config.model.hf_checkpoint,
             device="cuda" if on_gpu else "cpu",
-            dtype="bfloat16" if on_gpu else "float32",
+            dtype=engine_dtype(config),
             random_seed=config.seed,
             log_dir=config.output_dir / "sglang",
         )
         return SGLangEngine.launch(settings, config.rollout.sglang_num_servers, options)
+    import torch
+
     from rlcore.engines.embedded import EmbeddedEngine
 
-    return EmbeddedEngine.from_pretrained(config.model.hf_checkpoint, tokenizer, seed=config.seed)
+    return EmbeddedEngine.from_pretrained(
+        config.model.hf_checkpoint,
+        tokenizer,
+        seed=config.seed,
+        dtype=torch.bfloat16 if engine_dtype(config) == "bfloat16" else torch.float32,
+    )
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:

@@ -5,6 +5,10 @@ Both score samples the same way (:func:`score_samples`). Every data-parallel ran
 ``train_step`` with the *same* whole rollout batch and takes its own slice of each global batch;
 the per-sample loss is summed, divided by the global batch's number of sequences and DDP sums the
 gradients (``calculate_per_token_loss``), so the update is the global mean whatever the split.
+
+Precision: a bf16 model runs inside Megatron's ``Float16Module`` (:func:`mixed_precision`), which
+returns fp32 logits (or values), so log-probs, losses and metrics are computed in fp32 whatever
+the model's precision.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
 
 from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MegatronEvalStack",
     "MegatronTrainingStack",
+    "mixed_precision",
     "model_info",
     "model_output",
     "score_samples",
@@ -56,6 +62,13 @@ def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
         "num_kv_heads": arch.num_kv_heads,
         "tie_word_embeddings": arch.tie_word_embeddings and role != "critic",
     }
+
+
+def mixed_precision(gpt: GPTModel) -> torch.nn.Module:
+    """The module that runs ``gpt``: itself in fp32; in bf16, Megatron's ``Float16Module`` around
+    it, as Megatron-LM's ``get_model`` wraps a bf16 model (float inputs cast to bf16, outputs
+    returned in fp32)."""
+    return Float16Module(gpt.config, gpt) if gpt.config.bf16 else gpt
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -114,6 +127,7 @@ class MegatronEvalStack:
     ) -> None:
         self._spec = spec
         self.model = model
+        self._runner = mixed_precision(model)
         self.arch = arch
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
@@ -124,7 +138,7 @@ class MegatronEvalStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self.model,
+            self._runner,
             samples,
             self.arch,
             self.spec.role == "critic",
@@ -152,13 +166,17 @@ class MegatronTrainingStack:
         arch: LlamaArch,
         device: torch.device,
     ) -> None:
-        if not isinstance(model.module, GPTModel):
+        runner = model.module  # the GPTModel, or the Float16Module around it
+        gpt = runner.module if isinstance(runner, Float16Module) else runner
+        if not isinstance(gpt, GPTModel):
             raise TypeError(
-                f"MegatronTrainingStack needs DDP around a GPTModel, got {type(model.module)}"
+                "MegatronTrainingStack needs DDP around a GPTModel (in a Float16Module for "
+                f"bf16), got {type(runner)}"
             )
         self.train_spec = spec
         self.model = model
-        self._gpt = model.module
+        self._runner = runner
+        self._gpt = gpt
         self._optimizer = optimizer
         self._scheduler = scheduler
         self.arch = arch
@@ -180,12 +198,20 @@ class MegatronTrainingStack:
 
     @property
     def gpt(self) -> GPTModel:
-        """The model inside DDP."""
+        """The model inside DDP (and inside the ``Float16Module`` in bf16)."""
         return self._gpt
+
+    @property
+    def optimizer_info(self) -> dict[str, object]:
+        """What a checkpoint records about the optimizer, checked when training resumes."""
+        return {
+            "precision": self.spec.precision,
+            "distributed": self.train_spec.optimizer.distributed,
+        }
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
+            self._runner, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
         )
 
     def export_weights(self) -> NamedTensors:
@@ -193,12 +219,20 @@ class MegatronTrainingStack:
 
     def load(self, path: Path) -> int:
         info = model_info(self.arch, self.spec.role)
-        return checkpoint.load_checkpoint(path, self.gpt, info, self._optimizer, self._scheduler)
+        return checkpoint.load_checkpoint(
+            path, self.gpt, info, self._optimizer, self._scheduler, self.optimizer_info
+        )
 
     def save(self, path: Path, rollout_id: int) -> None:
         info = model_info(self.arch, self.spec.role)
         checkpoint.save_checkpoint(
-            path, rollout_id, self.gpt, info, self._optimizer, self._scheduler
+            path,
+            rollout_id,
+            self.gpt,
+            info,
+            self._optimizer,
+            self._scheduler,
+            self.optimizer_info,
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:

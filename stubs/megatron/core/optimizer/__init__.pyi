@@ -5,6 +5,7 @@ from megatron.core.dist_checkpointing import ShardedStateDict
 
 class OptimizerConfig:
     min_lr: float | None
+    use_distributed_optimizer: bool
     def __init__(
         self,
         *,
@@ -24,6 +25,7 @@ class OptimizerConfig:
 
 class MegatronOptimizer:
     config: OptimizerConfig
+    optimizer: torch.optim.Optimizer | None
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
     def zero_grad(self, set_to_none: bool = True) -> None: ...
@@ -32,8 +34,14 @@ class MegatronOptimizer:
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
     def sharded_state_dict(
-        self, model_sharded_state_dict: ShardedStateDict, is_loading: bool = False
+        self,
+        model_sharded_state_dict: ShardedStateDict,
+        is_loading: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> ShardedStateDict: ...
+
+class ChainedOptimizer(MegatronOptimizer):
+    chained_optimizers: list[MegatronOptimizer]
 
 def get_megatron_optimizer(
     config: OptimizerConfig, model_chunks: list[torch.nn.Module]

@@ -6,6 +6,8 @@ class ModuleSpec: ...
 
 class TransformerConfig:
     init_method_std: float
+    bf16: bool
+    params_dtype: torch.dtype
     def __init__(
         self,
         *,
@@ -30,6 +32,7 @@ class TransformerConfig:
         apply_rope_fusion: bool = False,
         gradient_accumulation_fusion: bool = False,
         tensor_model_parallel_size: int = 1,
+        bf16: bool = False,
         params_dtype: torch.dtype = torch.float32,
         use_cpu_initialization: bool = False,
         calculate_per_token_loss: bool = False,
