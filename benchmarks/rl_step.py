@@ -1,9 +1,10 @@
 """bench-tiny: seconds per GRPO step of the full rlcore_megatron stack vs the plain-PyTorch floor.
 
-The workload is defined in ``shared/bench-tiny/WORKLOAD.md`` (a 2.9M-parameter Llama, 16 prompts x
-8 samples, 8 new tokens, prefix partial-credit reward, GRPO without a reference model, one AdamW
-step per rollout, fp32, 2 threads). Both are measured in this one process, alternating, each
-round discarding 2 warm-up steps:
+The workload (bench-tiny v1): a 2.9M-parameter Llama, 16 prompts x 8 samples, 8 new tokens,
+prefix partial-credit reward, GRPO without a reference model, one AdamW step per rollout, fp32,
+2 threads. Its assets are built by :mod:`benchmarks.bench_tiny` (deterministically, the same bytes
+as the reference build). Both are measured in this one process, alternating, each round discarding
+2 warm-up steps:
 
 - **floor**: plain PyTorch — sampled generation with a KV cache, reward, group advantages, one
   forward/backward over [prompt; completion], clip, fused AdamW.
@@ -13,7 +14,9 @@ round discarding 2 warm-up steps:
 
 Usage::
 
-    python benchmarks/rl_step.py --assets ../shared/bench-tiny/assets [--steps 20] [--rounds 3]
+    python -m benchmarks.rl_step [--steps 20] [--rounds 3] [--assets DIR]
+
+``--assets`` uses an existing build instead of building one in a temporary folder.
 
 It prints the median seconds per step of each (median of the per-round medians), min and max,
 the ratio, and where rlcore's time goes (generation, advantages, train, weight sync).
@@ -47,7 +50,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
     """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5)."""
     from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
-    from rlcore.rewards import prefix_credit  # the workload's reward, a pure text function
+    from benchmarks.bench_tiny import prefix_credit  # the workload's reward, on text
 
     tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
     model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
@@ -132,10 +135,10 @@ class _StepClock:
 def rlcore_steps(
     model_dir: Path, prompts: Path, steps: int, offset: int, out: Path
 ) -> tuple[list[float], list[dict[str, float]]]:
+    from benchmarks.bench_tiny import prefix_partial
     from rlcore.flags import load_config
     from rlcore.loop import run
     from rlcore.plan import plan
-    from rlcore.rewards import get_reward_fn
     from rlcore_megatron.ray_group import GroupOptions
     from rlcore_megatron.ray_stacks import RayMegatronBackend
     from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
@@ -150,8 +153,6 @@ def rlcore_steps(
             "prompt",
             "--label-key",
             "answer",
-            "--rm-type",
-            "prefix_partial",
             "--num-rollout",
             str(steps),
             "--rollout-batch-size",
@@ -183,7 +184,7 @@ def rlcore_steps(
         engine = make_engine(config, tokenizer)
         try:
             clock.ends = [time.perf_counter()]
-            run(plan(config), backend, engine, get_reward_fn("prefix_partial"), data, clock)
+            run(plan(config), backend, engine, prefix_partial, data, clock)
         finally:
             engine.close()
     times = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
@@ -207,9 +208,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--assets",
-        type=Path,
-        default=Path(__file__).resolve().parents[2] / "shared/bench-tiny/assets",
+        "--assets", type=Path, default=None, help="a bench-tiny build (default: build one)"
     )
     parser.add_argument(
         "--steps", type=int, default=20, help="measured steps per round (after 2 warm-up steps)"
@@ -220,8 +219,12 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
+    if args.assets is None:
+        from benchmarks.bench_tiny import build_assets
+
+        args.assets = build_assets(tmp / "assets")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
     shutil.copytree(args.assets / "model", model_dir)
     for f in (args.assets / "tokenizer").iterdir():

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
+
+import attrs
+import pytest
 
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink, read_jsonl_metrics
 
@@ -30,3 +34,33 @@ def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None
         "eval/heldout/reward",
     }
     assert [e.value for e in events.Scalars("eval/heldout/reward")] == [1.0]
+
+
+def test_a_sink_that_fails_to_start_stops_those_started_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wandb sink that cannot start must not leave the progress display's thread running."""
+    from rlcore.flags import load_config
+    from rlcore.plan import plan
+    from rlcore_megatron import run as run_module
+
+    class UnreachableWandb:
+        def __init__(self, folder: Path, config: object) -> None:
+            raise RuntimeError("wandb cannot start")
+
+    monkeypatch.setattr(run_module, "WandbSink", UnreachableWandb)
+    config = load_config(
+        [
+            *("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
+            *("--global-batch-size", "4", "--micro-batch-size", "4"),
+            *("--use-wandb", "--output-dir", str(tmp_path)),
+        ]
+    )
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="wandb cannot start"):
+        run_module._sinks(config, plan(config))
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+    # without wandb the same sinks do start a display thread, so the check above can fail
+    sink = run_module._sinks(attrs.evolve(config, use_wandb=False), plan(config))
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] != []
+    sink.close()

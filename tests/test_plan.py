@@ -13,7 +13,14 @@ from rlcore.config import RunConfig, structure_config
 from rlcore.errors import ConfigError, PlanError
 from rlcore.flags import load_config
 from rlcore.plan import EvalPlan, TrainPlan, plan, resolve_num_rollout
-from rlcore.specs import LRSchedule
+from rlcore.specs import (
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    TrainSpec,
+)
 from tests.strategies import config_dicts, valid_config_dicts
 
 
@@ -113,3 +120,69 @@ def test_lr_schedule_decays_to_min_lr() -> None:
     assert s.lr_at(0) == 0.0 and s.lr_at(1) == 0.5 and s.lr_at(2) == 1.0
     assert s.lr_at(10) == pytest.approx(0.1) and s.lr_at(50) == 0.1
     assert attrs.evolve(s, decay_style="cosine").lr_at(6) == pytest.approx(0.55)
+
+
+def _train_spec(global_batch: int, micro_batch: int, tp: int, world: int) -> TrainSpec:
+    return TrainSpec(
+        model=ModelSpec("actor", None, parallel=ParallelSpec(tp, world)),
+        optimizer=OptimizerSpec(LRSchedule(lr=1e-5, min_lr=0.0, warmup_steps=0, decay_steps=1)),
+        loss=LossSpec(),
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
+    )
+
+
+@given(
+    st.integers(1, 12), st.integers(1, 4), st.sampled_from([(1, 1), (1, 2), (2, 2), (1, 3), (2, 4)])
+)
+def test_train_spec_splits_into_whole_micro_batches_by_construction(
+    global_batch: int, micro_batch: int, parallel: tuple[int, int]
+) -> None:
+    tp, world = parallel
+    dp = world // tp
+    try:
+        spec = _train_spec(global_batch, micro_batch, tp, world)
+    except ValueError as exc:
+        assert global_batch % (micro_batch * dp)
+        assert f"micro_batch_size x data-parallel ranks = {micro_batch} x {dp}" in str(exc)
+    else:
+        per_rank = spec.global_batch_size // spec.model.parallel.data_parallel_size
+        assert per_rank % spec.micro_batch_size == 0
+
+
+def test_train_spec_refuses_sizes_below_one() -> None:
+    with pytest.raises(ValueError, match="TrainSpec.micro_batch_size must be >= 1"):
+        _train_spec(4, 0, 1, 1)
+    with pytest.raises(ValueError, match="TrainSpec.global_batch_size must be >= 1"):
+        _train_spec(0, 1, 1, 1)
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 8),
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from([1, 2, 3]),
+)
+def test_a_config_that_loads_plans_into_valid_train_specs(
+    rollout_batch: int, n_samples: int, global_batch: int, micro_batch: int, gpus: int
+) -> None:
+    """The config check applies TrainSpec's own batch rule, with the field path and the flag."""
+    argv = [
+        *("--num-rollout", "2", "--rollout-batch-size", str(rollout_batch)),
+        *("--n-samples-per-prompt", str(n_samples), "--advantage-estimator", "reinforce_plus_plus"),
+        *("--global-batch-size", str(global_batch), "--micro-batch-size", str(micro_batch)),
+        *("--actor-num-gpus-per-node", str(gpus)),
+    ]
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        split = [p for p in exc.problems if "data-parallel ranks" in p.message]
+        if global_batch % (micro_batch * gpus):
+            assert [p.path for p in split] == ["train.micro_batch_size (--micro-batch-size)"]
+        else:
+            assert not split
+        return
+    result = plan(config)
+    assert isinstance(result, TrainPlan)
+    assert result.actor.global_batch_size % (micro_batch * gpus) == 0

@@ -20,7 +20,14 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.specs import AdvantageEstimator, DecayStyle, KLType
+from rlcore.specs import (
+    AdvantageEstimator,
+    DecayStyle,
+    KLType,
+    batch_split_problem,
+    parallel_split_problem,
+    schedule_length_problem,
+)
 
 __all__ = [
     "AlgorithmConfig",
@@ -30,6 +37,7 @@ __all__ = [
     "EvalDataConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RewardName",
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
@@ -39,6 +47,8 @@ __all__ = [
 ]
 
 RolloutEngineName = Literal["embedded", "sglang"]
+RewardName = Literal["exact_match", "math"]
+"""The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
 WeightSyncMode = Literal["tensor", "distributed", "disk"]
 
 _T = TypeVar("_T")
@@ -207,9 +217,7 @@ class DataConfig:
     apply_chat_template: bool = _opt(
         False, "--apply-chat-template", "wrap prompts in the tokenizer's chat template"
     )
-    rm_type: str = _opt(
-        "exact_match", "--rm-type", "built-in reward: exact_match, math, prefix_partial"
-    )
+    rm_type: RewardName = _opt("exact_match", "--rm-type", "built-in reward: exact_match or math")
     custom_rm_path: str | None = _opt(
         None, "--custom-rm-path", "reward function as module:function (sync or async)"
     )
@@ -432,13 +440,13 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             "--save-interval is set but there is no save folder",
             "add --save DIR",
         )
-    if m.world_size % m.tensor_model_parallel_size:
-        add(
-            ModelConfig,
-            "model",
-            "tensor_model_parallel_size",
-            f"{m.tensor_model_parallel_size} does not divide the actor's {m.world_size} ranks",
-        )
+    split = (
+        parallel_split_problem(m.tensor_model_parallel_size, m.world_size)
+        if m.tensor_model_parallel_size >= 1 and m.world_size >= 1
+        else None
+    )
+    if split:
+        add(ModelConfig, "model", "tensor_model_parallel_size", split)
 
     if r.num_rollout is None and r.num_epoch is None:
         add(
@@ -555,29 +563,27 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
                 f"{r.n_samples_per_prompt} samples",
                 "use a multiple of --n-samples-per-prompt",
             )
-    dp = m.world_size // m.tensor_model_parallel_size if m.tensor_model_parallel_size >= 1 else 1
-    if t.micro_batch_size >= 1 and dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
-        add(
-            TrainConfig,
-            "train",
-            "micro_batch_size",
-            f"global batch {t.global_batch_size} is not a multiple of micro_batch_size x "
-            f"data-parallel ranks = {t.micro_batch_size} x {dp}",
-            "pick sizes that divide",
-        )
+    tp, world = m.tensor_model_parallel_size, m.world_size
+    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp, world) >= 1
+    if sizes_valid and not parallel_split_problem(tp, world):
+        # TrainSpec's own rule, so that a config that passes plans into a valid TrainSpec.
+        split = batch_split_problem(t.global_batch_size, t.micro_batch_size, world // tp)
+        if split:
+            add(TrainConfig, "train", "micro_batch_size", split, "pick sizes that divide")
 
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
+        # LRSchedule's own rule, applied to the steps the plan will give it.
         decay = config.lr_decay_steps
-        if decay < 1:
+        length = schedule_length_problem(o.lr_warmup_iters, decay)
+        if length and length[0] == "decay_steps":
             add(
                 OptimizerConfig,
                 "optim",
                 "lr_decay_iters",
-                f"the run would decay the LR over {decay} optimizer steps; "
-                "Megatron's scheduler needs >= 1",
+                f"the run would decay the LR over {decay} optimizer steps: {length[1]}",
                 "give --lr-decay-iters or train more samples",
             )
-        elif o.lr_warmup_iters >= decay:
+        elif length:
             add(
                 OptimizerConfig,
                 "optim",

@@ -120,11 +120,6 @@ class HFTokenizer:
         self._pad = pad if isinstance(pad, int) else eos
 
     @property
-    def hf_tokenizer(self) -> _HFTokenizerLike:
-        """The wrapped Hugging Face tokenizer."""
-        return self._tokenizer
-
-    @property
     def pad_token_id(self) -> int:
         return self._pad
 

@@ -1,8 +1,8 @@
 """Rewards: the built-in rule rewards, user reward functions, and scoring a batch of samples.
 
 A reward function takes ``(prompt, generation)`` and returns a float; ``prompt.label`` holds the
-reference answer. Built-ins are chosen by name (``--rm-type``): ``exact_match``, ``math`` and
-``prefix_partial``. A user's own function is loaded from ``module:function``
+reference answer. Built-ins are chosen by name (``--rm-type``): ``exact_match`` and ``math``.
+A user's own function is loaded from ``module:function``
 (``--custom-rm-path``); it may be ``async def``, and :func:`score_samples` then runs the samples
 concurrently (one event loop per call), which is what remote reward models and sandboxes need.
 
@@ -22,8 +22,9 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from fractions import Fraction
-from typing import Protocol, TypeVar, final
+from typing import Protocol, TypeGuard, TypeVar, final
 
+from rlcore.config import RewardName
 from rlcore.errors import ConfigError, ConfigProblem, RewardError
 from rlcore.protocols import RewardFn
 from rlcore.samples import Generation, Prompt
@@ -37,8 +38,6 @@ __all__ = [
     "get_reward_fn",
     "load_custom_reward",
     "math_reward",
-    "prefix_credit",
-    "prefix_partial",
     "score_samples",
 ]
 
@@ -59,29 +58,6 @@ class AsyncRewardFn(Protocol):
 def exact_match(prompt: Prompt, generation: Generation) -> float:
     """1.0 when the response text equals the label, ignoring surrounding whitespace, else 0.0."""
     return 1.0 if generation.text.strip() == prompt.label.strip() else 0.0
-
-
-def prefix_partial(prompt: Prompt, generation: Generation) -> float:
-    """bench-tiny's partial-credit reward (WORKLOAD.md section 4).
-
-    1.0 when the response text starts with the label; otherwise the number of leading characters
-    that agree with the label's, divided by the label's length. ``generation.text`` is already the
-    decoded response up to and including the first stop token, without special tokens.
-    """
-    return prefix_credit(generation.text, prompt.label)
-
-
-def prefix_credit(text: str, answer: str) -> float:
-    """1.0 when ``text`` starts with ``answer``, else the fraction of ``answer``'s leading
-    characters that ``text`` matches (the text-level core of :func:`prefix_partial`)."""
-    if text.startswith(answer):
-        return 1.0
-    agree = 0
-    for got, want in zip(text, answer, strict=False):
-        if got != want:
-            break
-        agree += 1
-    return agree / len(answer)
 
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -156,12 +132,11 @@ def math_reward(prompt: Prompt, generation: Generation) -> float:
     return 1.0 if _normalise(answer) == _normalise(label) else 0.0
 
 
-BUILTIN_REWARDS: Mapping[str, RewardFn] = {
+BUILTIN_REWARDS: Mapping[RewardName, RewardFn] = {
     "exact_match": exact_match,
     "math": math_reward,
-    "prefix_partial": prefix_partial,
 }
-"""The rule rewards ``--rm-type`` chooses from."""
+"""The rule rewards ``--rm-type`` chooses from, one per :data:`~rlcore.config.RewardName`."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,44 +215,47 @@ def load_custom_reward(path: str) -> RewardFn:
         raise _custom_problem(
             path, f"{attr_path} is a {type(obj).__name__}, not a function", "point at a callable"
         )
-    try:
-        inspect.signature(obj).bind(None, None)
-    except TypeError as exc:
+    if not _is_reward_fn(obj):
         raise _custom_problem(
             path,
-            f"{attr_path} cannot be called as fn(prompt, generation) ({exc})",
+            f"{attr_path} cannot be called as fn(prompt, generation) ({_binding_error(obj)})",
             "give it the signature (prompt: Prompt, generation: Generation) -> float",
-        ) from exc
+        )
+    if _is_async_reward_fn(obj):
+        return AsyncReward(obj, path)
+    return obj
+
+
+def _binding_error(fn: Callable[..., object]) -> str | None:
+    """Why ``fn(prompt, generation)`` cannot bind to ``fn``'s signature, or ``None`` when it can
+    (or when there is no signature to read, as for some builtins: then it is trusted)."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as exc:
+        return str(exc)
     except ValueError:
-        pass  # no introspectable signature (some builtins): trust it
-    fn: Callable[[Prompt, Generation], object] = obj
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        obj.__call__  # an object whose __call__ is async
-    ):
-        return AsyncReward(fn, path)  # type: ignore[arg-type]  # checked: a coroutine function
-    # checked callable with two arguments; its result is checked in score_samples
-    return fn  # type: ignore[return-value]  # see above
+        return None
+    return None
 
 
-def get_reward_fn(rm_type: str = "exact_match", custom_path: str | None = None) -> RewardFn:
+def _is_reward_fn(fn: Callable[..., object]) -> TypeGuard[RewardFn]:
+    """``fn`` takes ``(prompt, generation)``. Its result is not known until it runs:
+    :func:`score_samples` checks each one is a finite float."""
+    return _binding_error(fn) is None
+
+
+def _is_async_reward_fn(fn: RewardFn) -> TypeGuard[AsyncRewardFn]:
+    """``fn`` is an ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
+
+
+def get_reward_fn(rm_type: RewardName = "exact_match", custom_path: str | None = None) -> RewardFn:
     """The reward function a run uses: ``custom_path`` when given (it wins over ``rm_type``,
-    as in slime), else the built-in named ``rm_type``. Raises :class:`~rlcore.errors.ConfigError`
-    for an unknown name or a bad path."""
+    as in slime), else the built-in named ``rm_type`` (a name the config check has already
+    accepted). Raises :class:`~rlcore.errors.ConfigError` for a bad path."""
     if custom_path:
         return load_custom_reward(custom_path)
-    try:
-        return BUILTIN_REWARDS[rm_type]
-    except KeyError:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "rm_type",
-                    f"unknown reward {rm_type!r}",
-                    f"use one of {', '.join(sorted(BUILTIN_REWARDS))} "
-                    "or --custom-rm-path module:function",
-                )
-            ]
-        ) from None
+    return BUILTIN_REWARDS[rm_type]
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Nothing here imports torch: token ids and per-token floats are tuples, so the core (and its fakes)
 stay light. Torch backends turn a batch into padded tensors with
-:func:`rlcore.algorithms.batching.pad_samples`.
+:func:`rlcore.algorithms.batching.tensorize`.
 """
 
 from __future__ import annotations

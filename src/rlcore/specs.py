@@ -26,6 +26,9 @@ __all__ = [
     "Precision",
     "Role",
     "TrainSpec",
+    "batch_split_problem",
+    "parallel_split_problem",
+    "schedule_length_problem",
 ]
 
 Role = Literal["actor", "critic", "reference"]
@@ -35,6 +38,48 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Precision = Literal["float32", "bfloat16"]
 """The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when
 the model trains: the optimizer keeps fp32 main weights and state and reduces gradients in fp32."""
+
+
+# The rules each spec's constructor enforces, as functions: :func:`rlcore.config.check` applies the
+# same ones to a config's fields, so a rule is written once and a config that passes its check
+# always plans into valid specs.
+
+
+def parallel_split_problem(tensor_model_parallel_size: int, world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot be split into tensor-parallel groups of the given size
+    (both >= 1), or ``None``."""
+    if world_size % tensor_model_parallel_size:
+        return (
+            f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
+            f"{world_size} ranks"
+        )
+    return None
+
+
+def batch_split_problem(
+    global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+) -> str | None:
+    """Why a global batch cannot be cut into whole micro-batches on every data-parallel rank
+    (all sizes >= 1), or ``None``. Each rank trains on ``global_batch_size / data_parallel_size``
+    samples in micro-batches of ``micro_batch_size``."""
+    if global_batch_size % (micro_batch_size * data_parallel_size):
+        return (
+            f"global batch {global_batch_size} is not a multiple of micro_batch_size x "
+            f"data-parallel ranks = {micro_batch_size} x {data_parallel_size}"
+        )
+    return None
+
+
+def schedule_length_problem(
+    warmup_steps: int, decay_steps: int
+) -> tuple[Literal["warmup_steps", "decay_steps"], str] | None:
+    """The field and reason when Megatron's ``OptimizerParamScheduler`` would assert on these
+    step counts (``decay_steps < 1``, or a warmup not shorter than the decay), or ``None``."""
+    if decay_steps < 1:
+        return "decay_steps", f"must be >= 1, got {decay_steps} (Megatron's scheduler asserts)"
+    if not 0 <= warmup_steps < decay_steps:
+        return "warmup_steps", f"must be in [0, decay_steps={decay_steps}), got {warmup_steps}"
+    return None
 
 
 @attrs.frozen
@@ -48,11 +93,9 @@ class ParallelSpec:
     def __attrs_post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.world_size < 1:
             raise ValueError("parallel sizes must be >= 1")
-        if self.world_size % self.tensor_model_parallel_size:
-            raise ValueError(
-                f"world_size {self.world_size} is not a multiple of "
-                f"tensor_model_parallel_size {self.tensor_model_parallel_size}"
-            )
+        problem = parallel_split_problem(self.tensor_model_parallel_size, self.world_size)
+        if problem:
+            raise ValueError(f"ParallelSpec: {problem}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -91,13 +134,10 @@ class LRSchedule:
     decay_style: DecayStyle = "constant"
 
     def __attrs_post_init__(self) -> None:
-        if self.decay_steps < 1:
-            raise ValueError(f"LRSchedule.decay_steps must be >= 1, got {self.decay_steps}")
-        if not 0 <= self.warmup_steps < self.decay_steps:
-            raise ValueError(
-                f"LRSchedule.warmup_steps must be in [0, decay_steps={self.decay_steps}), "
-                f"got {self.warmup_steps}"
-            )
+        length = schedule_length_problem(self.warmup_steps, self.decay_steps)
+        if length:
+            field, problem = length
+            raise ValueError(f"LRSchedule.{field} {problem}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(
                 f"LRSchedule needs lr > 0 and 0 <= min_lr <= lr, got {self.lr}, {self.min_lr}"
@@ -191,6 +231,9 @@ class TrainSpec:
 
     One ``train_step`` receives a rollout's samples and takes ``steps_per_rollout`` optimizer steps
     of ``global_batch_size`` samples each, in micro-batches of ``micro_batch_size`` per rank.
+
+    Valid by construction: every size is >= 1 and the global batch splits into whole micro-batches
+    on every data-parallel rank (:func:`batch_split_problem`), so no backend checks it again.
     """
 
     model: ModelSpec
@@ -199,3 +242,14 @@ class TrainSpec:
     global_batch_size: int
     micro_batch_size: int = 1
     steps_per_rollout: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "steps_per_rollout"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"TrainSpec.{name} must be >= 1, got {value}")
+        problem = batch_split_problem(
+            self.global_batch_size, self.micro_batch_size, self.model.parallel.data_parallel_size
+        )
+        if problem:
+            raise ValueError(f"TrainSpec: {problem}")

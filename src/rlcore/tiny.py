@@ -3,8 +3,8 @@
 Nothing here downloads anything: the tokenizer is built from an alphabet with ``tokenizers`` and
 the model is a freshly initialised ``transformers.LlamaForCausalLM``, both written with
 ``save_pretrained`` so they load back with ``AutoTokenizer`` / ``AutoModelForCausalLM`` exactly like
-a real Hugging Face checkpoint. The recipe is the one bench-tiny's assets were built with
-(``shared/bench-tiny/WORKLOAD.md`` sections 1 and 2).
+a real Hugging Face checkpoint. The no-flag demo builds its model with them, and
+``benchmarks/bench_tiny.py`` builds bench-tiny's assets with them.
 
 This module imports torch and transformers at import time; ``import rlcore`` does not import it.
 """

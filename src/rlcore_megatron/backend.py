@@ -13,10 +13,11 @@ from typing import Any, final
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
 from rlcore_megatron.hf_weights import load_hf_weights
 from rlcore_megatron.model import LlamaArch, arch_from_hf_config, build_gpt, read_hf_config
@@ -117,8 +118,16 @@ class MegatronBackend:
             )
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
-    def _model(self, spec: ModelSpec) -> tuple[Any, LlamaArch]:
+    def _model(self, spec: ModelSpec) -> tuple[GPTModel, LlamaArch]:
         init_megatron(spec.parallel.tensor_model_parallel_size, spec.seed)
+        world = torch.distributed.get_world_size()
+        if world != spec.parallel.world_size:
+            # The spec's split (TrainSpec's batch rule included) holds only for its own layout.
+            raise BackendUnavailableError(
+                f"ParallelSpec.world_size={spec.parallel.world_size} but this process is one of "
+                f"{world} torch.distributed ranks: build the stack with the ParallelSpec of the "
+                "ranks it runs on"
+            )
         arch = self._arch(spec)
         model = build_gpt(arch, spec.role, device(), spec.precision)
         if spec.hf_checkpoint is not None:
@@ -144,7 +153,7 @@ class MegatronBackend:
             ddp = DistributedDataParallel(
                 config=gpt.config,
                 ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True,  # in bf16 too: gradients accumulate and reduce in fp32
+                    grad_reduce_in_fp32=True,  # bf16 too: gradients accumulate and reduce in fp32
                     overlap_grad_reduce=False,
                     use_distributed_optimizer=spec.optimizer.distributed,
                 ),

@@ -68,7 +68,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, RLCoreError
+from rlcore.errors import CheckpointError, RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
@@ -178,12 +178,6 @@ class GroupOptions:
             return self.threads_per_rank
         return max(1, int(self.cpus_per_rank))
 
-    @staticmethod
-    def for_cluster(cpus_per_rank: float = 1.0) -> GroupOptions:
-        """One GPU per rank when the running Ray cluster has GPUs, else CPU-only ranks."""
-        resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
-        return GroupOptions(cpus_per_rank, gpus_per_rank=1 if resources.get("GPU", 0) > 0 else 0)
-
     def bundle(self) -> dict[str, float]:
         """One rank's placement-group bundle."""
         if self.gpus_per_rank:
@@ -195,11 +189,7 @@ class GroupOptions:
 @attrs.frozen
 class RankContext(Generic[S_co]):
     """What a function run inside a rank's actor gets as its first argument
-    (:meth:`RayTrainGroup.run_on_rank0`, :meth:`RayTrainGroup.run_on_all_ranks`).
-
-    ``objects`` lives as long as the actor: a place to keep something colocated with the rank
-    between calls (for example an embedded rollout engine on rank 0).
-    """
+    (:meth:`RayTrainGroup.run_on_all_ranks`, :meth:`RayTrainGroup.call_ranks`)."""
 
     rank: int
     world_size: int
@@ -207,7 +197,6 @@ class RankContext(Generic[S_co]):
     tensor_parallel_rank: int
     data_parallel_rank: int
     stack: S_co
-    objects: dict[str, object] = attrs.field(factory=dict)
 
 
 @final
@@ -328,8 +317,6 @@ class RayTrainGroup(Generic[S]):
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
         self._tp = parallel.tensor_model_parallel_size
-        if isinstance(spec, TrainSpec):
-            _check_batch_divisibility(spec)
         self._pg: PlacementGroup = placement_group(
             [options.bundle() for _ in range(self._world_size)], strategy=options.strategy
         )
@@ -452,20 +439,6 @@ class RayTrainGroup(Generic[S]):
 
     # -- fanning out -----------------------------------------------------------------------------
 
-    def run_on_rank0(
-        self, fn: Callable[Concatenate[RankContext[S], P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> R:
-        """Run picklable ``fn(context, *args, **kwargs)`` in rank 0's actor only; its result.
-
-        ``fn`` must not enter a collective: the other ranks are not called. Exporting weights
-        gathers over tensor parallel, so to feed an engine kept in rank 0's ``context.objects``
-        use :meth:`run_on_all_ranks` with a function that exports on every rank and pushes on
-        rank 0.
-        """
-        call: _Call = (fn, args, kwargs)
-        (result,) = self._call_ranks({0: call}, f"{_name(fn)} on rank 0")
-        return result  # type: ignore[no-any-return]  # fn's result, sent through Ray
-
     def run_on_all_ranks(
         self, fn: Callable[Concatenate[RankContext[S], P], R], *args: P.args, **kwargs: P.kwargs
     ) -> list[R]:
@@ -531,8 +504,10 @@ class RayTrainGroup(Generic[S]):
     def state_dict_of(
         self: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
     ) -> Mapping[str, object]:
-        """Rank 0's optimizer or scheduler ``state_dict()`` (a copy)."""
-        return self.run_on_rank0(_state_dict, part)
+        """Rank 0's optimizer or scheduler ``state_dict()`` (a copy); no collective, so only
+        rank 0 is called."""
+        (state,) = self.call_ranks(_state_dict, {0: (part,)}, f"{part} state_dict on rank 0")
+        return state
 
     def load(self, path: os.PathLike[str]) -> int:
         """Every rank loads its shard from ``path``; the rollout id all of them read.
@@ -649,21 +624,6 @@ def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> 
         out.append(seen.get(node_id, 0))
         seen[node_id] = out[-1] + 1
     return out
-
-
-def _check_batch_divisibility(spec: TrainSpec) -> None:
-    dp = spec.model.parallel.data_parallel_size
-    if spec.global_batch_size % (dp * spec.micro_batch_size):
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "global_batch_size",
-                    f"{spec.global_batch_size} is not divisible by data-parallel size {dp} "
-                    f"x micro_batch_size {spec.micro_batch_size}",
-                    "choose a global batch size that is a multiple of both",
-                )
-            ]
-        )
 
 
 def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:

@@ -9,7 +9,8 @@ Data parallelism, training: split worker-side. Every rank receives the whole rol
 once in Ray's object store) and each data-parallel rank's
 :class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice of each
 global batch, so ``global_batch_size`` must be divisible by
-``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
+``data_parallel_size * micro_batch_size`` (a :class:`~rlcore.specs.TrainSpec` that exists is
+split so). Scoring: split
 driver-side, each data-parallel rank scores a contiguous part of the samples.
 
 :class:`RayMegatronBackend` builds one group per stack, sized by ``spec.model.parallel``, and
@@ -64,7 +65,7 @@ class RayEvalStack:
 
     @property
     def group(self) -> RayTrainGroup[EvalStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_rank0` and friends)."""
+        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
         return self._group
 
     @property
@@ -99,7 +100,7 @@ class RayTrainingStack:
 
     @property
     def group(self) -> RayTrainGroup[TrainingStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_rank0` and friends)."""
+        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
         return self._group
 
     @property

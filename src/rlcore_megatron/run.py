@@ -145,14 +145,21 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
+    """Every sink the config asks for; when one fails to start, those already started are closed
+    (the progress display included) before the error propagates."""
     out = config.output_dir
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl")]
-    if isinstance(the_plan, TrainPlan):
-        sinks.append(ProgressSink(total=the_plan.num_rollout))
-    if config.use_tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
-    if config.use_wandb:
-        sinks.append(WandbSink(out, config))
+    sinks: list[MetricsSink] = []
+    try:
+        sinks.append(JsonlSink(out / "metrics.jsonl"))
+        if isinstance(the_plan, TrainPlan):
+            sinks.append(ProgressSink(total=the_plan.num_rollout))
+        if config.use_tensorboard:
+            sinks.append(TensorBoardSink(out / "tensorboard"))
+        if config.use_wandb:
+            sinks.append(WandbSink(out, config))
+    except BaseException:
+        MultiSink(sinks).close()
+        raise
     return MultiSink(sinks)
 
 
@@ -209,14 +216,16 @@ def execute(config: RunConfig) -> RunResult:
     threads = max(1, (os.cpu_count() or 1))
     backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
     engine: RolloutEngine | None = None
-    sink = _sinks(config, the_plan)
+    sink: MetricsSink | None = None
     try:
+        sink = _sinks(config, the_plan)
         engine = make_engine(config, tokenizer)
         result = run(the_plan, backend, engine, reward_fn, data, sink)
         write_summary(config.output_dir / "summary.json", result)
         return result
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
         if engine is not None:
             engine.close()
         backend.close()

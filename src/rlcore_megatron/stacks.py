@@ -254,14 +254,8 @@ class MegatronTrainingStack:
         return metrics
 
     def _local_micro_batches(self, global_batch: TensorBatch) -> list[TensorBatch]:
-        dp = parallel_state.get_data_parallel_world_size()
-        size = global_batch.num_sequences
-        if size % dp:
-            raise PlanError(
-                f"TrainSpec.global_batch_size={size} is not divisible by the data parallel "
-                f"size {dp}"
-            )
-        per_rank = size // dp
+        # TrainSpec guarantees the global batch splits into whole micro-batches on every rank.
+        per_rank = global_batch.num_sequences // parallel_state.get_data_parallel_world_size()
         first = parallel_state.get_data_parallel_rank() * per_rank
         mbs = self.train_spec.micro_batch_size
         return [

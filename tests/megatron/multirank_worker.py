@@ -66,7 +66,11 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     # data parallel 2
     init_megatron(tp_size=1, seed=1234)
-    stack = backend.build_training_stack(train_spec(folder))
+    dp2 = ParallelSpec(tensor_model_parallel_size=1, world_size=2)
+    spec = train_spec(folder)
+    stack = backend.build_training_stack(
+        attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
+    )
     metrics = stack.train_step(batch)
     stack.save(results / "dp2_a", rollout_id=1)
     stack.save(results / "dp2_b", rollout_id=2)

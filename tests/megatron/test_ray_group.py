@@ -13,14 +13,14 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast, final
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from rlcore.errors import CheckpointError, ConfigError
+from rlcore.errors import CheckpointError
 from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
@@ -147,12 +147,6 @@ def _seen(context: RankContext[EvalStack]) -> list[int]:
     return list(stack.seen)
 
 
-def _remember(context: RankContext[EvalStack], key: str, value: int) -> int:
-    count = cast(int, context.objects.get(key, 0)) + value
-    context.objects[key] = count
-    return count
-
-
 def _crash_on_rank(context: RankContext[EvalStack], rank: int) -> None:
     if context.rank == rank:
         os._exit(1)
@@ -214,9 +208,6 @@ def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
         assert group.run_on_all_ranks(_seen) == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
         assert group.forward(samples[:1]) == expected[:1]  # data-parallel rank 1 idles
         assert group.load(Path("/nowhere")) == 3
-        # rank 0 keeps colocated objects between calls
-        assert group.run_on_rank0(_remember, "n", 2) == 2
-        assert group.run_on_rank0(_remember, "n", 3) == 5
     finally:
         group.close()
     _assert_gone(group)
@@ -237,7 +228,7 @@ def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
         with pytest.raises(RayGroupError, match="rank 1's actor died"):
             group.run_on_all_ranks(_crash_on_rank, 1)
         with pytest.raises(RayGroupError, match="broken"):
-            group.run_on_rank0(_remember, "n", 1)
+            group.run_on_all_ranks(_env_of)
 
 
 def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -> None:
@@ -250,15 +241,7 @@ def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -
         stuck = message.split("--- rank 1 is at ---", 1)[1]
         assert "in _wait_for_a_peer_that_never_comes" in stuck and "time.sleep(600)" in stuck
         with pytest.raises(RayGroupError, match="broken"):
-            group.run_on_rank0(_remember, "n", 1)
-
-
-def test_batch_must_split_over_data_parallel_micro_batches(ray_cluster: None) -> None:
-    spec = _train_spec(Path("/unused"), ParallelSpec(1, 2), global_batch_size=3)
-    groups = len(placement_group_table())
-    with pytest.raises(ConfigError, match="global_batch_size"):
-        RayTrainGroup.start_training(spec, runtime=EchoRuntime((0, 0)))
-    assert len(placement_group_table()) == groups  # refused before reserving anything
+            group.run_on_all_ranks(_env_of)
 
 
 # -- the real Megatron backend -------------------------------------------------------------------

@@ -10,9 +10,9 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from rlcore.errors import ConfigError, PlanError
+from rlcore.errors import BackendUnavailableError, ConfigError, PlanError
 from rlcore.protocols import EvalStack, TrainingStack
-from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec
+from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec, ParallelSpec
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.hf_weights import load_named_tensors
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
@@ -138,6 +138,13 @@ def test_wrong_batch_size_is_refused(tiny_hf: Path) -> None:
     stack = MegatronBackend().build_training_stack(train_spec(tiny_hf, global_batch_size=4))
     with pytest.raises(PlanError, match="global_batch_size=4"):
         stack.train_step(make_batch(make_samples(3)))
+
+
+def test_a_spec_for_another_layout_is_refused(tiny_hf: Path) -> None:
+    # A TrainSpec's batch split is checked against its own ParallelSpec, so it must be the ranks'.
+    spec = EvalSpec(ModelSpec("actor", tiny_hf, parallel=ParallelSpec(1, 2)))
+    with pytest.raises(BackendUnavailableError, match=r"world_size=2 .* one of 1 torch"):
+        MegatronBackend().build_eval_stack(spec)
 
 
 def test_random_init_needs_an_architecture() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.engines.sglang import EngineOptions, LaunchSettings, SGLangEngine
-from rlcore.engines.sglang_server import SGLangServer, free_port
+from rlcore.engines.sglang_server import ServerUnreachableError, SGLangServer, free_port
 from rlcore.errors import RolloutError
 from rlcore.samples import Prompt, SamplingParams
 
@@ -90,6 +90,23 @@ def test_closed_engine_refuses_work() -> None:
     engine.close()
     with pytest.raises(RolloutError, match="closed"):
         engine.generate([], SamplingParams(max_new_tokens=1))
+
+
+def test_a_refused_connection_says_so_and_is_retried() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nobody listens here once the socket is closed
+    options = EngineOptions(request_timeout_s=30, connect_retries=1, retry_backoff_s=0.1)
+    engine = SGLangEngine([SGLangServer(f"http://127.0.0.1:{port}")], options)
+    with pytest.raises(RolloutError) as info:
+        engine.generate([Prompt(0, "", (1, 2))], SamplingParams(max_new_tokens=1))
+    assert isinstance(info.value.__cause__, ServerUnreachableError)
+    message = str(info.value)
+    assert "could not be reached for POST /generate" in message and "refused" in message
+    assert "gave up after 2 attempts" in message
+    assert "within" not in message  # a refusal is not a timeout
 
 
 def test_a_server_that_never_answers_times_out_without_retrying() -> None:

@@ -241,12 +241,6 @@ class SGLangEngine:
         self._on_all_servers(lambda s: self._post_ok(s, "/update_weights_from_disk", payload))
         self._version = version
 
-    def flush_cache(self) -> None:
-        """Drop every server's prefix cache (the weight updates already do this)."""
-        self._check_open()
-        timeout = self.options.weight_sync_timeout_s
-        self._on_all_servers(lambda s: s.post("/flush_cache", {}, timeout_s=timeout))
-
     def close(self) -> None:
         """Leave the broadcast group, stop launched servers, drop buffers. Safe to call twice."""
         if self._closed:

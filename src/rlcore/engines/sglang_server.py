@@ -118,7 +118,9 @@ class LaunchSettings:
 
 
 class ServerUnreachableError(RolloutError):
-    """The server did not answer at the transport level (refused, reset, timed out)."""
+    """The call never reached the server's HTTP handler: the connection was refused, reset or
+    could not be made (a call that connected but got no answer in time is a
+    :class:`ServerTimeoutError`)."""
 
 
 class ServerTimeoutError(RolloutError):
@@ -311,8 +313,7 @@ class SGLangServer:
                     "if the server is just slow"
                 ) from exc
             raise ServerUnreachableError(
-                f"{self.describe()} did not answer {method} {path} within {timeout_s:g} s: "
-                f"{reason!r}"
+                f"{self.describe()} could not be reached for {method} {path}: {reason!r}"
             ) from exc
 
 
