@@ -163,30 +163,54 @@ def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
         )
 
 
-def _allocate_torch_adam_state(optimizer: MegatronOptimizer) -> None:
-    """Give torch's Adam(W) inside ``optimizer`` the state it creates at its first step (zero
-    moments, step 0), if it has not stepped yet; loading then overwrites all of it.
-
-    Megatron's ``DistributedOptimizer`` reads that per-parameter ``step`` while it prepares to load
-    a checkpoint when its inner optimizer is torch's (no Transformer Engine or Apex: always on the
-    CPU) and asserts when there is none, i.e. whenever training resumes into a fresh stack. The
-    other Megatron optimizers allocate their state themselves and are left alone.
-    """
+def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
     parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for part in parts:
-        inner = part.optimizer
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+    return [
+        part.optimizer
+        for part in parts
+        if isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW)
+    ]
+
+
+# Megatron 0.16's distributed optimizer mishandles torch's Adam(W) (its fallback without
+# Transformer Engine or Apex, so always on the CPU) when it loads a checkpoint into a fresh stack:
+# it reads a per-parameter ``step`` that torch only creates at the first step (and asserts); it
+# then gives every parameter the *same* step tensor, which torch increments once per parameter at
+# each step; and its dp_reshardable loader copies into it a step captured before loading (0). The
+# two functions below, run before and after loading, give it the state it expects and each
+# parameter its own tensor holding the step it saved.
+
+
+def _adam_step(value: float, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """A step counter as torch's Adam(W) makes it: 0-d float32, on the parameter's device when
+    fused."""
+    if group.get("fused"):
+        return torch.full((), value, dtype=torch.float32, device=param.device)
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _allocate_torch_adam_state(optimizer: MegatronOptimizer) -> None:
+    """Give torch's Adam(W) the state it creates at its first step (zero moments, step 0) if it
+    has not stepped yet; loading overwrites all of it."""
+    for inner in _torch_adams(optimizer):
+        if inner.state:
             continue
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param] = {
-                    # As torch makes it: a 0-d float32 tensor, on the parameter's device when fused.
-                    "step": torch.zeros((), dtype=torch.float32, device=param.device)
-                    if group.get("fused")
-                    else torch.tensor(0.0),
+                    "step": _adam_step(0.0, param, group),
                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                 }
+
+
+def _restore_torch_adam_steps(optimizer: MegatronOptimizer) -> None:
+    """Give each parameter its own Adam ``step``: the one Megatron loaded into its param group."""
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                for param in group["params"]:
+                    inner.state[param]["step"] = _adam_step(float(group["step"]), param, group)
 
 
 def _check_optimizer_info(
@@ -248,6 +272,8 @@ def load_checkpoint(
             # (fp32) parameters; Megatron's dp_reshardable loader does it with autograd on.
             with torch.no_grad():
                 optimizer.load_state_dict(optim_state)
+            if optimizer.config.use_distributed_optimizer:
+                _restore_torch_adam_steps(optimizer)
         if scheduler is not None:
             scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     except CheckpointError:

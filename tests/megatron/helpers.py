@@ -9,7 +9,15 @@ from typing import Any, Final
 import torch
 
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
-from rlcore.specs import LossSpec, LRSchedule, ModelSpec, OptimizerSpec, Role, TrainSpec
+from rlcore.specs import (
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    Precision,
+    Role,
+    TrainSpec,
+)
 
 TINY: Final[dict[str, Any]] = {
     "vocab_size": 32,
@@ -75,13 +83,16 @@ def train_spec(
     loss: LossSpec | None = None,
     clip_grad: float = 1.0,
     seed: int = 1234,
+    precision: Precision = "float32",
+    distributed_optimizer: bool = False,
 ) -> TrainSpec:
     return TrainSpec(
-        model=ModelSpec(role=role, hf_checkpoint=hf, seed=seed),
+        model=ModelSpec(role=role, hf_checkpoint=hf, seed=seed, precision=precision),
         optimizer=OptimizerSpec(
             schedule=schedule or LRSchedule(lr=1e-3, min_lr=1e-4, warmup_steps=0, decay_steps=10),
             clip_grad=clip_grad,
             weight_decay=0.01,
+            distributed=distributed_optimizer,
         ),
         loss=loss or LossSpec(),
         global_batch_size=global_batch_size,
