@@ -1,7 +1,9 @@
 """What each rank of the two-process Megatron test runs (spawned: must be importable).
 
 Rank r of 2: first tensor parallel 2 (one model split over both ranks), then data parallel 2
-(two replicas). Results go to ``out/<name>.rank<r>.pt`` for the parent test to compare.
+(two replicas), then data parallel 2 in bf16 with the distributed optimizer (each rank holds half
+of the fp32 main weights and Adam state). Results go to ``out/<name>.rank<r>.pt`` for the parent
+test to compare.
 """
 
 from __future__ import annotations
@@ -88,5 +90,32 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
             "disagreement": disagreement,
         },
         results / f"dp2.rank{rank}.pt",
+    )
+    del stack
+
+    # data parallel 2, bf16 with the distributed optimizer: two steps straight, and one step,
+    # save, a fresh stack, load, one step
+    bf16 = attrs.evolve(
+        train_spec(folder, precision="bfloat16", distributed_optimizer=True),
+        model=attrs.evolve(spec.model, parallel=dp2, precision="bfloat16"),
+    )
+    second = make_batch(make_samples(4, seed=23), seed=24)
+    straight = backend.build_training_stack(bf16)
+    first_metrics = straight.train_step(batch)
+    one_step = weights(straight.export_weights())
+    straight.save(results / "dp2_zero1", rollout_id=0)
+    straight.train_step(second)
+    resumed = backend.build_training_stack(bf16)
+    resumed.load(results / "dp2_zero1")
+    resumed.train_step(second)
+    torch.save(
+        {
+            "one_step": one_step,
+            "grad_norm": first_metrics.grad_norm,
+            "straight": weights(straight.export_weights()),
+            "resumed": weights(resumed.export_weights()),
+            "optimizer": type(straight.optimizer.chained_optimizers[0]).__name__,
+        },
+        results / f"dp2_zero1.rank{rank}.pt",
     )
     shutdown_megatron()
