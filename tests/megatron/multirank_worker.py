@@ -45,6 +45,9 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     save_hf(ev, results / "tp2_hf", ev.arch)  # collective export, rank 0 writes
     log_probs = ev.forward(samples)
+    bf16_log_probs = backend.build_eval_stack(
+        EvalSpec(ModelSpec("actor", folder, parallel=tp2, precision="bfloat16"))
+    ).forward(samples)
     import attrs
 
     spec = train_spec(folder)
@@ -57,6 +60,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
         {
             "exported": exported,
             "log_probs": log_probs,
+            "bf16_log_probs": bf16_log_probs,
             "trained": weights(stack.export_weights()),
             "grad_norm": metrics.grad_norm,
             "loaded": loaded,

@@ -86,6 +86,15 @@ def test_tensor_parallel_log_probs_match_one_process(two_ranks: Path, tiny_hf: P
             assert x == pytest.approx(y, abs=1e-5)
 
 
+def test_tensor_parallel_bf16_log_probs_match_one_process(two_ranks: Path, tiny_hf: Path) -> None:
+    spec = EvalSpec(ModelSpec("actor", tiny_hf, precision="bfloat16"))
+    expected = MegatronBackend().build_eval_stack(spec).forward(make_samples(4, seed=21))
+    for rank in range(2):
+        got = _load(two_ranks, "tp2", rank)["bf16_log_probs"]
+        for x, y in zip(got, expected, strict=True):
+            assert x == pytest.approx(y, abs=0.02)  # bf16 sums split over two ranks
+
+
 @pytest.mark.parametrize("name", ["tp2", "dp2"])
 def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path, name: str) -> None:
     expected, grad_norm = _single_process_step(tiny_hf)
