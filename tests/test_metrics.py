@@ -59,7 +59,11 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="wandb cannot start"):
         run_module._sinks(config, plan(config))
-    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+    # rich's refresh thread is told to stop, not joined: give it a moment to exit
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:
+        thread.join(timeout=5.0)
+    assert [t for t in started if t.is_alive()] == []
     # without wandb the same sinks do start a display thread, so the check above can fail
     sink = run_module._sinks(attrs.evolve(config, use_wandb=False), plan(config))
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] != []
