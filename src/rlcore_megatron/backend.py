@@ -22,7 +22,7 @@ from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precisi
 from rlcore_megatron.hf_weights import load_hf_weights
 from rlcore_megatron.model import LlamaArch, arch_from_hf_config, build_gpt, read_hf_config
 from rlcore_megatron.parallel import device, init_megatron
-from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack, mixed_precision
+from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
 __all__ = ["MegatronBackend", "optimizer_config", "param_scheduler", "use_fused_cpu_adam"]
 
@@ -157,7 +157,7 @@ class MegatronBackend:
                     overlap_grad_reduce=False,
                     use_distributed_optimizer=spec.optimizer.distributed,
                 ),
-                module=mixed_precision(gpt),
+                module=gpt,
             )
             optimizer = get_megatron_optimizer(
                 optimizer_config(spec.optimizer, spec.model.precision), [ddp]

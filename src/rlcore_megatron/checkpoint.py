@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -164,12 +164,11 @@ def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
 
 
 def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
-    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    return [
-        part.optimizer
-        for part in parts
-        if isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW)
-    ]
+    """The torch Adam(W)s inside ``optimizer``: ``get_megatron_optimizer`` returns a
+    ``ChainedOptimizer`` of parts, each wrapping its torch optimizer as ``.optimizer``."""
+    parts: list[object] = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    inners = [getattr(part, "optimizer", None) for part in parts]
+    return [inner for inner in inners if isinstance(inner, torch.optim.Adam | torch.optim.AdamW)]
 
 
 # Megatron 0.16's distributed optimizer mishandles torch's Adam(W) (its fallback without

@@ -6,9 +6,9 @@ Both score samples the same way (:func:`score_samples`). Every data-parallel ran
 the per-sample loss is summed, divided by the global batch's number of sequences and DDP sums the
 gradients (``calculate_per_token_loss``), so the update is the global mean whatever the split.
 
-Precision: a bf16 model runs inside Megatron's ``Float16Module`` (:func:`mixed_precision`), which
-returns fp32 logits (or values), so log-probs, losses and metrics are computed in fp32 whatever
-the model's precision.
+Precision: a bf16 model's logits (or values) are upcast to fp32 as they leave it (what Megatron's
+``Float16Module`` does), so log-probs, losses and metrics are computed in fp32 whatever the
+model's precision.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.module import Float16Module
 
 from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MegatronEvalStack",
     "MegatronTrainingStack",
-    "mixed_precision",
     "model_info",
     "model_output",
     "score_samples",
@@ -64,13 +62,6 @@ def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
     }
 
 
-def mixed_precision(gpt: GPTModel) -> torch.nn.Module:
-    """The module that runs ``gpt``: itself in fp32; in bf16, Megatron's ``Float16Module`` around
-    it, as Megatron-LM's ``get_model`` wraps a bf16 model (float inputs cast to bf16, outputs
-    returned in fp32)."""
-    return Float16Module(gpt.config, gpt) if gpt.config.bf16 else gpt
-
-
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
     seq = tokens.shape[1]
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
@@ -79,12 +70,13 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
 def model_output(
     model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool
 ) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
+    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``, in
+    fp32 whatever the model's precision.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
     context (no attention mask tensor is built).
     """
-    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None)
+    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None).float()
     if is_critic:
         return out.squeeze(-1)
     if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
@@ -127,7 +119,6 @@ class MegatronEvalStack:
     ) -> None:
         self._spec = spec
         self.model = model
-        self._runner = mixed_precision(model)
         self.arch = arch
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
@@ -138,7 +129,7 @@ class MegatronEvalStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self._runner,
+            self.model,
             samples,
             self.arch,
             self.spec.role == "critic",
@@ -166,17 +157,13 @@ class MegatronTrainingStack:
         arch: LlamaArch,
         device: torch.device,
     ) -> None:
-        runner = model.module  # the GPTModel, or the Float16Module around it
-        gpt = runner.module if isinstance(runner, Float16Module) else runner
-        if not isinstance(gpt, GPTModel):
+        if not isinstance(model.module, GPTModel):
             raise TypeError(
-                "MegatronTrainingStack needs DDP around a GPTModel (in a Float16Module for "
-                f"bf16), got {type(runner)}"
+                f"MegatronTrainingStack needs DDP around a GPTModel, got {type(model.module)}"
             )
         self.train_spec = spec
         self.model = model
-        self._runner = runner
-        self._gpt = gpt
+        self._gpt = model.module
         self._optimizer = optimizer
         self._scheduler = scheduler
         self.arch = arch
@@ -198,7 +185,7 @@ class MegatronTrainingStack:
 
     @property
     def gpt(self) -> GPTModel:
-        """The model inside DDP (and inside the ``Float16Module`` in bf16)."""
+        """The model inside DDP."""
         return self._gpt
 
     @property
@@ -211,7 +198,7 @@ class MegatronTrainingStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self._runner, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
+            self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
         )
 
     def export_weights(self) -> NamedTensors:

@@ -104,3 +104,11 @@ def train_spec(
 def weights(named: Any) -> dict[str, torch.Tensor]:
     """Exported weights as detached copies (exports may be views of live parameters)."""
     return {name: t.detach().clone() for name, t in named}
+
+
+def optimizer_parts(optimizer: object) -> list[Any]:
+    """The Megatron optimizers inside the ``ChainedOptimizer`` that ``get_megatron_optimizer``
+    returns (one for a dense model): ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or
+    ``DistributedOptimizer``, each stepping a torch optimizer held as ``.optimizer``."""
+    parts: list[Any] = list(getattr(optimizer, "chained_optimizers"))  # noqa: B009
+    return parts

@@ -29,7 +29,13 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
-    from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+    from tests.megatron.helpers import (
+        make_batch,
+        make_samples,
+        optimizer_parts,
+        train_spec,
+        weights,
+    )
 
     folder, results = Path(hf), Path(out)
     backend = MegatronBackend()
@@ -118,7 +124,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
             "grad_norm": first_metrics.grad_norm,
             "straight": weights(straight.export_weights()),
             "resumed": weights(resumed.export_weights()),
-            "optimizer": type(straight.optimizer.chained_optimizers[0]).__name__,
+            "optimizer": [type(part).__name__ for part in optimizer_parts(straight.optimizer)],
         },
         results / f"dp2_zero1.rank{rank}.pt",
     )

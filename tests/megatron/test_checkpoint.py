@@ -14,7 +14,13 @@ from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.checkpoint import read_rollout_id
 from rlcore_megatron.stacks import MegatronTrainingStack
-from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+from tests.megatron.helpers import (
+    make_batch,
+    make_samples,
+    optimizer_parts,
+    train_spec,
+    weights,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -46,9 +52,7 @@ def _optimizer_tensors(stack: MegatronTrainingStack) -> list[torch.Tensor]:
     for group in stack.optimizer.param_groups:
         for param in group["params"]:
             out.append(param)
-    state = [
-        s for part in stack.optimizer.chained_optimizers for s in part.optimizer.state.values()
-    ]
+    state = [s for part in optimizer_parts(stack.optimizer) for s in part.optimizer.state.values()]
     return out + [s[k] for s in state for k in ("exp_avg", "exp_avg_sq", "step")]
 
 

@@ -25,7 +25,6 @@ class OptimizerConfig:
 
 class MegatronOptimizer:
     config: OptimizerConfig
-    optimizer: torch.optim.Optimizer | None
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
     def zero_grad(self, set_to_none: bool = True) -> None: ...
@@ -39,13 +38,6 @@ class MegatronOptimizer:
         is_loading: bool = False,
         metadata: dict[str, Any] | None = None,
     ) -> ShardedStateDict: ...
-
-class ChainedOptimizer(MegatronOptimizer):
-    chained_optimizers: list[MegatronOptimizer]
-
-class FP32Optimizer(MegatronOptimizer): ...
-class Float16OptimizerWithFloat16Params(MegatronOptimizer): ...
-class DistributedOptimizer(MegatronOptimizer): ...
 
 def get_megatron_optimizer(
     config: OptimizerConfig, model_chunks: list[torch.nn.Module]
