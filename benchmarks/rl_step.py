@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -255,22 +256,22 @@ def main() -> None:
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
-    if args.assets is None:
-        from benchmarks.bench_tiny import build_assets
-
-        args.assets = build_assets(tmp / "assets")
-    # A new local instance even when another Ray cluster runs on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
-    shutil.copytree(args.assets / "model", model_dir)
-    for f in (args.assets / "tokenizer").iterdir():
-        shutil.copy(f, model_dir / f.name)
     warm = 2
     precisions = (True, False) if args.bf16 else (False,)
     floor_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
     ours_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
     perf: dict[bool, list[dict[str, float]]] = {bf16: [] for bf16 in precisions}
     try:
+        if args.assets is None:
+            from benchmarks.bench_tiny import build_assets
+
+            args.assets = build_assets(tmp / "assets")
+        # A new local instance even when another Ray cluster runs on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
+        shutil.copytree(args.assets / "model", model_dir)
+        for f in (args.assets / "tokenizer").iterdir():
+            shutil.copy(f, model_dir / f.name)
         for r in range(args.rounds):
             for bf16 in precisions:
                 ours, split = rlcore_steps(
@@ -285,8 +286,16 @@ def main() -> None:
                 perf[bf16] += split[warm:]
                 floor = floor_steps(args.assets, warm + args.steps, r, bf16)
                 floor_rounds[bf16].append(floor[warm:])
+                print(
+                    f"round {r} {'bf16' if bf16 else 'fp32'}: rlcore "
+                    f"{statistics.median(ours[warm:]):.3f}, floor "
+                    f"{statistics.median(floor[warm:]):.3f} s/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "

@@ -189,9 +189,12 @@ def test_weights_load_into_either_precision_but_optimizer_state_does_not(
         assert "--bf16" in str(info.value) and "--use-distributed-optimizer" in str(info.value)
 
 
-def test_distributed_optimizer_at_one_rank_matches_the_plain_one(tiny_hf: Path) -> None:
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_distributed_optimizer_at_one_rank_matches_the_plain_one(
+    tiny_hf: Path, precision: Precision
+) -> None:
     batch = make_batch(make_samples(8, seed=1), seed=2)
-    plain, sharded = _stack(tiny_hf, "bfloat16"), _stack(tiny_hf, "bfloat16", distributed=True)
+    plain, sharded = _stack(tiny_hf, precision), _stack(tiny_hf, precision, distributed=True)
     assert type(_inner(sharded.optimizer)).__name__ == "DistributedOptimizer"
     for _ in range(3):
         a, b = plain.train_step(batch), sharded.train_step(batch)
