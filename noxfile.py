@@ -1,8 +1,12 @@
-"""Sessions: ``tests`` (pytest: core, properties, Megatron on the CPU, Ray) and ``typecheck``
-(``mypy --strict`` over src/, tests/typing/ and examples/). ``nox -s tests typecheck`` is the
-README's test command and what CI runs.
+"""Sessions: ``lint`` (ruff check + ruff format --check), ``tests`` (pytest: core, properties,
+Megatron on the CPU, Ray), ``typecheck`` (``mypy --strict`` over the whole tree, and stubtest of
+stubs/megatron against the installed megatron-core), ``sglang`` (tests against real SGLang servers
+on the CPU, and stubtest of stubs/sglang) and ``bench`` (every benchmark, one table of ratios; not
+part of CI). ``nox -s lint tests typecheck`` and ``nox -s sglang`` are what CI runs.
 
-Every install goes through ``constraints.txt`` so that pip takes the CPU torch wheel.
+Every install goes through ``constraints.txt`` (the pinned versions CI uses; on a CPU-only
+package index that means the CPU torch wheel). The dev tools come from pyproject.toml's
+``[dependency-groups]``: they are listed there once.
 """
 
 from __future__ import annotations
@@ -11,47 +15,74 @@ import os
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck"]
+nox.options.sessions = ["lint", "tests", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", "constraints.txt")
-DEV = ("pytest>=8", "hypothesis>=6.100", "mypy>=1.15", "types-psutil")
+PYPROJECT = nox.project.load_toml("pyproject.toml")
 
 
-def _install(session: nox.Session) -> None:
-    session.install(*CONSTRAINTS, "-e", ".[megatron,wandb]", *DEV)
+def _groups(*names: str) -> tuple[str, ...]:
+    """The requirements of pyproject.toml's dependency groups ``names``."""
+    return tuple(nox.project.dependency_groups(PYPROJECT, *names))
+
+
+def _install(session: nox.Session, *groups: str) -> None:
+    session.install(*CONSTRAINTS, "-e", ".[megatron,wandb]", *_groups(*groups))
+
+
+def _stubtest(session: nox.Session, package: str) -> None:
+    """mypy's stubtest: ``stubs/<package>`` against the installed package, so a stub that lies
+    (a name that does not exist, a parameter that is not there) fails. What the stubs leave out
+    on purpose is listed, with the reason, in ``stubs/<package>-allowlist.txt``."""
+    session.run(
+        "python",
+        "-m",
+        "mypy.stubtest",
+        "--mypy-config-file",
+        "stubs/stubtest.ini",
+        "--ignore-missing-stub",
+        "--allowlist",
+        f"stubs/{package}-allowlist.txt",
+        package,
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff, with the settings in pyproject.toml: lint, then check the formatting."""
+    session.install(*CONSTRAINTS, *_groups("lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the test suite (SGLang-server tests live in the ``sglang`` session)."""
-    _install(session)
+    _install(session, "test")
     env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
     session.run("pytest", "-m", "not sglang", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict with our stubs; no blanket ignore_missing_imports."""
-    _install(session)
+    """mypy --strict over the whole tree with our stubs (no blanket ignore_missing_imports),
+    then stubtest of stubs/megatron."""
+    _install(session, "test", "typecheck")
     session.run("mypy", *session.posargs)
+    _stubtest(session, "megatron")
 
 
 SGLANG_VERSION = "0.5.23"
 SGLANG_SHIMS = "tools/sglang_shims"
 
 
-@nox.session(python=PYTHON)
-def sglang(session: nox.Session) -> None:
-    """SGLang integration tests against real SGLang servers on the CPU (tests/sglang).
-
-    SGLang's wheel requires CUDA-only packages, so it is installed without them: CPU torch first,
-    SGLang's other requirements with torch pinned, SGLang itself with ``--no-deps``, and the
-    test-only shims in tools/sglang_shims put on ``sys.path`` of this virtualenv by a ``.pth``
-    file (see tools/sglang_shims/README.md). Caches stay under .nox/.
-    """
-    nox_dir = os.path.abspath(os.path.join(session.virtualenv.location, os.pardir))
+def _install_sglang(session: nox.Session, nox_dir: str) -> None:
+    """SGLang's wheel requires CUDA-only packages, so it is installed without them: CPU torch
+    first, SGLang's other requirements with torch pinned, SGLang itself with ``--no-deps``, and
+    the test-only shims in tools/sglang_shims put on ``sys.path`` of this virtualenv by a
+    ``.pth`` file (see tools/sglang_shims/README.md)."""
     session.env["PIP_CACHE_DIR"] = os.path.join(nox_dir, "sglang-pip-cache")
     session.install(*CONSTRAINTS, "torch")
     cpu_pins = ("-c", f"{SGLANG_SHIMS}/constraints-cpu.txt")
@@ -59,7 +90,7 @@ def sglang(session: nox.Session) -> None:
     session.install("--no-deps", f"sglang=={SGLANG_VERSION}")
     # The Megatron extra too: the CLI end-to-end test runs
     # `rlcore_megatron.run --rollout-engine sglang`.
-    session.install(*cpu_pins, "-e", ".[megatron]", *DEV)
+    session.install(*cpu_pins, "-e", ".[megatron]", *_groups("test", "typecheck"))
     site_packages = session.run(
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
     )
@@ -68,6 +99,18 @@ def sglang(session: nox.Session) -> None:
     with open(pth, "w") as f:
         f.write(os.path.abspath(SGLANG_SHIMS) + "\n")
 
+
+def _nox_dir(session: nox.Session) -> str:
+    return os.path.abspath(os.path.join(session.virtualenv.location, os.pardir))
+
+
+@nox.session(python=PYTHON)
+def sglang(session: nox.Session) -> None:
+    """SGLang integration tests against real SGLang servers on the CPU (tests/sglang), after mypy
+    over them and stubtest of stubs/sglang against the installed SGLang. Caches stay under .nox/.
+    """
+    nox_dir = _nox_dir(session)
+    _install_sglang(session, nox_dir)
     cache = os.path.join(nox_dir, "sglang-cache")
     env = {
         "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
@@ -77,6 +120,7 @@ def sglang(session: nox.Session) -> None:
     # Its own cache: this mypy sees different third-party versions than the typecheck session's.
     mypy_cache = os.path.join(nox_dir, "sglang-mypy-cache")
     session.run("mypy", "--cache-dir", mypy_cache, "stubs/sglang", "tests/sglang")
+    _stubtest(session, "sglang")
     session.run(
         "pytest",
         "tests/sglang",
@@ -86,3 +130,12 @@ def sglang(session: nox.Session) -> None:
         *session.posargs,
         env=env,
     )
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Every benchmark under benchmarks/, then one table of their ratios (not part of CI: the
+    numbers need an otherwise idle machine). Arguments after ``--`` go to ``benchmarks.run_all``
+    (``--quick`` for a short smoke run)."""
+    _install(session)
+    session.run("python", "-m", "benchmarks.run_all", *session.posargs)

@@ -15,7 +15,7 @@ Adam moments). Target: <= 0.25 x, for what the stacks hold: the peaks above the 
 (the same Python, torch and Megatron in both, 0.4 GiB here, which at 100M bf16 parameters is
 larger than the whole eval stack). The ratio of the whole peaks is printed beside it.
 
-    python benchmarks/bringup.py [--layers 12] [--hidden 768] [--batch 4] [--seq 128] [--bf16]
+    python -m benchmarks.bringup [--layers 12] [--hidden 768] [--batch 4] [--seq 128] [--bf16]
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from benchmarks.results import Ratio, write_ratios
 
 TARGET_RSS_RATIO = {"float32": 0.6, "bfloat16": 0.25}
 
@@ -126,6 +129,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--bf16", action="store_true", help="both stacks in bf16")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args)))
@@ -133,7 +139,7 @@ def main() -> None:
 
     results = {}
     for side in ("eval", "train"):
-        cmd = [sys.executable, __file__, "--child", side] + sys.argv[1:]
+        cmd = [sys.executable, "-m", "benchmarks.bringup", "--child", side] + sys.argv[1:]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{side} subprocess failed:\n{out.stderr[-4000:]}")
@@ -167,14 +173,17 @@ def main() -> None:
     held_ratio = ev["held_mib"] / tr["held_mib"]
     target = TARGET_RSS_RATIO[precision]
     if args.bf16:
+        measured, measure = held_ratio, "peak RSS above imports, eval vs train, bf16"
         verdict = "meets" if held_ratio <= target else "MISSES"
         print(
             f"peak RSS above imports ratio {held_ratio:.2f} {verdict} the target <= {target} "
             f"(whole peak RSS ratio {ratio:.2f})"
         )
     else:
+        measured, measure = ratio, "peak RSS, eval vs training stack"
         verdict = "meets" if ratio <= target else "MISSES"
         print(f"peak RSS ratio {ratio:.2f} {verdict} the target <= {target}")
+    write_ratios(args.json, [Ratio("bringup", measure, measured, target)])
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
+from benchmarks.results import Ratio, write_ratios
+
 THREADS = 2
 PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 
@@ -65,10 +67,10 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
     tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
     model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
     rows = [json.loads(line) for line in (assets / "prompts.jsonl").read_text().splitlines()]
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     main = [p.detach().clone() for p in params] if bf16 else params  # what AdamW steps
     if bf16:
-        model.to(torch.bfloat16)
+        model.bfloat16()
     opt = torch.optim.AdamW(
         main, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
     )
@@ -82,7 +84,7 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
         )
         answers = [r["answer"] for r in batch for _ in range(SAMPLES)]
         n = prompt_ids.shape[0]
-        model.eval()
+        model.train(False)  # nn.Module's typed spelling of eval()
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             x, done, out = prompt_ids, torch.zeros(n, dtype=torch.bool), []
@@ -100,7 +102,7 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
         eos_seen = (completion == 2).cumsum(1)
         mask = (eos_seen == 0) | ((completion == 2) & (eos_seen == 1))
         texts = [
-            tok.decode(c[m].tolist(), skip_special_tokens=True)
+            str(tok.decode(c[m].tolist(), skip_special_tokens=True))  # one sequence: one str
             for c, m in zip(completion, mask, strict=True)
         ]
         rewards = torch.tensor(
@@ -117,7 +119,7 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
         per_tok = -torch.exp(logp - logp.detach()) * adv[:, None]
         loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
         opt.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         if bf16:
             for m, p in zip(main, params, strict=True):
                 m.grad, p.grad = p.grad.float() if p.grad is not None else None, None
@@ -250,6 +252,9 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action="store_true", help="also measure both in bf16 mixed precision"
     )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
 
@@ -302,12 +307,14 @@ def main() -> None:
         f"{THREADS} threads, {args.rounds} alternating rounds of {args.steps} steps"
     )
     medians: dict[tuple[str, bool], float] = {}
+    ratios: list[Ratio] = []
     for bf16 in sorted(precisions):
         dtype = "bf16" if bf16 else "fp32"
         medians["floor", bf16] = _summary(f"floor {dtype}", floor_rounds[bf16])
         medians["rlcore", bf16] = _summary(f"rlcore {dtype}", ours_rounds[bf16])
         ratio = medians["rlcore", bf16] / medians["floor", bf16]
         print(f"  {dtype} ratio: {ratio:.2f}x the floor (target <= 1.15x)")
+        ratios.append(Ratio("rl_step", f"s/step vs plain PyTorch, {dtype}", ratio, 1.15))
         _split(f"rlcore {dtype}", perf[bf16])
     if args.bf16:
         print(
@@ -317,6 +324,7 @@ def main() -> None:
                 for name in ("floor", "rlcore")
             )
         )
+    write_ratios(args.json, ratios)
 
 
 if __name__ == "__main__":

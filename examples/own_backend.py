@@ -24,6 +24,7 @@ from rlcore.algorithms import (
     actor_loss,
     critic_loss,
     gather_response,
+    loss_normalizer,
     tensorize,
     tensorize_samples,
     token_log_probs,
@@ -144,7 +145,9 @@ class TorchTrainingStack:
                 )
             else:
                 result = actor_loss(token_log_probs(out, step), step, self.train_spec.loss)
-            loss = result.loss / step.num_sequences
+            # The loss is a numerator: divide by the global batch's normaliser (sequences, or
+            # tokens for --loss-agg-mode token-mean). Here one step is one micro-batch.
+            loss = result.loss / loss_normalizer(self.train_spec.loss.agg_mode, step.response_mask)
             self._optimizer.zero_grad()
             torch.autograd.backward(loss)
             clip = self.train_spec.optimizer.clip_grad

@@ -27,6 +27,7 @@ def ray_cluster() -> Iterator[None]:
         yield
         return
     ray.init(
+        address="local",  # not a cluster someone else began with `ray start` on this machine
         num_cpus=RAY_TEST_CPUS,
         num_gpus=0,
         include_dashboard=False,

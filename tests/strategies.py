@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from rlcore.samples import Generation, Prompt, Sample
 
-ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -104,9 +105,11 @@ def corrupted_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
 def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     """Config data that is valid by construction, over the same settings as :func:`config_dicts`
     (num_rollout from 0, critic, estimator, KL, warmup/decay, batch split, eval/save intervals,
-    start_rollout_id), so properties about plans and runs are not starved by filtering."""
+    start_rollout_id) and the rollout/loss variants (over-sampling, the reward-std filter, kept
+    surplus, loss aggregation, TIS or rollout log-probs), so properties about plans and runs are
+    not starved by filtering."""
     estimator = draw(st.sampled_from(ESTIMATORS))
-    group_based = estimator in ("grpo", "reinforce_plus_plus_baseline")
+    group_based = estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
     n_samples = draw(st.integers(min_value=2 if group_based else 1, max_value=4))
     rollout_batch = draw(st.integers(min_value=1, max_value=4))
     prompts_per_step = draw(
@@ -167,6 +170,20 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
         data["checkpoint"]["save"] = "ckpt"
     if start is not None and num_rollout > 0:
         data["checkpoint"]["start_rollout_id"] = start
+    over_sampling = draw(st.one_of(st.none(), st.integers(rollout_batch, rollout_batch + 3)))
+    if over_sampling is not None:
+        data["rollout"]["over_sampling_batch_size"] = over_sampling
+        data["rollout"]["over_sampling_surplus"] = draw(st.sampled_from(["drop", "keep"]))
+    if n_samples >= 2 and draw(st.booleans()):  # a group of one never passes the filter
+        data["rollout"]["dynamic_sampling_filter_path"] = "rlcore.rollout:check_reward_nonzero_std"
+    data["algorithm"]["loss_agg_mode"] = draw(st.sampled_from(AGG_MODES))
+    correction = draw(st.sampled_from(["none", "tis", "rollout_logprobs"]))
+    if correction == "tis":
+        data["algorithm"]["use_tis"] = True
+        data["algorithm"]["tis_mode"] = draw(st.sampled_from(["clip", "mask"]))
+        data["algorithm"]["tis_level"] = draw(st.sampled_from(["token", "geometric"]))
+    elif correction == "rollout_logprobs":
+        data["algorithm"]["use_rollout_logprobs"] = True
     return data
 
 

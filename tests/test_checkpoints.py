@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write
 from rlcore.errors import CheckpointError
 
 
-def _writer(text: str):  # type: ignore[no-untyped-def]
+def _writer(text: str) -> Callable[[Path], None]:
     def save(folder: Path) -> None:
         folder.mkdir()
         (folder / "weights").write_text(text)
@@ -65,3 +67,29 @@ def test_missing_and_corrupt_checkpoints_name_the_path(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("rollout_000009\n")
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         find_checkpoint(tmp_path)
+
+
+def test_the_next_save_removes_what_an_interrupted_save_left_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a0")})
+    # What a save killed half-way leaves: its temporary folder (named after the dead process), the
+    # old folder of a re-save and the temporary pointer.
+    debris = [tmp_path / ".tmp-rollout_000001-4242", tmp_path / ".old-rollout_000000-4242"]
+    for folder in debris:
+        (folder / "actor").mkdir(parents=True)
+        (folder / "actor" / "weights").write_text("half")
+    (tmp_path / ".latest.tmp").write_text("rollout_000001\n")
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        final = write_checkpoint(
+            tmp_path, CheckpointMeta(1, 8, ("actor",)), {"actor": _writer("a1")}
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "rollout_000000",
+        "rollout_000001",
+    ]
+    assert find_checkpoint(tmp_path) == final
+    logged = [r.getMessage() for r in caplog.records]
+    for path in [*debris, tmp_path / ".latest.tmp"]:
+        assert f"checkpoints: removed {path}, left behind by an interrupted save" in logged

@@ -50,6 +50,15 @@ def test_fake_run_builds_trains_saves_and_evals_exactly_as_planned(data: dict[st
         config = _with_save(config, Path(tmp) / "ckpt")
         the_plan = plan(config)
         backend, engine, sink = FakeBackend(), ScriptedEngine(), RecordingSink()
+        if (
+            isinstance(the_plan, EvalPlan)
+            and the_plan.load is None
+            and the_plan.actor.model.hf_checkpoint is None
+        ):
+            with pytest.raises(PlanError, match="random weights"):
+                run(the_plan, backend, engine, label_reward, DATA, sink)
+            assert backend.roles_built == []  # refused before anything was built
+            the_plan = attrs.evolve(the_plan, random_weights=True)
         result = run(the_plan, backend, engine, label_reward, DATA, sink)
 
         if isinstance(the_plan, EvalPlan):
@@ -162,7 +171,14 @@ def test_stacks_that_disagree_on_the_rollout_id_are_a_clear_error(tmp_path: Path
     (folder / "critic" / "fake_stack.json").write_text('{"rollout_id": 1, "steps": 2}')
     with pytest.raises(CheckpointError, match="disagree"):
         run(
-            plan(_train_config(tmp_path, algorithm__use_critic=True, checkpoint__load=str(folder))),
+            plan(
+                _train_config(
+                    tmp_path,
+                    algorithm__use_critic=True,
+                    checkpoint__load=str(folder),
+                    rollout__num_rollout=6,
+                )
+            ),
             FakeBackend(),
             ScriptedEngine(),
             label_reward,
@@ -231,7 +247,10 @@ def test_supervised_warm_start_trains_on_targets_without_generating(tmp_path: Pa
 
 
 def test_supervised_warm_start_needs_labelled_prompts(tmp_path: Path) -> None:
-    unlabelled = RunData(train_prompts=tuple(attrs.evolve(p, target_token_ids=()) for p in PROMPTS))
+    unlabelled = RunData(
+        train_prompts=tuple(attrs.evolve(p, target_token_ids=()) for p in PROMPTS),
+        eval_sets=DATA.eval_sets,
+    )
     config = _train_config(tmp_path, algorithm__sft_warmup_rollouts=1, eval__interval=None)
     with pytest.raises(PlanError, match="--sft-warmup-rollouts needs labelled prompts"):
         run(plan(config), FakeBackend(), ScriptedEngine(), label_reward, unlabelled)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import threading
 from pathlib import Path
 
 import attrs
 import pytest
+from rich.console import Console
 
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink, read_jsonl_metrics
 
@@ -24,7 +27,10 @@ def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None
         {"step": 1, "eval/heldout/reward": 1.0},
     ]
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # tensorboard ships no type information (no py.typed, no stubs)
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
@@ -43,12 +49,18 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
     from rlcore.flags import load_config
     from rlcore.plan import plan
     from rlcore_megatron import run as run_module
+    from rlcore_megatron.console import ProgressSink
 
     class UnreachableWandb:
         def __init__(self, folder: Path, config: object) -> None:
             raise RuntimeError("wandb cannot start")
 
     monkeypatch.setattr(run_module, "WandbSink", UnreachableWandb)
+    # On a terminal, where the progress display runs a refresh thread (elsewhere it only logs).
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    monkeypatch.setattr(
+        run_module, "ProgressSink", functools.partial(ProgressSink, console=terminal)
+    )
     config = load_config(
         [
             *("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),

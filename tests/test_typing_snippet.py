@@ -40,9 +40,8 @@ def test_mypy_rejects_optimizer_access_on_an_eval_stack(tmp_path: Path) -> None:
         text=True,
         cwd=root,
     )
-    assert out.returncode == 1, out.stdout
     errors = [line for line in out.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 1, out.stdout
+    assert out.returncode == 1 and len(errors) == 1, out.stdout + out.stderr
     assert (
         'snippet.py:5: error: "EvalStack" has no attribute "optimizer"  [attr-defined]' in errors[0]
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rlcore.backends import load_backend
 from rlcore.config import RunConfig
 from rlcore.errors import (
+    BackendError,
     BackendUnavailableError,
     CheckpointError,
     ConfigError,
@@ -21,18 +22,31 @@ from rlcore.errors import (
     RolloutError,
 )
 from rlcore.flags import load_config
-from rlcore.loop import RunData, RunResult, run, should_eval, should_save
-from rlcore.plan import EvalPlan, Plan, TrainPlan, plan
+from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
+from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
     EvalStack,
+    GroupFilter,
     MetricsSink,
     NamedTensors,
     Optimizer,
+    PromptSource,
     RewardFn,
     RolloutEngine,
+    RolloutFn,
     Scheduler,
     TrainingStack,
+)
+from rlcore.replay import load_rollout_data, save_rollout_data
+from rlcore.rollout import (
+    DynamicSampling,
+    Group,
+    RolloutContext,
+    RolloutOutput,
+    RolloutSpec,
+    check_reward_nonzero_std,
+    default_rollout,
 )
 from rlcore.samples import (
     EvalSet,
@@ -46,6 +60,7 @@ from rlcore.samples import (
 from rlcore.specs import (
     AdvantageSpec,
     EvalSpec,
+    ISCorrection,
     LossSpec,
     LRSchedule,
     ModelSpec,
@@ -59,16 +74,21 @@ __version__ = "0.1.0"
 __all__ = [
     "AdvantageSpec",
     "Backend",
+    "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
     "ConfigProblem",
     "DataError",
+    "DynamicSampling",
     "EvalPlan",
     "EvalSet",
     "EvalSpec",
     "EvalStack",
     "Generation",
+    "Group",
+    "GroupFilter",
+    "ISCorrection",
     "LRSchedule",
     "LossSpec",
     "MetricsSink",
@@ -80,13 +100,20 @@ __all__ = [
     "Plan",
     "PlanError",
     "Prompt",
+    "PromptSource",
     "RLCoreError",
     "RewardError",
     "RewardFn",
+    "RolloutContext",
     "RolloutEngine",
     "RolloutError",
+    "RolloutFn",
+    "RolloutOnlyPlan",
+    "RolloutOutput",
+    "RolloutSpec",
     "RunConfig",
     "RunData",
+    "RunInterrupted",
     "RunResult",
     "Sample",
     "SamplingParams",
@@ -96,10 +123,14 @@ __all__ = [
     "TrainPlan",
     "TrainSpec",
     "TrainingStack",
+    "check_reward_nonzero_std",
+    "default_rollout",
     "load_backend",
     "load_config",
+    "load_rollout_data",
     "plan",
     "run",
+    "save_rollout_data",
     "should_eval",
     "should_save",
 ]

@@ -9,12 +9,16 @@ Layout under the ``--save`` folder::
 
 A save is built in a hidden temporary folder, renamed into place, and only then is ``latest``
 replaced (by ``os.replace`` of a temporary file). A crash or an exception at any point leaves the
-previous checkpoint as ``latest``: a failed save never replaces a good one.
+previous checkpoint as ``latest``: a failed save never replaces a good one. A killed process
+cannot remove its temporary folder (a whole checkpoint's size), so every save first removes the
+ones an earlier, interrupted save left behind, and logs each: a save folder belongs to one run at
+a time.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -24,10 +28,21 @@ import attrs
 
 from rlcore.errors import CheckpointError
 
-__all__ = ["CheckpointMeta", "find_checkpoint", "read_meta", "rollout_dir_name", "write_checkpoint"]
+__all__ = [
+    "CheckpointMeta",
+    "find_checkpoint",
+    "read_meta",
+    "remove_interrupted_saves",
+    "rollout_dir_name",
+    "write_checkpoint",
+]
 
 META_FILE = "rlcore.json"
 LATEST_FILE = "latest"
+_DEBRIS = (".tmp-rollout_*", ".old-rollout_*", f".{LATEST_FILE}.tmp")
+"""What an interrupted :func:`write_checkpoint` can leave in the save folder."""
+
+log = logging.getLogger("rlcore")
 
 
 @attrs.frozen
@@ -61,6 +76,7 @@ def write_checkpoint(
     as it was, and :class:`CheckpointError` (naming the folder) is raised from the cause.
     """
     root.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_saves(root)
     name = rollout_dir_name(meta.rollout_id)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -85,6 +101,21 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
     return final
+
+
+def remove_interrupted_saves(root: Path) -> list[Path]:
+    """Remove what interrupted saves left in the save folder ``root`` (their temporary folders);
+    returns the paths removed, each also logged."""
+    removed = []
+    for pattern in _DEBRIS:
+        for path in sorted(root.glob(pattern)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            log.info("checkpoints: removed %s, left behind by an interrupted save", path)
+            removed.append(path)
+    return removed
 
 
 def find_checkpoint(path: Path) -> Path:

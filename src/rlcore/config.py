@@ -7,11 +7,15 @@ otherwise fail later inside Megatron or mid-run and raises one :class:`~rlcore.e
 listing *all* problems with their field paths (and flags) and what to do.
 
 Every field's metadata carries its flag and a one-line help text; the CLI is generated from them.
+Every ``float`` field must be a finite number (no field gives NaN or infinity a meaning).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import math
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,8 +27,12 @@ from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import (
     AdvantageEstimator,
     DecayStyle,
+    ISLevel,
+    ISMode,
     KLType,
+    LossAggMode,
     batch_split_problem,
+    expert_split_problem,
     parallel_split_problem,
     schedule_length_problem,
 )
@@ -33,6 +41,7 @@ __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "DataConfig",
+    "DebugConfig",
     "EvalConfig",
     "EvalDataConfig",
     "ModelConfig",
@@ -43,13 +52,16 @@ __all__ = [
     "TrainConfig",
     "check",
     "converter",
+    "float_fields",
     "structure_config",
+    "with_flag",
 ]
 
 RolloutEngineName = Literal["embedded", "sglang"]
 RewardName = Literal["exact_match", "math"]
 """The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
 WeightSyncMode = Literal["tensor", "distributed", "disk"]
+SurplusPolicy = Literal["drop", "keep"]
 
 _T = TypeVar("_T")
 
@@ -93,6 +105,33 @@ class RolloutConfig:
     sglang_num_servers: int = _opt(
         1, "--sglang-num-servers", "SGLang servers to launch (data-parallel rollout)"
     )
+    rollout_function_path: str | None = _opt(
+        None,
+        "--rollout-function-path",
+        "module:function replacing the default rollout (generate, reward, filter, top up)",
+    )
+    over_sampling_batch_size: int | None = _opt(
+        None,
+        "--over-sampling-batch-size",
+        "prompts per generation round of dynamic sampling (default: --rollout-batch-size)",
+    )
+    dynamic_sampling_filter_path: str | None = _opt(
+        None,
+        "--dynamic-sampling-filter-path",
+        "group filter module:function; rounds repeat until --rollout-batch-size groups pass "
+        "(built-in: rlcore.rollout:check_reward_nonzero_std drops groups whose rewards all equal)",
+    )
+    over_sampling_surplus: SurplusPolicy = _opt(
+        "drop",
+        "--over-sampling-surplus",
+        "groups that passed beyond --rollout-batch-size: drop them, or keep them for the next "
+        "rollout (saved in checkpoints)",
+    )
+    dynamic_sampling_max_rounds: int = _opt(
+        8,
+        "--dynamic-sampling-max-rounds",
+        "generation rounds one rollout may take before it stops with an error",
+    )
 
 
 @attrs.frozen
@@ -102,7 +141,8 @@ class AlgorithmConfig:
     advantage_estimator: AdvantageEstimator = _opt(
         "grpo",
         "--advantage-estimator",
-        "grpo, reinforce_plus_plus, reinforce_plus_plus_baseline or ppo",
+        "grpo, gspo (sequence-level ratio), reinforce_plus_plus, reinforce_plus_plus_baseline "
+        "or ppo",
     )
     use_critic: bool = _opt(
         False, "--use-critic", "train a critic (implied by --advantage-estimator ppo)"
@@ -131,6 +171,47 @@ class AlgorithmConfig:
     )
     value_clip: float = _opt(0.2, "--value-clip", "critic value clip range")
     entropy_coef: float = _opt(0.0, "--entropy-coef", "entropy bonus weight")
+    loss_agg_mode: LossAggMode = _opt(
+        "seq-mean-token-mean",
+        "--loss-agg-mode",
+        "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO: "
+        "token sums over --rollout-max-response-len)",
+    )
+    calculate_per_token_loss: bool = _opt(
+        False, "--calculate-per-token-loss", "slime's name for --loss-agg-mode token-mean"
+    )
+    use_rollout_logprobs: bool = _opt(
+        False,
+        "--use-rollout-logprobs",
+        "PPO's old log-probs are the rollout engine's (no trainer recompute)",
+    )
+    use_tis: bool = _opt(
+        False,
+        "--use-tis",
+        "reweight each token's policy loss by the trainer/engine probability ratio (TIS)",
+    )
+    tis_clip: float = _opt(2.0, "--tis-clip", "upper bound of the importance weight")
+    tis_clip_low: float = _opt(0.0, "--tis-clip-low", "lower bound of the importance weight")
+    tis_mode: ISMode = _opt(
+        "clip",
+        "--tis-mode",
+        "clip (TIS: clamp to the bounds) or mask (IcePop/MIS: weight 0 outside them)",
+    )
+    tis_level: ISLevel = _opt(
+        "token",
+        "--tis-level",
+        "token, or geometric: one weight per sequence from the geometric mean of its ratios",
+    )
+    tis_veto_threshold: float | None = _opt(
+        None,
+        "--tis-veto-threshold",
+        "weight 0 for every token of a sequence with any token ratio below this",
+    )
+    custom_tis_function_path: str | None = _opt(
+        None,
+        "--custom-tis-function-path",
+        "module:function computing the importance weights instead",
+    )
     sft_warmup_rollouts: int = _opt(
         0,
         "--sft-warmup-rollouts",
@@ -146,6 +227,11 @@ class AlgorithmConfig:
     def uses_kl(self) -> bool:
         """Whether a reference model is needed: a KL reward penalty or a KL loss."""
         return self.kl_coef != 0.0 or self.use_kl_loss
+
+    @property
+    def agg_mode(self) -> LossAggMode:
+        """``--loss-agg-mode``, or ``token-mean`` for ``--calculate-per-token-loss``."""
+        return "token-mean" if self.calculate_per_token_loss else self.loss_agg_mode
 
 
 @attrs.frozen
@@ -190,6 +276,12 @@ class ModelConfig:
     )
     tensor_model_parallel_size: int = _opt(
         1, "--tensor-model-parallel-size", "tensor-parallel ranks"
+    )
+    expert_model_parallel_size: int = _opt(
+        1, "--expert-model-parallel-size", "expert-parallel ranks (MoE models share experts out)"
+    )
+    moe_aux_loss_coeff: float = _opt(
+        0.0, "--moe-aux-loss-coeff", "MoE router load-balancing loss weight (0 = off)"
     )
     actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
     actor_num_gpus_per_node: int = _opt(
@@ -270,6 +362,38 @@ class CheckpointConfig:
 
 
 @attrs.frozen
+class DebugConfig:
+    """Saving and replaying rollouts, and running one half of the loop (slime's debug flags)."""
+
+    save_debug_rollout_data: str | None = _opt(
+        None,
+        "--save-debug-rollout-data",
+        "write each rollout's samples to PATH, '{rollout_id}' replaced by the id "
+        "(without it, PATH is a folder of rollout_NNNNNN.json files)",
+    )
+    load_debug_rollout_data: str | None = _opt(
+        None,
+        "--load-debug-rollout-data",
+        "train on rollouts saved by --save-debug-rollout-data; no rollout engine is built",
+    )
+    debug_rollout_only: bool = _opt(
+        False,
+        "--debug-rollout-only",
+        "generate (and save) rollouts without building any training stack",
+    )
+    debug_train_only: bool = _opt(
+        False,
+        "--debug-train-only",
+        "train only, on --load-debug-rollout-data: no rollout engine, no eval",
+    )
+
+    @property
+    def replays(self) -> bool:
+        """Whether training reads saved rollouts instead of generating (no engine)."""
+        return self.load_debug_rollout_data is not None or self.debug_train_only
+
+
+@attrs.frozen
 class RunConfig:
     """Everything a run needs. Constructing one checks every cross-field invariant (see
     :func:`check`)."""
@@ -282,6 +406,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    debug: DebugConfig = DebugConfig()
     seed: int = _opt(1234, "--seed", "random seed")
     output_dir: Path = _opt(Path("runs/latest"), "--output-dir", "run folder for metrics and logs")
     use_tensorboard: bool = _opt(False, "--use-tensorboard", "also write TensorBoard events")
@@ -336,9 +461,39 @@ def _problem(
     return ConfigProblem(path=f"{path} ({_flag(section, name)})", message=message, hint=hint)
 
 
+@functools.cache
+def float_fields() -> tuple[tuple[str, type[Any], str], ...]:
+    """``(section, section class, field name)`` of every ``float`` (or ``float | None``) field;
+    section ``""`` is :class:`RunConfig` itself."""
+    out: list[tuple[str, type[Any], str]] = []
+    sections = typing.get_type_hints(RunConfig)
+    owners: list[tuple[str, type[Any]]] = [("", RunConfig)]
+    owners += [(name, hint) for name, hint in sections.items() if attrs.has(hint)]
+    for prefix, owner in owners:
+        for name, hint in typing.get_type_hints(owner).items():
+            if hint is float or hint == float | None:
+                out.append((prefix, owner, name))
+    return tuple(out)
+
+
+def _non_finite(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    for prefix, owner, name in float_fields():
+        value = getattr(getattr(config, prefix) if prefix else config, name)
+        if value is not None and not math.isfinite(value):
+            problems.append(_problem(owner, prefix, name, f"must be a finite number, got {value}"))
+    return problems
+
+
 def check(config: RunConfig) -> list[ConfigProblem]:
-    """Every problem with ``config``, in field order; empty when it can run."""
-    problems: list[ConfigProblem] = []
+    """Every problem with ``config``, in field order; empty when it can run.
+
+    A NaN or infinite number is reported alone (with every other one): the invariants that
+    compare numbers would otherwise blame a neighbouring field (``lr = nan`` fails ``min_lr <=
+    lr``)."""
+    problems: list[ConfigProblem] = _non_finite(config)
+    if problems:
+        return problems
     r, t, m, e, c = (
         config.rollout,
         config.train,
@@ -377,6 +532,22 @@ def check(config: RunConfig) -> list[ConfigProblem]:
         add(RolloutConfig, "rollout", "top_p", f"must be in (0, 1], got {r.top_p}")
     if r.top_k < 0:
         add(RolloutConfig, "rollout", "top_k", f"must be >= 0, got {r.top_k}")
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        add(
+            RolloutConfig,
+            "rollout",
+            "over_sampling_batch_size",
+            f"{r.over_sampling_batch_size} is less than --rollout-batch-size "
+            f"{r.rollout_batch_size}: a round must be able to fill the rollout",
+            "raise it, or leave it out to use --rollout-batch-size",
+        )
+    if r.dynamic_sampling_max_rounds < 1:
+        add(
+            RolloutConfig,
+            "rollout",
+            "dynamic_sampling_max_rounds",
+            f"must be >= 1, got {r.dynamic_sampling_max_rounds}",
+        )
     if r.sglang_urls and r.engine != "sglang":
         add(
             RolloutConfig,
@@ -388,9 +559,16 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     for name in ("global_batch_size", "micro_batch_size"):
         if getattr(t, name) < 1:
             add(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
-    for name in ("tensor_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+    for name in (
+        "tensor_model_parallel_size",
+        "expert_model_parallel_size",
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+    ):
         if getattr(m, name) < 1:
             add(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
+    if not m.moe_aux_loss_coeff >= 0:
+        add(ModelConfig, "model", "moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
     if e.interval is not None and e.interval < 1:
         add(EvalConfig, "eval", "interval", f"must be >= 1, got {e.interval}")
     if e.n_samples_per_eval_prompt < 1:
@@ -447,7 +625,17 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     )
     if split:
         add(ModelConfig, "model", "tensor_model_parallel_size", split)
+    experts = (
+        expert_split_problem(
+            m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size
+        )
+        if min(m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size) >= 1
+        else None
+    )
+    if experts and not split:
+        add(ModelConfig, "model", "expert_model_parallel_size", experts)
 
+    problems += _check_debug(config)
     if r.num_rollout is None and r.num_epoch is None:
         add(
             RolloutConfig,
@@ -470,6 +658,93 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     return problems
 
 
+def _check_debug(config: RunConfig) -> list[ConfigProblem]:
+    """The debug flags: which combinations mean something."""
+    problems: list[ConfigProblem] = []
+    d, e = config.debug, config.eval
+
+    def add(name: str, message: str, hint: str = "") -> None:
+        problems.append(_problem(DebugConfig, "debug", name, message, hint))
+
+    if d.debug_rollout_only and d.replays:
+        add(
+            "debug_rollout_only",
+            "cannot be combined with --debug-train-only or --load-debug-rollout-data",
+            "generate with --debug-rollout-only, replay in another run",
+        )
+    if d.debug_train_only and d.load_debug_rollout_data is None:
+        add(
+            "debug_train_only",
+            "trains on saved rollouts, but --load-debug-rollout-data is not given",
+            "add --load-debug-rollout-data PATH (written by --save-debug-rollout-data)",
+        )
+    if d.load_debug_rollout_data is not None and d.save_debug_rollout_data is not None:
+        add(
+            "save_debug_rollout_data",
+            "a run that replays saved rollouts generates none to save",
+            "drop --save-debug-rollout-data",
+        )
+    if (d.debug_rollout_only or d.replays) and config.is_eval_only:
+        add(
+            "debug_rollout_only" if d.debug_rollout_only else "load_debug_rollout_data",
+            "--num-rollout 0 evaluates only; the debug flags need rollouts",
+            "set --num-rollout N > 0",
+        )
+    if d.replays and e.interval is not None:
+        add(
+            "load_debug_rollout_data",
+            "a replaying run builds no rollout engine, so it cannot evaluate (--eval-interval)",
+            "drop --eval-interval",
+        )
+    return problems
+
+
+def _check_correction(config: RunConfig) -> list[ConfigProblem]:
+    """The mismatch-correction and loss-aggregation flags."""
+    problems: list[ConfigProblem] = []
+    a = config.algorithm
+
+    def add(name: str, message: str, hint: str = "") -> None:
+        problems.append(_problem(AlgorithmConfig, "algorithm", name, message, hint))
+
+    if a.use_tis and a.use_rollout_logprobs:
+        add(
+            "use_tis",
+            "cannot be combined with --use-rollout-logprobs: with the engine's log-probs as the "
+            "old ones there is no trainer/engine ratio left to correct",
+            "choose one (as slime requires)",
+        )
+    if not 0.0 <= a.tis_clip_low <= 1.0 <= a.tis_clip:
+        add(
+            "tis_clip",
+            f"the bounds must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip, got "
+            f"{a.tis_clip_low} and {a.tis_clip}",
+            "a weight range without 1 would reweight tokens on which engine and trainer agree",
+        )
+    if a.tis_veto_threshold is not None and not 0.0 < a.tis_veto_threshold < 1.0:
+        add("tis_veto_threshold", f"must be in (0, 1), got {a.tis_veto_threshold}")
+    if not a.use_tis:
+        given = [
+            name
+            for name, value, default in (
+                ("tis_mode", a.tis_mode, "clip"),
+                ("tis_level", a.tis_level, "token"),
+                ("tis_veto_threshold", a.tis_veto_threshold, None),
+                ("custom_tis_function_path", a.custom_tis_function_path, None),
+            )
+            if value != default
+        ]
+        for name in given:
+            add(name, "has no effect without --use-tis", "add --use-tis or drop it")
+    if a.calculate_per_token_loss and a.loss_agg_mode != "seq-mean-token-mean":
+        add(
+            "calculate_per_token_loss",
+            f"is --loss-agg-mode token-mean, but --loss-agg-mode {a.loss_agg_mode} is also given",
+            "give one of the two",
+        )
+    return problems
+
+
 def _check_training(config: RunConfig) -> list[ConfigProblem]:
     """Invariants that only matter when the run trains."""
     problems: list[ConfigProblem] = []
@@ -485,8 +760,9 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
     def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
         problems.append(_problem(section, prefix, name, message, hint))
 
+    problems += _check_correction(config)
     if (
-        a.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline")
+        a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
         and r.n_samples_per_prompt < 2
     ):
         add(
@@ -619,6 +895,10 @@ def _make_converter() -> cattrs.Converter:
     return conv
 
 
+class _NotFinite(ValueError):
+    """A NaN or infinite float value (reported without the "invalid value" prefix)."""
+
+
 # Strict scalars: cattrs' defaults call int()/bool() and would turn 3.7 into 3 and "no" into True.
 def _structure_path(value: object) -> Path:
     if isinstance(value, (str, Path)):
@@ -638,14 +918,20 @@ def _structure_int(value: object) -> int:
 
 
 def _structure_float(value: object) -> float:
+    number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise TypeError(f"expected a number, got {value!r}")
+    if number is None:
+        raise TypeError(f"expected a number, got {value!r}")
+    if not math.isfinite(number):
+        # Refused here, so the field itself is named and no invariant sees it.
+        raise _NotFinite(f"must be a finite number, got {value}")
+    return number
 
 
 def _structure_bool(value: object) -> bool:
@@ -693,11 +979,13 @@ def _problems_from(exc: BaseException, path: str, cls: type[Any] | None) -> list
         return out
     if isinstance(exc, ConfigError):
         return list(exc.problems)
+    if isinstance(exc, _NotFinite):
+        return [ConfigProblem(path=with_flag(path) or "<root>", message=str(exc))]
     del cls
-    return [ConfigProblem(path=_with_flag(path) or "<root>", message=f"invalid value: {exc}")]
+    return [ConfigProblem(path=with_flag(path) or "<root>", message=f"invalid value: {exc}")]
 
 
-def _with_flag(path: str) -> str:
+def with_flag(path: str) -> str:
     """``rollout.num_rollout`` -> ``rollout.num_rollout (--num-rollout)`` when the field has a
     flag."""
     owner: type[Any] = RunConfig

@@ -503,12 +503,19 @@ class PromptSampler:
 
     def next_batch(self) -> tuple[Prompt, ...]:
         """The next ``batch_size`` prompts; advances ``consumed`` by ``batch_size``."""
+        return self.take(self._batch_size)
+
+    def take(self, count: int) -> tuple[Prompt, ...]:
+        """The next ``count`` prompts of the stream (dynamic sampling takes rounds of any size);
+        advances ``consumed`` by ``count``. Satisfies :class:`~rlcore.protocols.PromptSource`."""
+        if count < 0:
+            raise ValueError(f"PromptSampler.take: count must be >= 0, got {count}")
         n = len(self._prompts)
         batch: list[Prompt] = []
         position = self._consumed
-        while len(batch) < self._batch_size:
+        while len(batch) < count:
             epoch, offset = divmod(position, n)
-            take = min(self._batch_size - len(batch), n - offset)
+            take = min(count - len(batch), n - offset)
             order = self.epoch_order(epoch)
             batch.extend(self._prompts[i] for i in order[offset : offset + take])
             position += take

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
@@ -51,6 +52,11 @@ class ConfigError(RLCoreError):
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[tuple[ConfigProblem, ...], str]]:
+        # Pickling (Ray sends a rank's errors to the driver) must rebuild from the problems: the
+        # default would call ConfigError(message) and list the message one character per line.
+        return (type(self), (self.problems, self.source))
+
     @property
     def paths(self) -> tuple[str, ...]:
         """The field paths of all problems, in the order found."""
@@ -61,12 +67,18 @@ class PlanError(RLCoreError):
     """A valid configuration that cannot be turned into a plan (for example an unresolved count)."""
 
 
+class BackendError(RLCoreError):
+    """A backend or one of its stacks broke its contract (a missing protocol method, the wrong
+    number of results) or failed with an error of its own. The message names the component."""
+
+
 class BackendUnavailableError(RLCoreError):
     """A backend or engine was asked for by name but its packages are not installed."""
 
 
 class RolloutError(RLCoreError):
-    """The rollout engine failed: a server died, timed out or rejected a request."""
+    """The rollout engine failed (a server died, timed out or rejected a request) or broke its
+    contract (the wrong number of generations)."""
 
 
 class CheckpointError(RLCoreError):

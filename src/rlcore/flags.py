@@ -23,6 +23,8 @@ from rlcore.errors import ConfigError, ConfigProblem
 
 __all__ = ["build_parser", "load_config", "read_toml"]
 
+USAGE = "%(prog)s [--config FILE.toml] [--FLAG VALUE ...]"
+
 _SECTIONS: dict[str, str] = {
     "rollout": "rollout",
     "algorithm": "algorithm (advantages, loss, KL)",
@@ -32,6 +34,7 @@ _SECTIONS: dict[str, str] = {
     "data": "data and reward",
     "eval": "evaluation",
     "checkpoint": "checkpoints",
+    "debug": "debug (saving and replaying rollouts)",
 }
 
 
@@ -85,16 +88,24 @@ def build_parser(
     """
     parser = _Parser(
         prog=prog,
+        # argparse's generated usage lists every flag (60 lines); the groups below describe them.
+        usage=USAGE,
         description=description,
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--config", type=Path, help="TOML file with the run's settings; flags override it"
+        "--config",
+        type=Path,
+        metavar="FILE.toml",
+        help="TOML file with the run's settings (sections as in [brackets] below); flags "
+        "override it",
     )
-    groups: dict[str | None, argparse._ArgumentGroup] = {None: parser.add_argument_group("run")}
+    groups: dict[str | None, argparse._ArgumentGroup] = {
+        None: parser.add_argument_group("run (top level of the TOML file)")
+    }
     for name, title in _SECTIONS.items():
-        groups[name] = parser.add_argument_group(title)
+        groups[name] = parser.add_argument_group(f"{title} [{name}]")
     for section, field in _fields_with_flags():
         meta = field.metadata
         dest = f"{section}.{field.name}" if section else field.name

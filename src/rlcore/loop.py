@@ -3,13 +3,27 @@
 Training::
 
     build stacks -> resume (all stacks agree on the rollout id) -> push weights -> [eval]
-    -> for each rollout id: generate -> reward -> advantages -> train (critic, then actor)
+    -> for each rollout id: rollout (the seam: generate, reward, filter, top up -- or replay a
+                            saved one) -> advantages -> train (critic, then actor)
                             -> save (interval, and always after the last) -> push weights
                             -> eval (interval)
 
 Eval-only: build the actor's *eval* stack, load, push weights, evaluate every eval set, return.
+Rollout-only (``--debug-rollout-only``): for each rollout id, the rollout seam, and nothing else.
+
+The rollout seam is one call per rollout (:func:`rollout_source` builds it): a
+:class:`~rlcore.protocols.RolloutFn` (:func:`rlcore.rollout.default_rollout` unless replaced)
+given a :class:`~rlcore.rollout.RolloutContext`, its output checked and optionally saved
+(``--save-debug-rollout-data``); or, replaying (``--load-debug-rollout-data``), the groups read
+back from those files, with no engine at all. Groups it returns beyond the batch (dynamic
+sampling's surplus, when kept) are carried to the next rollout and saved in checkpoints, so a
+resumed run continues exactly.
 
 The "should we save / eval at rollout k" decisions are small pure functions, property-tested.
+Every call into the backend, its stacks and the engine goes through :mod:`rlcore.contracts`, so a
+component that breaks its contract is named in an rlcore error. What can be checked before any
+stack is built is (:func:`check_inputs`, :func:`resume_point`). Ctrl-C raises
+:class:`RunInterrupted`, which carries what the run had done.
 """
 
 from __future__ import annotations
@@ -24,14 +38,48 @@ from typing import assert_never
 import attrs
 
 from rlcore.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.contracts import CheckedEngine, build_eval_stack, build_training_stack
 from rlcore.data import PromptSampler
 from rlcore.errors import CheckpointError, PlanError
-from rlcore.plan import EvalPlan, Plan, TrainPlan
-from rlcore.protocols import Backend, EvalStack, MetricsSink, RewardFn, RolloutEngine, TrainingStack
-from rlcore.rewards import score_samples
+from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
+from rlcore.protocols import (
+    Backend,
+    EvalStack,
+    MetricsSink,
+    PromptSource,
+    RewardFn,
+    RolloutEngine,
+    RolloutFn,
+    TrainingStack,
+)
+from rlcore.replay import load_rollout_data, read_groups, save_rollout_data, write_groups
+from rlcore.rollout import (
+    DynamicSampling,
+    Group,
+    RolloutContext,
+    RolloutOutput,
+    check_rollout_output,
+    default_rollout,
+    generate_groups,
+    load_group_filter,
+    load_rollout_function,
+)
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
 
-__all__ = ["RunData", "RunResult", "TrainStacks", "evaluate", "run", "should_eval", "should_save"]
+__all__ = [
+    "RolloutSource",
+    "RunData",
+    "RunInterrupted",
+    "RunResult",
+    "TrainStacks",
+    "check_inputs",
+    "evaluate",
+    "resume_point",
+    "rollout_source",
+    "run",
+    "should_eval",
+    "should_save",
+]
 
 log = logging.getLogger("rlcore")
 
@@ -82,6 +130,31 @@ class RunResult:
     last_train: Mapping[str, float]
     built: tuple[str, ...] = ()
     """The stacks built, as ``train:ROLE`` / ``eval:ROLE``."""
+    rollouts: tuple[int, ...] = ()
+    """The rollout ids whose groups came through the rollout seam (generated or replayed; not
+    the supervised warm start's)."""
+    interrupted: bool = False
+    """The run was stopped by Ctrl-C (see :class:`RunInterrupted`)."""
+    interrupted_at: int | None = None
+    """When interrupted: the rollout id it was working on (its training, save, weight sync or
+    eval; ``trained`` says whether its training finished); ``None`` before the first rollout."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`run`. A ``KeyboardInterrupt`` (an ``except Exception`` does not
+    catch it) that carries what the run had done by then in :attr:`result`."""
+
+    def __init__(self, result: RunResult) -> None:
+        where = (
+            f"at rollout {result.interrupted_at}"
+            if result.interrupted_at is not None
+            else "before its first rollout"
+        )
+        super().__init__(f"interrupted {where}")
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[RunInterrupted], tuple[RunResult]]:
+        return (type(self), (self.result,))
 
 
 class _NullSink:
@@ -90,6 +163,31 @@ class _NullSink:
 
     def close(self) -> None:
         pass
+
+
+@attrs.define
+class _Progress:
+    """What a run has done so far, kept outside its function so Ctrl-C can report it."""
+
+    trained: list[int] = attrs.field(factory=list)
+    saved: list[int] = attrs.field(factory=list)
+    evaluated: list[int] = attrs.field(factory=list)
+    rollouts: list[int] = attrs.field(factory=list)
+    built: tuple[str, ...] = ()
+    current: int | None = None
+
+    def result(self) -> RunResult:
+        return RunResult(
+            tuple(self.trained),
+            tuple(self.saved),
+            tuple(self.evaluated),
+            {},
+            {},
+            self.built,
+            tuple(self.rollouts),
+            interrupted=True,
+            interrupted_at=self.current,
+        )
 
 
 @attrs.frozen
@@ -115,13 +213,6 @@ class TrainStacks:
 # Steps
 
 
-def generate(
-    engine: RolloutEngine, prompts: Sequence[Prompt], n: int, params: SamplingParams
-) -> list[Generation]:
-    """``n`` generations per prompt, each prompt's consecutive (a GRPO group)."""
-    return engine.generate([p for p in prompts for _ in range(n)], params)
-
-
 def evaluate(
     engine: RolloutEngine,
     reward_fn: RewardFn,
@@ -133,14 +224,16 @@ def evaluate(
     response length per eval set, as ``eval/NAME/...``."""
     metrics: dict[str, float] = {}
     for eval_set in eval_sets:
-        generations = generate(engine, eval_set.prompts, n_samples, params)
-        samples = score(eval_set.prompts, generations, reward_fn, n_samples)
-        rewards = [s.reward for s in samples]
-        groups = [rewards[i : i + n_samples] for i in range(0, len(rewards), n_samples)]
+        groups = generate_groups(engine, reward_fn, eval_set.prompts, n_samples, params)
+        rewards = [s.reward for g in groups for s in g]
         prefix = f"eval/{eval_set.name}"
         metrics[f"{prefix}/reward"] = _mean(rewards)
-        metrics[f"{prefix}/pass@{n_samples}"] = _mean([float(max(g) >= 1.0) for g in groups])
-        metrics[f"{prefix}/response_len"] = _mean([float(len(g.token_ids)) for g in generations])
+        metrics[f"{prefix}/pass@{n_samples}"] = _mean(
+            [float(max(s.reward for s in g) >= 1.0) for g in groups]
+        )
+        metrics[f"{prefix}/response_len"] = _mean(
+            [float(len(s.response.token_ids)) for g in groups for s in g]
+        )
     return metrics
 
 
@@ -154,26 +247,36 @@ def make_train_batch(
     """Score the samples with the planned stacks and turn rewards into advantages.
 
     The actor's own log-probs are recomputed only when needed: for several optimizer steps per
-    rollout (the ratio is no longer 1) or for a KL reward penalty. The reference model runs only
-    when KL is planned; the critic only when it exists.
+    rollout (the ratio is no longer 1) or for a KL reward penalty. With
+    ``--use-rollout-logprobs`` the engine's log-probs are the old ones instead (no recompute for the
+    ratio). The reference model runs only when KL is planned; the critic only when it exists. The
+    engine's log-probs always go into the batch (``rollout_log_probs``), for the mismatch metric
+    and its correction.
     """
     from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
 
-    needs_old = plan.actor.steps_per_rollout > 1 or plan.advantage.kl_coef != 0.0
+    engine_log_probs = tuple(s.response.log_probs for s in samples)
+    use_engine = plan.actor.loss.use_rollout_logprobs
+    needs_old = (plan.actor.steps_per_rollout > 1 and not use_engine) or plan.advantage.kl_coef != 0
     old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
     ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
     values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
     adv = estimate_advantages(
         samples, plan.advantage, values=values, log_probs=old_log_probs, ref_log_probs=ref_log_probs
     )
+    if use_engine:
+        ratio_old = engine_log_probs
+    else:
+        ratio_old = old_log_probs if plan.actor.steps_per_rollout > 1 else ()
     batch = TrainBatch(
         samples=tuple(samples),
         advantages=adv.advantages,
         returns=adv.returns if stacks.critic is not None else (),
-        old_log_probs=old_log_probs if plan.actor.steps_per_rollout > 1 else (),
+        old_log_probs=ratio_old,
         ref_log_probs=ref_log_probs if plan.actor.loss.use_kl_loss else (),
         old_values=values,
         rollout_id=rollout_id,
+        rollout_log_probs=engine_log_probs,
     )
     return batch, {"rollout/kl_penalty": adv.kl}
 
@@ -185,18 +288,6 @@ def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
         metrics.update(stacks.critic.train_step(batch).as_dict("train/critic"))
     metrics.update(stacks.actor.train_step(batch).as_dict("train/actor"))
     return metrics
-
-
-def score(
-    prompts: Sequence[Prompt], generations: Sequence[Generation], reward_fn: RewardFn, n: int
-) -> list[Sample]:
-    """Reward each generation; ``generations`` hold ``n`` consecutive samples per prompt."""
-    group_prompts = [p for p in prompts for _ in range(n)]
-    rewards = score_samples(group_prompts, generations, reward_fn)
-    return [
-        Sample(prompt=p, response=g, reward=r, group=i // n)
-        for i, (p, g, r) in enumerate(zip(group_prompts, generations, rewards, strict=True))
-    ]
 
 
 def supervised_step(
@@ -228,17 +319,106 @@ def supervised_step(
         advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
         rollout_id=rollout_id,
     )
+    # No rollout_log_probs: the labels were not sampled by an engine, nothing to correct.
     metrics = actor.train_step(batch).as_dict("train/actor")
-    metrics.pop("train/actor/logprob_mismatch", None)  # the labels have no engine log-probs
     return {**metrics, "rollout/supervised": 1.0}
 
 
-def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str, float]:
+    """Reward, response length, truncation, and how many weight versions the samples' generations
+    lag behind ``policy_version`` (0 on-policy; 1 for groups carried from the previous rollout)."""
     return {
         "rollout/reward": _mean([s.reward for s in samples]),
         "rollout/response_len": _mean([float(len(s.response.token_ids)) for s in samples]),
         "rollout/truncated": _mean([float(s.response.finish_reason == "length") for s in samples]),
+        "rollout/weight_version_lag": _mean(
+            [float(policy_version - s.response.weight_version) for s in samples]
+        ),
     }
+
+
+def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:
+    """The groups' samples in order, each sample's ``group`` set to its group's position (what
+    the grouped advantage estimators read), whatever the rollout function numbered."""
+    return tuple(
+        s if s.group == i else attrs.evolve(s, group=i) for i, g in enumerate(groups) for s in g
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout seam
+
+RolloutSource = Callable[[int, PromptSource, tuple[Group, ...]], RolloutOutput]
+"""One rollout as the loop calls it: ``(rollout_id, prompts, carried groups) -> output``."""
+
+
+def rollout_source(
+    plan: TrainPlan | RolloutOnlyPlan,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    rollout_fn: RolloutFn | None = None,
+) -> RolloutSource:
+    """The plan's rollouts: replayed from ``plan.replay_rollout_data`` (no engine), or produced by
+    ``rollout_fn`` (default: ``plan.rollout.function_path``, else
+    :func:`~rlcore.rollout.default_rollout`) with the engine; every output is checked against the
+    batch size and, with ``plan.rollout.save_debug_data``, saved.
+
+    User functions (rollout function, group filter) are imported here, so a bad path fails before
+    anything is built. Raises :class:`PlanError` when the plan generates and ``engine`` is None.
+    """
+    size, n = plan.rollout_batch_size, plan.n_samples_per_prompt
+    if isinstance(plan, TrainPlan) and plan.replay_rollout_data is not None:
+        template = plan.replay_rollout_data
+        log.info("replaying the rollouts saved under %s: no rollout engine is used", template)
+
+        def replay(
+            rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]
+        ) -> RolloutOutput:
+            del prompts, carried
+            groups = load_rollout_data(template, rollout_id)
+            return check_rollout_output(RolloutOutput(groups), f"replay of {template}", size, n)
+
+        return replay
+    if engine is None:
+        raise PlanError(
+            "this plan generates rollouts, but no rollout engine was given; pass one, or replay "
+            "saved rollouts (--load-debug-rollout-data)"
+        )
+    spec = plan.rollout
+    if rollout_fn is not None:
+        fn, name = rollout_fn, getattr(rollout_fn, "__qualname__", type(rollout_fn).__qualname__)
+    elif spec.function_path is not None:
+        fn, name = load_rollout_function(spec.function_path), spec.function_path
+    else:
+        fn, name = default_rollout, "rlcore.rollout:default_rollout"
+    sampling = DynamicSampling(
+        over_sampling_batch_size=spec.over_sampling_batch_size or size,
+        max_rounds=spec.max_rounds,
+        keep_surplus=spec.keep_surplus,
+        group_filter=load_group_filter(spec.filter_path) if spec.filter_path else None,
+    )
+    generating_engine = engine
+
+    def produce(
+        rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]
+    ) -> RolloutOutput:
+        ctx = RolloutContext(
+            rollout_id=rollout_id,
+            prompts=prompts,
+            engine=generating_engine,
+            reward_fn=reward_fn,
+            params=plan.rollout_params,
+            n_samples_per_prompt=n,
+            batch_size=size,
+            sampling=sampling,
+            carried=carried,
+        )
+        output = check_rollout_output(fn(ctx), name, size, n)
+        if spec.save_debug_data is not None:
+            save_rollout_data(spec.save_debug_data, rollout_id, output.groups)
+        return output
+
+    return produce
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,20 +427,81 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
 def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
     return TrainStacks(
-        actor=backend.build_training_stack(plan.actor),
-        critic=backend.build_training_stack(plan.critic) if plan.critic is not None else None,
-        reference=backend.build_eval_stack(plan.reference) if plan.reference is not None else None,
+        actor=build_training_stack(backend, plan.actor),
+        critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
+        reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
     )
 
 
-def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int]:
-    """(first rollout id, prompts already consumed). Loads every training stack from ``plan.load``
-    (the reference model keeps its initial weights); all must agree on the rollout id."""
+CARRIED_FILE = "rollout/carried.json"
+"""Where a checkpoint keeps the groups carried to the next rollout (kept dynamic-sampling
+surplus), when there are any."""
+
+
+def check_inputs(plan: Plan, data: RunData) -> None:
+    """Refuse, before anything is built, a run that would silently do nothing it was asked to:
+    evaluating without eval sets, training without prompts, or (eval-only) evaluating weights
+    that come from neither a checkpoint nor a model folder. Raises :class:`PlanError`."""
+    evaluates = isinstance(plan, EvalPlan) or (
+        isinstance(plan, TrainPlan) and (plan.eval_before_train or plan.eval_interval is not None)
+    )
+    if evaluates and not data.eval_sets:
+        raise PlanError(
+            "the plan evaluates (the config names eval sets: --eval-prompt-data) but the RunData "
+            "holds no eval sets, so nothing would be evaluated; load them "
+            "(rlcore.data.load_eval_sets) into RunData(eval_sets=...)"
+        )
+    if isinstance(plan, TrainPlan | RolloutOnlyPlan) and not data.train_prompts:
+        raise PlanError(
+            f"a {type(plan).__name__} needs prompts, but the RunData holds no train_prompts; "
+            "load them (rlcore.data.load_prompts) into RunData(train_prompts=...)"
+        )
+    if (
+        isinstance(plan, EvalPlan)
+        and plan.load is None
+        and plan.actor.model.hf_checkpoint is None
+        and not plan.random_weights
+    ):
+        raise PlanError(
+            "an eval-only run with neither a checkpoint (--load) nor a model folder "
+            "(--hf-checkpoint) would evaluate the backend's freshly initialised, random weights; "
+            "give one of them, or opt in with attrs.evolve(plan, random_weights=True)"
+        )
+
+
+def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
+    """(first rollout id, prompts already consumed, checkpoint folder or ``None``), read from the
+    checkpoint ``plan.load`` names before any stack is built.
+
+    Raises :class:`~rlcore.errors.CheckpointError` naming the path when there is no checkpoint,
+    and :class:`PlanError` when the checkpoint leaves nothing to train: a training run that
+    trains nothing is a mistaken ``--num-rollout`` more often than a wish to evaluate, which
+    ``--num-rollout 0`` says plainly.
+    """
     start = plan.start_rollout_id
     if plan.load is None:
         first = start or 0
-        return first, first * plan.rollout_batch_size
+        return first, first * plan.rollout_batch_size, None
     folder = find_checkpoint(plan.load)
+    meta = read_meta(folder)
+    first = meta.rollout_id + 1 if start is None else start
+    if first >= plan.num_rollout:
+        raise PlanError(
+            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
+            f"so training would start at rollout {first}, but --num-rollout is "
+            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
+            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
+        )
+    return first, meta.consumed_prompts, folder
+
+
+def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group, ...]]:
+    """(first rollout id, prompts already consumed, groups carried into the first rollout). Loads
+    every training stack from ``plan.load`` (the reference model keeps its initial weights); all
+    must agree on the rollout id."""
+    first, consumed, folder = resume_point(plan)
+    if folder is None:
+        return first, consumed, ()
     meta = read_meta(folder)
     ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
     if any(i != meta.rollout_id for i in ids.values()):
@@ -269,62 +510,84 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int]:
             f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
         )
     log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
-    return (meta.rollout_id + 1 if start is None else start), meta.consumed_prompts
+    return first, consumed, _read_carried(folder, meta.rollout_id)
+
+
+def _read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
+    path = folder / CARRIED_FILE
+    return read_groups(path, rollout_id) if path.is_file() else ()
 
 
 def run_training(
     plan: TrainPlan,
     backend: Backend,
-    engine: RolloutEngine,
+    engine: RolloutEngine | None,
     reward_fn: RewardFn,
     data: RunData,
     sink: MetricsSink,
+    progress: _Progress,
+    rollout_fn: RolloutFn | None = None,
 ) -> RunResult:
+    evaluates = bool(data.eval_sets) and (plan.eval_before_train or plan.eval_interval is not None)
+    if engine is None and evaluates:
+        raise PlanError("this plan evaluates, but no rollout engine was given to evaluate with")
+    rollout = rollout_source(plan, engine, reward_fn, rollout_fn)
     stacks = build_stacks(plan, backend)
-    start, consumed = resume(plan, stacks)
+    progress.built = stacks.built()
+    start, consumed, carried = resume(plan, stacks)
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
     )
-    engine.update_weights(stacks.actor.export_weights(), version=start)
+    if engine is not None:
+        engine.update_weights(stacks.actor.export_weights(), version=start)
 
-    trained: list[int] = []
-    saved: list[int] = []
-    evaluated: list[int] = []
+    trained, saved, evaluated = progress.trained, progress.saved, progress.evaluated
+    rollouts = progress.rollouts
     last_eval: dict[str, float] = {}
     last_train: dict[str, float] = {}
 
     def run_eval(after: int) -> None:
         nonlocal last_eval
+        assert engine is not None  # checked above: a plan that evaluates has an engine
         last_eval = evaluate(
             engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
         )
         evaluated.append(after)
         sink.log(max(after + 1, start), last_eval)
 
-    if plan.eval_before_train and data.eval_sets:
+    if plan.eval_before_train:
         run_eval(start - 1)
 
     for rollout_id in range(start, plan.num_rollout):
+        progress.current = rollout_id
         t0 = time.perf_counter()
-        prompts = sampler.next_batch()
         if rollout_id < plan.sft_warmup_rollouts:
+            prompts = sampler.next_batch()
             metrics, t1, t2 = supervised_step(prompts, stacks.actor, plan, rollout_id), t0, t0
         else:
-            generations = generate(engine, prompts, plan.n_samples_per_prompt, plan.rollout_params)
+            output = rollout(rollout_id, sampler, carried)  # the rollout seam
+            carried = output.surplus
+            rollouts.append(rollout_id)
             t1 = time.perf_counter()
-            samples = score(prompts, generations, reward_fn, plan.n_samples_per_prompt)
+            samples = training_samples(output.groups)
             batch, adv_metrics = make_train_batch(samples, stacks, plan, rollout_id)
             t2 = time.perf_counter()
-            metrics = {**rollout_metrics(samples), **adv_metrics, **train(stacks, batch)}
+            metrics = {
+                **rollout_metrics(samples, policy_version=rollout_id),
+                **output.metrics,
+                **adv_metrics,
+                **train(stacks, batch),
+            }
         trained.append(rollout_id)
         t3 = time.perf_counter()
         if should_save(rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None):
             assert plan.save_dir is not None
             meta = CheckpointMeta(rollout_id, sampler.consumed, tuple(stacks.training()))
-            write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id))
+            write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
             saved.append(rollout_id)
         t4 = time.perf_counter()
-        engine.update_weights(stacks.actor.export_weights(), version=rollout_id + 1)
+        if engine is not None:
+            engine.update_weights(stacks.actor.export_weights(), version=rollout_id + 1)
         t5 = time.perf_counter()
         metrics.update(
             {
@@ -338,18 +601,32 @@ def run_training(
         )
         last_train = metrics
         sink.log(rollout_id, metrics)
-        if data.eval_sets and should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
+        if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             run_eval(rollout_id)
     return RunResult(
-        tuple(trained), tuple(saved), tuple(evaluated), last_eval, last_train, stacks.built()
+        tuple(trained),
+        tuple(saved),
+        tuple(evaluated),
+        last_eval,
+        last_train,
+        stacks.built(),
+        tuple(rollouts),
     )
 
 
-def _savers(stacks: TrainStacks, rollout_id: int) -> dict[str, Callable[[Path], None]]:
+def _savers(
+    stacks: TrainStacks, rollout_id: int, carried: tuple[Group, ...]
+) -> dict[str, Callable[[Path], None]]:
     def saver(stack: TrainingStack) -> Callable[[Path], None]:
         return lambda folder: stack.save(folder, rollout_id)
 
-    return {name: saver(stack) for name, stack in stacks.training().items()}
+    savers = {name: saver(stack) for name, stack in stacks.training().items()}
+    if carried:  # kept surplus groups: the next rollout starts with them
+        carried_path = Path(CARRIED_FILE)
+        savers[carried_path.parent.name] = lambda folder: write_groups(
+            folder / carried_path.name, rollout_id, carried
+        )
+    return savers
 
 
 def run_eval_only(
@@ -359,10 +636,12 @@ def run_eval_only(
     reward_fn: RewardFn,
     data: RunData,
     sink: MetricsSink,
+    progress: _Progress,
 ) -> RunResult:
     for line in plan.skipped:
         log.info("eval-only run, not built: %s", line)
-    actor = backend.build_eval_stack(plan.actor)
+    actor = build_eval_stack(backend, plan.actor)
+    progress.built = ("eval:actor",)
     version = 0
     if plan.load is not None:
         folder = find_checkpoint(plan.load)
@@ -375,20 +654,103 @@ def run_eval_only(
     return RunResult((), (), (version,), metrics, {}, ("eval:actor",))
 
 
-def run(
-    plan: Plan,
+def run_rollout_only(
+    plan: RolloutOnlyPlan,
     backend: Backend,
     engine: RolloutEngine,
     reward_fn: RewardFn,
     data: RunData,
-    sink: MetricsSink | None = None,
+    sink: MetricsSink,
+    progress: _Progress,
+    rollout_fn: RolloutFn | None = None,
 ) -> RunResult:
-    """Run a planned job to the end. The match on the plan is exhaustive (checked by mypy)."""
+    """Generate (and save) every rollout; no training stack exists anywhere in this function."""
+    for line in plan.skipped:
+        log.info("rollout-only run, not built: %s", line)
+    rollout = rollout_source(plan, engine, reward_fn, rollout_fn)
+    start = plan.start_rollout_id or 0
+    consumed = start * plan.rollout_batch_size
+    carried: tuple[Group, ...] = ()
+    if plan.load is not None:  # the checkpoint's weights, prompt position and carried groups
+        actor = build_eval_stack(backend, plan.actor)
+        progress.built = ("eval:actor",)
+        folder = find_checkpoint(plan.load)
+        meta = read_meta(folder)
+        actor.load(folder / "actor")
+        start = meta.rollout_id + 1 if plan.start_rollout_id is None else plan.start_rollout_id
+        consumed, carried = meta.consumed_prompts, _read_carried(folder, meta.rollout_id)
+        engine.update_weights(actor.export_weights(), version=start)
+    sampler = PromptSampler(
+        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
+    )
+    metrics: dict[str, float] = {}
+    for rollout_id in range(start, plan.num_rollout):
+        progress.current = rollout_id
+        t0 = time.perf_counter()
+        output = rollout(rollout_id, sampler, carried)  # the rollout seam, and nothing else
+        carried = output.surplus
+        samples = training_samples(output.groups)
+        metrics = {
+            **rollout_metrics(samples, policy_version=engine.weight_version),
+            **output.metrics,
+            "perf/generate_s": time.perf_counter() - t0,
+        }
+        progress.rollouts.append(rollout_id)
+        sink.log(rollout_id, metrics)
+    return RunResult((), (), (), {}, metrics, progress.built, tuple(progress.rollouts))
+
+
+def run(
+    plan: Plan,
+    backend: Backend,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    data: RunData,
+    sink: MetricsSink | None = None,
+    *,
+    rollout_fn: RolloutFn | None = None,
+) -> RunResult:
+    """Run a planned job to the end. The match on the plan is exhaustive (checked by mypy).
+
+    ``engine`` may be ``None`` only for a training plan that replays saved rollouts
+    (``--load-debug-rollout-data``) and evaluates nothing; otherwise :class:`PlanError`.
+    ``rollout_fn`` replaces the plan's rollout function (``--rollout-function-path``, else
+    :func:`~rlcore.rollout.default_rollout`).
+
+    Raises :class:`PlanError` before building anything when the inputs cannot do what the plan
+    asks (:func:`check_inputs`, :func:`resume_point`), the rlcore error of a component that fails
+    or breaks its contract, and :class:`RunInterrupted` on Ctrl-C.
+    """
     sink = sink or _NullSink()
-    match plan:
-        case EvalPlan():
-            return run_eval_only(plan, backend, engine, reward_fn, data, sink)
-        case TrainPlan():
-            return run_training(plan, backend, engine, reward_fn, data, sink)
-        case _:
-            assert_never(plan)
+    check_inputs(plan, data)
+    checked = (
+        engine if engine is None or isinstance(engine, CheckedEngine) else CheckedEngine(engine)
+    )
+    progress = _Progress()
+    try:
+        match plan:
+            case EvalPlan():
+                engine = _needed(checked, "evaluates")
+                return run_eval_only(plan, backend, engine, reward_fn, data, sink, progress)
+            case TrainPlan():
+                resume_point(plan)  # a bad --load fails here, before any stack is built
+                return run_training(
+                    plan, backend, checked, reward_fn, data, sink, progress, rollout_fn
+                )
+            case RolloutOnlyPlan():
+                engine = _needed(checked, "generates rollouts")
+                return run_rollout_only(
+                    plan, backend, engine, reward_fn, data, sink, progress, rollout_fn
+                )
+            case _:
+                assert_never(plan)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(progress.result()) from None
+
+
+def _needed(engine: RolloutEngine | None, what: str) -> RolloutEngine:
+    if engine is None:
+        raise PlanError(f"this plan {what}, but no rollout engine was given; pass one")
+    return engine

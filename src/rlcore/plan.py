@@ -1,8 +1,10 @@
-"""The planner: a :class:`RunConfig` becomes exactly one of :class:`TrainPlan` or :class:`EvalPlan`.
+"""The planner: a :class:`RunConfig` becomes exactly one of :class:`TrainPlan`, :class:`EvalPlan`
+or :class:`RolloutOnlyPlan`.
 
 An ``EvalPlan`` has no critic, reference model, optimizer or schedule *fields at all*, so code
-holding one cannot reach them; a ``TrainPlan`` has a critic spec only when a critic is trained and
-a reference spec only when KL needs one, and its :class:`~rlcore.specs.LRSchedule` is valid by
+holding one cannot reach them; neither has a ``RolloutOnlyPlan`` (``--debug-rollout-only``), which
+builds no training stack. A ``TrainPlan`` has a critic spec only when a critic is trained and a
+reference spec only when KL needs one, and its :class:`~rlcore.specs.LRSchedule` is valid by
 construction. Callers ``match`` on the result; mypy checks the match is exhaustive.
 """
 
@@ -14,10 +16,12 @@ import attrs
 
 from rlcore.config import RunConfig
 from rlcore.errors import PlanError
+from rlcore.rollout import RolloutSpec
 from rlcore.samples import SamplingParams
 from rlcore.specs import (
     AdvantageSpec,
     EvalSpec,
+    ISCorrection,
     LossSpec,
     LRSchedule,
     ModelSpec,
@@ -27,7 +31,7 @@ from rlcore.specs import (
     TrainSpec,
 )
 
-__all__ = ["EvalPlan", "Plan", "TrainPlan", "plan", "resolve_num_rollout"]
+__all__ = ["EvalPlan", "Plan", "RolloutOnlyPlan", "TrainPlan", "plan", "resolve_num_rollout"]
 
 
 @attrs.frozen
@@ -40,6 +44,10 @@ class EvalPlan:
     n_samples_per_eval_prompt: int
     load: Path | None
     skipped: tuple[str, ...] = ()
+    random_weights: bool = False
+    """Opt in to evaluating the backend's freshly initialised weights when there is neither
+    ``load`` nor a model folder (``attrs.evolve(plan, random_weights=True)``); otherwise that run
+    is refused as a mistake."""
 
 
 @attrs.frozen
@@ -51,6 +59,11 @@ class TrainPlan:
     generated, the critic does not train.
 
     ``start_rollout_id`` is ``None`` when it comes from the checkpoint being loaded (its id + 1).
+
+    ``rollout`` says how each rollout's groups are produced (dynamic sampling, the rollout
+    function, debug files). ``replay_rollout_data`` (``--load-debug-rollout-data``) replaces
+    generation by the rollouts saved under that path template: no engine is needed and nothing is
+    evaluated.
     """
 
     actor: TrainSpec
@@ -70,9 +83,33 @@ class TrainPlan:
     load: Path | None
     start_rollout_id: int | None
     sft_warmup_rollouts: int = 0
+    rollout: RolloutSpec = RolloutSpec()
+    replay_rollout_data: str | None = None
 
 
-Plan = TrainPlan | EvalPlan
+@attrs.frozen
+class RolloutOnlyPlan:
+    """Generate (and save) rollouts ``start_rollout_id .. num_rollout - 1`` without training
+    (``--debug-rollout-only``): no training stack, optimizer, critic or reference model exists.
+
+    The engine samples with the weights it was started with; with ``load`` the actor is built as
+    an *eval* stack only to read the checkpoint and push its weights, and the prompt stream and
+    carried groups continue from the checkpoint. ``skipped`` says what the config asked for that
+    this run does not do (one line each, for the log).
+    """
+
+    actor: EvalSpec
+    rollout: RolloutSpec
+    rollout_params: SamplingParams
+    num_rollout: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    load: Path | None
+    start_rollout_id: int | None
+    skipped: tuple[str, ...] = ()
+
+
+Plan = TrainPlan | EvalPlan | RolloutOnlyPlan
 
 
 def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
@@ -91,13 +128,16 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 def _model(config: RunConfig, role: Role) -> ModelSpec:
     m = config.model
     parallel = ParallelSpec(
-        tensor_model_parallel_size=m.tensor_model_parallel_size, world_size=m.world_size
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        world_size=m.world_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
     )
     return ModelSpec(
         role=role,
         hf_checkpoint=m.hf_checkpoint,
         seed=config.seed,
         parallel=parallel,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         precision="bfloat16" if m.bf16 else "float32",
     )
 
@@ -130,6 +170,39 @@ def _eval_plan(config: RunConfig) -> EvalPlan:
     )
 
 
+def _correction(config: RunConfig) -> ISCorrection | None:
+    a = config.algorithm
+    if not a.use_tis:
+        return None
+    return ISCorrection(
+        mode=a.tis_mode,
+        level=a.tis_level,
+        low=a.tis_clip_low,
+        high=a.tis_clip,
+        veto_threshold=a.tis_veto_threshold,
+        custom_path=a.custom_tis_function_path,
+    )
+
+
+def _rollout_spec(config: RunConfig) -> RolloutSpec:
+    r = config.rollout
+    return RolloutSpec(
+        over_sampling_batch_size=r.over_sampling_batch_size,
+        filter_path=r.dynamic_sampling_filter_path,
+        keep_surplus=r.over_sampling_surplus == "keep",
+        max_rounds=r.dynamic_sampling_max_rounds,
+        function_path=r.rollout_function_path,
+        save_debug_data=config.debug.save_debug_rollout_data,
+    )
+
+
+def _rollout_params(config: RunConfig) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_response_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+    )
+
+
 def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
     o, a = config.optim, config.algorithm
     schedule = LRSchedule(
@@ -147,6 +220,11 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
+        agg_mode=a.agg_mode,
+        agg_constant=config.rollout.max_response_len,
+        ratio_level="sequence" if a.advantage_estimator == "gspo" else "token",
+        correction=_correction(config),
+        use_rollout_logprobs=a.use_rollout_logprobs,
     )
     optimizer = OptimizerSpec(
         schedule=schedule,
@@ -184,29 +262,53 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
             normalize_std=a.normalize_std,
             whiten=a.normalize_advantages,
         ),
-        rollout_params=SamplingParams(
-            max_new_tokens=r.max_response_len,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-        ),
+        rollout_params=_rollout_params(config),
         eval_params=_eval_params(config),
         num_rollout=num_rollout,
         rollout_batch_size=r.rollout_batch_size,
         n_samples_per_prompt=r.n_samples_per_prompt,
         n_samples_per_eval_prompt=e.n_samples_per_eval_prompt,
         eval_interval=e.interval,
-        eval_before_train=bool(e.prompt_data) and not e.skip_eval_before_train,
+        eval_before_train=bool(e.prompt_data)
+        and not e.skip_eval_before_train
+        and not config.debug.replays,
         save_dir=c.save,
         save_interval=c.save_interval,
         load=c.load,
         start_rollout_id=c.start_rollout_id,
         sft_warmup_rollouts=a.sft_warmup_rollouts,
+        rollout=_rollout_spec(config),
+        replay_rollout_data=config.debug.load_debug_rollout_data,
+    )
+
+
+def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:
+    a, e = config.algorithm, config.eval
+    skipped = ["training stacks, optimizer and LR scheduler: --debug-rollout-only trains nothing"]
+    if a.critic:
+        skipped.append("critic: asked for (--use-critic or ppo), but nothing is trained")
+    if a.uses_kl:
+        skipped.append("reference model: KL settings given, but nothing is trained")
+    if e.prompt_data:
+        skipped.append("evaluation: --debug-rollout-only only generates training rollouts")
+    if a.sft_warmup_rollouts:
+        skipped.append("--sft-warmup-rollouts: every rollout is generated")
+    return RolloutOnlyPlan(
+        actor=EvalSpec(model=_model(config, "actor")),
+        rollout=_rollout_spec(config),
+        rollout_params=_rollout_params(config),
+        num_rollout=num_rollout,
+        rollout_batch_size=config.rollout.rollout_batch_size,
+        n_samples_per_prompt=config.rollout.n_samples_per_prompt,
+        load=config.checkpoint.load,
+        start_rollout_id=config.checkpoint.start_rollout_id,
+        skipped=tuple(skipped),
     )
 
 
 def plan(config: RunConfig) -> Plan:
-    """What to build and run: an :class:`EvalPlan` exactly when ``num_rollout`` is 0.
+    """What to build and run: an :class:`EvalPlan` exactly when ``num_rollout`` is 0, a
+    :class:`RolloutOnlyPlan` for ``--debug-rollout-only``, else a :class:`TrainPlan`.
 
     Raises :class:`PlanError` when ``num_rollout`` is still unresolved (``--num-epoch`` without
     :func:`resolve_num_rollout`).
@@ -218,4 +320,6 @@ def plan(config: RunConfig) -> Plan:
         )
     if num_rollout == 0:
         return _eval_plan(config)
+    if config.debug.debug_rollout_only:
+        return _rollout_only_plan(config, num_rollout)
     return _train_plan(config, num_rollout)

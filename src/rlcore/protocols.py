@@ -21,14 +21,19 @@ from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 if TYPE_CHECKING:
     import torch
 
+    from rlcore.rollout import RolloutContext, RolloutOutput
+
 __all__ = [
     "Backend",
     "EvalStack",
+    "GroupFilter",
     "MetricsSink",
     "NamedTensors",
     "Optimizer",
+    "PromptSource",
     "RewardFn",
     "RolloutEngine",
+    "RolloutFn",
     "Scheduler",
     "TrainingStack",
 ]
@@ -138,9 +143,46 @@ class RolloutEngine(Protocol):
 
 
 class RewardFn(Protocol):
-    """Scores one generation for one prompt. ``prompt.label`` holds the reference answer."""
+    """Scores one generation for one prompt. ``prompt.label`` holds the reference answer.
 
-    def __call__(self, prompt: Prompt, generation: Generation) -> float: ...
+    The parameters are positional-only: any callable taking a prompt and a generation fits,
+    whatever it names them (``def reward(p, g)``)."""
+
+    def __call__(self, prompt: Prompt, generation: Generation, /) -> float: ...
+
+
+class PromptSource(Protocol):
+    """Where a rollout draws its prompts from (the run's :class:`~rlcore.data.PromptSampler`)."""
+
+    def take(self, n: int) -> tuple[Prompt, ...]:
+        """The next ``n`` prompts of the run's stream. Its position is what checkpoints record,
+        so resuming continues the stream exactly."""
+        ...
+
+
+class GroupFilter(Protocol):
+    """Dynamic sampling's judge (``--dynamic-sampling-filter-path``): whether a prompt's group of
+    scored samples is worth training on (DAPO drops groups whose rewards all equal, as their
+    group-normalised advantages are all 0)."""
+
+    def __call__(self, group: Sequence[Sample], /) -> bool: ...
+
+
+class RolloutFn(Protocol):
+    """The rollout seam (slime's rollout function, ``--rollout-function-path``): everything that
+    turns prompts into the groups one rollout trains on.
+
+    It receives a :class:`~rlcore.rollout.RolloutContext` (rollout id, prompt source, engine,
+    reward function, sampling parameters, the groups wanted, dynamic-sampling settings and the
+    groups carried over from the previous rollout) and returns a
+    :class:`~rlcore.rollout.RolloutOutput`: exactly ``ctx.batch_size`` groups of
+    ``ctx.n_samples_per_prompt`` scored samples each, metrics, and any surplus groups to carry
+    to the next rollout. The default is :func:`rlcore.rollout.default_rollout` (generate, reward,
+    filter, top up). The loop checks the counts and raises
+    :class:`~rlcore.errors.RolloutError` naming the function when they are wrong.
+    """
+
+    def __call__(self, ctx: RolloutContext, /) -> RolloutOutput: ...
 
 
 class MetricsSink(Protocol):

@@ -46,9 +46,10 @@ _EXCERPT = 60
 
 
 class AsyncRewardFn(Protocol):
-    """An ``async def reward(prompt, generation) -> float``."""
+    """An ``async def reward(prompt, generation) -> float`` (parameters positional-only, as in
+    :class:`~rlcore.protocols.RewardFn`)."""
 
-    def __call__(self, prompt: Prompt, generation: Generation) -> Awaitable[float]: ...
+    def __call__(self, prompt: Prompt, generation: Generation, /) -> Awaitable[float]: ...
 
 
 # --------------------------------------------------------------------------------------------

@@ -104,7 +104,9 @@ class TrainBatch:
     behaviour policy's log-probs (empty when the actor should use its own detached log-probs,
     i.e. one optimizer step per rollout, where the ratio is exactly 1); ``ref_log_probs`` are the
     reference model's (empty when no KL loss is used); ``old_values`` the critic's values at rollout
-    time (empty without a critic).
+    time (empty without a critic); ``rollout_log_probs`` the rollout engine's, copied from each
+    sample's :class:`Generation` (empty when no engine sampled the tokens, as in a supervised warm
+    start: then nothing is corrected for the engine/trainer mismatch).
     """
 
     samples: tuple[Sample, ...]
@@ -114,10 +116,18 @@ class TrainBatch:
     ref_log_probs: tuple[TokenFloats, ...] = ()
     old_values: tuple[TokenFloats, ...] = ()
     rollout_id: int = 0
+    rollout_log_probs: tuple[TokenFloats, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         lengths = [len(s.response.token_ids) for s in self.samples]
-        for name in ("advantages", "returns", "old_log_probs", "ref_log_probs", "old_values"):
+        for name in (
+            "advantages",
+            "returns",
+            "old_log_probs",
+            "ref_log_probs",
+            "old_values",
+            "rollout_log_probs",
+        ):
             rows: tuple[TokenFloats, ...] = getattr(self, name)
             if not rows and name != "advantages":
                 continue

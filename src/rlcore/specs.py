@@ -17,13 +17,18 @@ __all__ = [
     "AdvantageSpec",
     "DecayStyle",
     "EvalSpec",
+    "ISCorrection",
+    "ISLevel",
+    "ISMode",
     "KLType",
+    "LossAggMode",
     "LRSchedule",
     "LossSpec",
     "ModelSpec",
     "OptimizerSpec",
     "ParallelSpec",
     "Precision",
+    "RatioLevel",
     "Role",
     "TrainSpec",
     "batch_split_problem",
@@ -33,11 +38,22 @@ __all__ = [
 
 Role = Literal["actor", "critic", "reference"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
-AdvantageEstimator = Literal["grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+AdvantageEstimator = Literal[
+    "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Precision = Literal["float32", "bfloat16"]
 """The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when
 the model trains: the optimizer keeps fp32 main weights and state and reduces gradients in fp32."""
+LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+"""How per-token losses become one number (verl's ``loss_agg_mode`` names): the mean over
+sequences of each sequence's token mean (GRPO), the mean over every token of the global batch
+(DAPO; slime's ``--calculate-per-token-loss``), or the mean over sequences of each sequence's token
+*sum* divided by a constant (Dr. GRPO)."""
+RatioLevel = Literal["token", "sequence"]
+"""The PPO ratio per token, or one per sequence (GSPO: the geometric mean of the token ratios)."""
+ISMode = Literal["clip", "mask"]
+ISLevel = Literal["token", "geometric"]
 
 
 # The rules each spec's constructor enforces, as functions: :func:`rlcore.config.check` applies the
@@ -52,6 +68,21 @@ def parallel_split_problem(tensor_model_parallel_size: int, world_size: int) -> 
         return (
             f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
             f"{world_size} ranks"
+        )
+    return None
+
+
+def expert_split_problem(
+    expert_model_parallel_size: int, tensor_model_parallel_size: int, world_size: int
+) -> str | None:
+    """Why ``world_size`` ranks cannot hold a mixture-of-experts model's experts shared out over
+    ``expert_model_parallel_size`` groups of tensor-parallel ranks (each expert is split over the
+    TP ranks, as Megatron does by default), or ``None``. All sizes >= 1."""
+    if world_size % (expert_model_parallel_size * tensor_model_parallel_size):
+        return (
+            f"expert_model_parallel_size {expert_model_parallel_size} x "
+            f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
+            f"{world_size} ranks (each expert is split over the tensor parallel ranks)"
         )
     return None
 
@@ -85,15 +116,23 @@ def schedule_length_problem(
 @attrs.frozen
 class ParallelSpec:
     """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
-    across."""
+    across. A mixture-of-experts model also shares its experts out over
+    ``expert_model_parallel_size`` groups of TP ranks (folded into the same ranks, as Megatron
+    does)."""
 
     tensor_model_parallel_size: int = 1
     world_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if self.tensor_model_parallel_size < 1 or self.world_size < 1:
+        sizes = (self.tensor_model_parallel_size, self.world_size, self.expert_model_parallel_size)
+        if min(sizes) < 1:
             raise ValueError("parallel sizes must be >= 1")
-        problem = parallel_split_problem(self.tensor_model_parallel_size, self.world_size)
+        problem = parallel_split_problem(
+            self.tensor_model_parallel_size, self.world_size
+        ) or expert_split_problem(
+            self.expert_model_parallel_size, self.tensor_model_parallel_size, self.world_size
+        )
         if problem:
             raise ValueError(f"ParallelSpec: {problem}")
 
@@ -116,6 +155,8 @@ class ModelSpec:
     hf_checkpoint: Path | None
     seed: int = 1234
     parallel: ParallelSpec = ParallelSpec()
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a mixture-of-experts router's load-balancing loss in training (0 = none)."""
     precision: Precision = "float32"
 
 
@@ -183,9 +224,54 @@ class OptimizerSpec:
 
 
 @attrs.frozen
+class ISCorrection:
+    """Importance-sampling correction of the gap between the rollout engine's log-probs and the
+    trainer's (``--use-tis``), valid by construction.
+
+    With ``r_t = exp(train_t - rollout_t)`` (the trainer's log-prob of token ``t`` at the start of
+    the rollout's training over the engine's), each token's policy loss is multiplied by a detached
+    weight ``w``:
+
+    - ``level="token"``: ``w_t`` from ``r_t``; ``level="geometric"``: one weight per sequence from
+      ``exp(mean_t log r_t)``, the geometric mean of its token ratios.
+    - ``mode="clip"`` (TIS): ``w = clamp(r, low, high)``; ``mode="mask"`` (IcePop / MIS):
+      ``w = r`` inside ``[low, high]`` and 0 outside.
+    - ``veto_threshold``: a sequence with any ``r_t`` below it gets weight 0 on every token.
+    - ``custom_path``: ``module:function`` computing the weights instead (see
+      :mod:`rlcore.algorithms.correction`).
+
+    ``low <= 1 <= high``, so a token on which the engine and the trainer agree keeps weight 1.
+    """
+
+    mode: ISMode = "clip"
+    level: ISLevel = "token"
+    low: float = 0.0
+    high: float = 2.0
+    veto_threshold: float | None = None
+    custom_path: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not 0.0 <= self.low <= 1.0 <= self.high:
+            raise ValueError(
+                f"ISCorrection needs 0 <= low <= 1 <= high, got low={self.low}, high={self.high}"
+            )
+        if self.veto_threshold is not None and not 0.0 < self.veto_threshold < 1.0:
+            raise ValueError(
+                f"ISCorrection.veto_threshold must be in (0, 1), got {self.veto_threshold}"
+            )
+
+
+@attrs.frozen
 class LossSpec:
-    """The loss a training stack minimises. For the actor: clipped policy loss (PPO/GRPO), optional
-    KL loss against the reference and entropy bonus. For the critic: clipped value loss."""
+    """The loss a training stack minimises. For the actor: clipped policy loss (PPO/GRPO, with a
+    sequence-level ratio for GSPO), optional importance-sampling correction, KL loss against the
+    reference and entropy bonus. For the critic: clipped value loss. Both are aggregated over
+    tokens and sequences as ``agg_mode`` says; ``agg_constant`` is Dr. GRPO's normaliser (the
+    generation budget, ``--rollout-max-response-len``) for ``seq-mean-token-sum-norm``.
+
+    ``use_rollout_logprobs``: the PPO ratio's old log-probs are the engine's (the loop puts them
+    in the batch), so the mismatch metric compares this pass's log-probs with them instead.
+    """
 
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
@@ -194,6 +280,15 @@ class LossSpec:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: KLType = "low_var_kl"
+    agg_mode: LossAggMode = "seq-mean-token-mean"
+    agg_constant: int = 1
+    ratio_level: RatioLevel = "token"
+    correction: ISCorrection | None = None
+    use_rollout_logprobs: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.agg_constant < 1:
+            raise ValueError(f"LossSpec.agg_constant must be >= 1, got {self.agg_constant}")
 
 
 @attrs.frozen

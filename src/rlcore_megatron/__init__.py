@@ -16,17 +16,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rlcore_megatron.arch import ModelArch, read_hf_config
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.hf_weights import save_hf
-    from rlcore_megatron.model import LlamaArch, read_hf_config
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
     from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
 __all__ = [
-    "LlamaArch",
     "MegatronBackend",
     "MegatronEvalStack",
     "MegatronTrainingStack",
+    "ModelArch",
     "init_megatron",
     "read_hf_config",
     "save_hf",
@@ -34,12 +34,12 @@ __all__ = [
 ]
 
 _WHERE = {
-    "LlamaArch": "model",
     "MegatronBackend": "backend",
     "MegatronEvalStack": "stacks",
     "MegatronTrainingStack": "stacks",
+    "ModelArch": "arch",
     "init_megatron": "parallel",
-    "read_hf_config": "model",
+    "read_hf_config": "arch",
     "save_hf": "hf_weights",
     "shutdown_megatron": "parallel",
 }

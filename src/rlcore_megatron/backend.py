@@ -19,8 +19,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
+from rlcore_megatron.arch import ModelArch, arch_from_hf_config, read_hf_config
 from rlcore_megatron.hf_weights import load_hf_weights
-from rlcore_megatron.model import LlamaArch, arch_from_hf_config, build_gpt, read_hf_config
+from rlcore_megatron.model import build_gpt
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
@@ -95,14 +96,15 @@ def use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
 class MegatronBackend:
     """Builds :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
 
-    Weights come from ``ModelSpec.hf_checkpoint`` (an HF Llama folder). A spec without one gets a
-    model built from ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
+    Weights come from ``ModelSpec.hf_checkpoint`` (an HF folder of a family that
+    :mod:`rlcore_megatron.arch` supports). A spec without one gets a model built from
+    ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
     """
 
     def __init__(self, hf_config: Mapping[str, Any] | None = None) -> None:
         self._hf_config = dict(hf_config) if hf_config is not None else None
 
-    def _arch(self, spec: ModelSpec) -> LlamaArch:
+    def _arch(self, spec: ModelSpec) -> ModelArch:
         if spec.hf_checkpoint is not None:
             return read_hf_config(spec.hf_checkpoint)
         if self._hf_config is None:
@@ -118,8 +120,11 @@ class MegatronBackend:
             )
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
-    def _model(self, spec: ModelSpec) -> tuple[GPTModel, LlamaArch]:
-        init_megatron(spec.parallel.tensor_model_parallel_size, spec.seed)
+    def _model(self, spec: ModelSpec) -> tuple[GPTModel, ModelArch]:
+        parallel = spec.parallel
+        init_megatron(
+            parallel.tensor_model_parallel_size, spec.seed, parallel.expert_model_parallel_size
+        )
         world = torch.distributed.get_world_size()
         if world != spec.parallel.world_size:
             # The spec's split (TrainSpec's batch rule included) holds only for its own layout.
@@ -129,7 +134,7 @@ class MegatronBackend:
                 "ranks it runs on"
             )
         arch = self._arch(spec)
-        model = build_gpt(arch, spec.role, device(), spec.precision)
+        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision)
         if spec.hf_checkpoint is not None:
             load_hf_weights(model, Path(spec.hf_checkpoint), arch, spec.role)
         return model, arch

@@ -1,15 +1,19 @@
 """What a person watching a run sees: a log file plus console lines, and a progress bar.
 
 ``ProgressSink`` is a metrics sink that drives a rich progress bar ("rollout k of N") and shows
-the latest reward and eval score; ``WandbSink`` logs to Weights & Biases (offline by default when
+the latest reward and eval score, or logs one plain line per rollout when the output is not a
+terminal; ``WandbSink`` logs to Weights & Biases (offline by default when
 no API key is set).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import logging
+import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, final
@@ -18,11 +22,14 @@ import attrs
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 from rlcore.config import RunConfig
 from rlcore.errors import BackendUnavailableError
 
 __all__ = ["ProgressSink", "WandbSink", "setup_logging"]
+
+log = logging.getLogger("rlcore")
 
 
 _HANDLERS: list[logging.Handler] = []
@@ -46,34 +53,62 @@ def setup_logging(log_file: Path) -> None:
 
 @final
 class ProgressSink:
-    """A progress bar over the rollouts, with the latest reward and eval metrics beside it."""
+    """Where the run is. On a terminal, a progress bar: "rollout k/N", the bar, the elapsed time,
+    then the latest reward, actor loss and eval scores, cut to the terminal's width (the count
+    and the time always show). Elsewhere (output to a file, CI), one plain log line every
+    ``every`` rollouts and after the last: the same facts, in ``run.log`` too."""
 
-    def __init__(self, total: int) -> None:
-        self._progress = Progress(
-            TextColumn("rollout"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"),
-            console=Console(stderr=True),
-            transient=False,
-        )
-        self._task = self._progress.add_task("rollouts", total=total, status="")
+    def __init__(
+        self, total: int, console: Console | None = None, every: int | None = None
+    ) -> None:
+        self._console = console or Console(stderr=True)
+        self._total = total
+        self._every = every or max(1, math.ceil(total / 100))  # at most about 100 lines
         self._status: dict[str, str] = {}
-        self._progress.start()
+        self._started = time.monotonic()
+        self._progress: Progress | None = None
+        if self._console.is_terminal:
+            self._progress = Progress(
+                TextColumn("rollout", table_column=_fixed(len("rollout"))),
+                MofNCompleteColumn(table_column=_fixed(2 * len(str(total)) + 1)),
+                BarColumn(bar_width=_BAR, table_column=_fixed(_BAR)),
+                TimeElapsedColumn(table_column=_fixed(len("0:00:00"))),
+                TextColumn(
+                    "{task.fields[status]}",
+                    table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1),
+                ),
+                console=self._console,
+                expand=True,
+            )
+            self._task = self._progress.add_task("rollouts", total=total, status="")
+            self._progress.start()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        if "rollout/weight_version" in metrics:
-            self._progress.update(self._task, completed=step + 1)
         for key, value in metrics.items():
             if key in ("rollout/reward", "train/actor/loss") or (
                 key.startswith("eval/") and key.endswith("/reward")
             ):
                 self._status[key.removesuffix("/reward")] = f"{key}={value:.3f}"
-        self._progress.update(self._task, status="  ".join(self._status.values()))
+        status = "  ".join(self._status.values())
+        done = "rollout/weight_version" in metrics  # the loop's per-rollout record
+        if self._progress is not None:
+            if done:
+                self._progress.update(self._task, completed=step + 1)
+            self._progress.update(self._task, status=status)
+        elif done and ((step + 1) % self._every == 0 or step + 1 == self._total):
+            elapsed = datetime.timedelta(seconds=int(time.monotonic() - self._started))
+            log.info("rollout %d/%d  %s  %s", step + 1, self._total, elapsed, status)
 
     def close(self) -> None:
-        self._progress.stop()
+        if self._progress is not None:
+            self._progress.stop()
+
+
+_BAR = 20
+
+
+def _fixed(width: int) -> Column:
+    return Column(no_wrap=True, min_width=width)
 
 
 @final

@@ -6,14 +6,16 @@ megatron-core 0.16.1:
 
 - ``torch.cuda.current_device()`` as a tensor device: the attention scratch buffer
   (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first
-  use), the tensor-parallel gathers (``tensor_parallel.mappings``), the DDP grad buffers
+  use), the tensor-parallel gathers (``tensor_parallel.mappings``) and the sequence-parallel
+  input gather in the linear layers' backward (``tensor_parallel.layers``), the DDP grad buffers
   (``distributed.param_and_grad_buffer``), the distributed optimizer's state allocation when it
   loads a checkpoint before its first step (``optimizer.distrib_optimizer``), the dist-ckpt save
-  finalize (``dist_checkpointing.strategies.*``);
+  finalize (``dist_checkpointing.strategies.*``), the MoE router's weights (moved "to the GPU" on
+  first use, ``transformer.moe.router``);
 - literal ``device="cuda"`` tensors: the default causal mask (``transformer.utils``),
   ``FP32Optimizer._scale`` and the mixed-precision optimizer's unit loss scale
   (``optimizer.optimizer``), the grad-norm code (``optimizer.clip_grads``,
-  ``utils.local_multi_tensor_l2_norm``);
+  ``utils.local_multi_tensor_l2_norm``), the MoE aux-loss tracker (``transformer.moe.moe_utils``);
 - the ``param.grad.type() == 'torch.cuda.FloatTensor'`` assert in
   ``clip_grad_by_total_norm_fp32``;
 - the mixed-precision optimizers sorting the model's parameters by CUDA type name: the
@@ -23,7 +25,9 @@ megatron-core 0.16.1:
   ``torch.BFloat16Tensor`` is refused;
 - ``torch.cuda.synchronize()`` while saving a checkpoint;
 - the CUDA RNG tracker (avoided in :func:`rlcore_megatron.parallel.init_megatron` with
-  ``inference_rng_tracker=True``, which needs no CUDA generator).
+  ``inference_rng_tracker=True``, which needs no CUDA generator);
+- CUDA streams and events in MoE's all-to-all token dispatcher (avoided: the model uses the
+  all-gather dispatcher, Megatron's default, which has none).
 
 Instead of patching ``torch`` for everyone, :func:`apply` gives exactly those Megatron modules a
 ``torch`` that maps CUDA devices to the CPU (``_CpuTorch``), replaces the one assert-bearing
@@ -62,6 +66,9 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.layers",
 )
 """The Megatron modules whose global ``torch`` is replaced by :class:`_CpuTorch`."""
 

@@ -49,34 +49,48 @@ def _init_process_group() -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def init_megatron(tp_size: int = 1, seed: int = 1234) -> None:
+def init_megatron(tp_size: int = 1, seed: int = 1234, ep_size: int = 1) -> None:
     """Initialise ``torch.distributed`` (if nobody did), Megatron's parallel state and the seeds.
 
     ``torch.distributed`` comes from ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE`` when set (gloo on
     the CPU, nccl on GPUs), else a single process. On the CPU, :mod:`rlcore_megatron.cpu` is applied
-    first. Seeds torch's CPU generator too, on every rank: CPU initialisation draws from it and
-    Megatron's seeding does not touch it, so data-parallel replicas would otherwise start apart.
-    Calling again with the same ``tp_size`` only re-seeds; a different one raises.
+    first. ``ep_size`` ranks share out a mixture-of-experts model's experts, each split over the
+    ``tp_size`` ranks like a dense MLP (Megatron's default expert tensor parallel size). Seeds
+    torch's CPU generator too, on every rank: CPU initialisation draws from it and Megatron's
+    seeding does not touch it, so data-parallel replicas would otherwise start apart. Calling
+    again with the same sizes only re-seeds; other sizes raise.
     """
     cpu.apply()
     if not dist.is_initialized():
         _init_process_group()
     if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_world_size()
-        if current != tp_size:
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if current != (tp_size, ep_size):
             raise BackendUnavailableError(
-                f"Megatron is already initialised with tensor_model_parallel_size={current}, "
-                f"asked for {tp_size}: one process holds one parallel layout "
+                f"Megatron is already initialised with tensor_model_parallel_size={current[0]} "
+                f"and expert_model_parallel_size={current[1]}, asked for {tp_size} and "
+                f"{ep_size}: one process holds one parallel layout "
                 "(call shutdown_megatron() first, or use the same ParallelSpec for every stack)"
             )
     else:
         world = dist.get_world_size()
-        if world % tp_size:
-            raise BackendUnavailableError(
-                f"ParallelSpec.tensor_model_parallel_size={tp_size} does not divide the "
-                f"torch.distributed world size {world}"
-            )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        for name, size in (
+            ("tensor_model_parallel_size", tp_size),
+            ("tensor_model_parallel_size x expert_model_parallel_size", tp_size * ep_size),
+        ):
+            if world % size:
+                raise BackendUnavailableError(
+                    f"ParallelSpec {name} = {size} does not divide the torch.distributed world "
+                    f"size {world}"
+                )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            expert_model_parallel_size=ep_size,
+            expert_tensor_parallel_size=tp_size,
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(
         seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True

@@ -31,6 +31,9 @@ rank's index among the group's ranks on its node.
 Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is
 tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
 
+Lifetime: each rank's actor starts a watchdog (:func:`~rlcore_megatron.watchdog.watch_group`)
+that kills the processes the rank started when the rank dies, however it dies.
+
 Failures: a call fails as soon as one rank fails. Errors a stack raises on purpose (an
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
 :class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
@@ -72,6 +75,7 @@ from rlcore.errors import CheckpointError, RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore_megatron.watchdog import watch_group
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +125,7 @@ class RankRuntime(Protocol):
     rank's stack. :class:`MegatronRuntime` is the real one; tests may pass a light stand-in.
     """
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None: ...
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None: ...
 
     def backend(self) -> Backend: ...
 
@@ -134,10 +138,10 @@ class MegatronRuntime:
     Both are imported inside the actor: the driver never imports Megatron.
     """
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None:
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
         from rlcore_megatron.parallel import init_megatron
 
-        init_megatron(tensor_parallel_size, seed)
+        init_megatron(tensor_parallel_size, seed, expert_parallel_size)
 
     def backend(self) -> Backend:
         from rlcore_megatron.backend import MegatronBackend
@@ -204,6 +208,9 @@ class _RankWorker:
     """The actor class: one Megatron rank. Driven only by :class:`RayTrainGroup`."""
 
     def __init__(self, rank: int, world_size: int, threads: int, runtime: RankRuntime) -> None:
+        # What this rank starts (Megatron's checkpoint writer starts a multiprocessing manager)
+        # dies with it, even when Ray kills it because the driver was killed.
+        self._watchdog = watch_group()
         self._threads = threads
         self._rank = rank
         self._world_size = world_size
@@ -229,7 +236,7 @@ class _RankWorker:
             return port
 
     def setup(
-        self, master_addr: str, master_port: int, local_rank: int, tp: int, seed: int
+        self, master_addr: str, master_port: int, local_rank: int, tp: int, seed: int, ep: int = 1
     ) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -240,7 +247,7 @@ class _RankWorker:
         )
         self._local_rank = local_rank
         self._tp = tp
-        self._runtime.init(tp, seed)
+        self._runtime.init(tp, seed, ep)
         # OMP_NUM_THREADS was set before the process started; torch reads it on import, but say it.
         torch = sys.modules.get("torch")
         if torch is not None:
@@ -378,9 +385,10 @@ class RayTrainGroup(Generic[S]):
         (port,) = self._gather([self._handles[0].free_port.remote()], "picking a port", deadline)
         master_addr = nodes[0][1]
         seed = self._spec.model.seed
+        ep = self._spec.model.parallel.expert_model_parallel_size
         self._gather(
             [
-                h.setup.remote(master_addr, port, local_ranks[rank], self._tp, seed)
+                h.setup.remote(master_addr, port, local_ranks[rank], self._tp, seed, ep)
                 for rank, h in enumerate(self._handles)
             ],
             "initialising torch.distributed and Megatron",

@@ -1,37 +1,53 @@
 """``python -m rlcore_megatron.run``: flags or ``--config`` -> RunConfig -> plan -> Ray -> Megatron
 stacks in train groups -> rollout engine -> the core loop.
 
-With no flags at all it runs the self-contained CPU demo (:mod:`rlcore_megatron.demo`). Data is
-read and checked before any model is built, so a malformed file stops the run at once with the
-file and line. Metrics go to ``OUTPUT_DIR/metrics.jsonl`` (and TensorBoard / wandb when asked);
-the log to ``OUTPUT_DIR/run.log`` and the console.
+With no flags at all it runs the self-contained CPU demo (:mod:`rlcore_megatron.demo`).
+
+Fail fast, leave nothing behind. Before Ray or any model starts, :func:`preflight` checks the
+model folder (its files, every safetensors file complete, ``config.json`` read by the Megatron
+backend's own validator), that ``--load`` names a checkpoint and that the output folders can be
+written; then the data is read and checked (a malformed file stops the run with the file and
+line), and a ``--load`` that leaves nothing to train is refused. A run that stops there removes
+the folders it created. Nothing is downloaded: model folders are local (``HF_HUB_OFFLINE``).
+A watchdog kills what the run started if the driver is killed; Ctrl-C stops cleanly, writes
+``summary.json`` (interrupted at which rollout, the latest checkpoint) and exits with 130.
+
+Metrics go to ``OUTPUT_DIR/metrics.jsonl`` (and TensorBoard / wandb when asked); the log to
+``OUTPUT_DIR/run.log`` and the console.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
-from rlcore.config import RunConfig
+from rlcore.checkpoints import find_checkpoint
+from rlcore.config import RunConfig, with_flag
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
-from rlcore.errors import ConfigError, ConfigProblem, RLCoreError
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, RLCoreError
 from rlcore.flags import build_parser, load_config
-from rlcore.loop import RunData, RunResult, run
+from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
-from rlcore.plan import Plan, TrainPlan, plan, resolve_num_rollout
+from rlcore.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
+from rlcore.preflight import check_model_folder, prepare_output_folders, remove_folders
 from rlcore.protocols import MetricsSink, RolloutEngine
 from rlcore.rewards import get_reward_fn
+from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.samples import Prompt
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
-from rlcore_megatron.demo import demo_flags, prepare_demo
+from rlcore_megatron.watchdog import watch_tree
 
-__all__ = ["engine_dtype", "load_run_data", "main", "make_engine"]
+__all__ = ["engine_dtype", "execute", "load_run_data", "main", "make_engine", "preflight"]
 
 log = logging.getLogger("rlcore")
 
@@ -41,6 +57,61 @@ DESCRIPTION = (
     "small self-contained demo on the CPU. Flags keep slime's names; --config reads a TOML file "
     "(sections as below) and flags override it. --num-rollout 0 evaluates only."
 )
+
+
+def _model_problems(hf_config: dict[str, Any], path: Path, where: str) -> list[ConfigProblem]:
+    """What the Megatron backend cannot build in ``config.json``, by its own validator (which
+    imports no Megatron)."""
+    from rlcore_megatron.arch import arch_from_hf_config
+
+    try:
+        arch_from_hf_config(hf_config, str(path))
+    except ConfigError as exc:
+        return [
+            ConfigProblem(where, f"{path}: {p.path}: {p.message}", p.hint) for p in exc.problems
+        ]
+    return []
+
+
+def preflight(config: RunConfig) -> list[Path]:
+    """Check, before anything starts, what the run needs from the file system: the model folder
+    (files present, safetensors complete, ``config.json`` buildable), the checkpoint ``--load``
+    names, and that ``--output-dir`` and ``--save`` can be created and written.
+
+    Returns the folders it created. Raises one :class:`ConfigError` listing every problem, after
+    removing them.
+    """
+    problems: list[ConfigProblem] = []
+    where = with_flag("model.hf_checkpoint")
+    folder = config.model.hf_checkpoint
+    if folder is None:
+        problems.append(
+            ConfigProblem(
+                where, "no model given", "point --hf-checkpoint at a Hugging Face model folder"
+            )
+        )
+    else:
+        found, hf_config = check_model_folder(folder, where)
+        problems += found
+        if hf_config:
+            problems += _model_problems(hf_config, folder / "config.json", where)
+    if config.checkpoint.load is not None:
+        try:
+            find_checkpoint(config.checkpoint.load)
+        except CheckpointError as exc:
+            problems.append(ConfigProblem(with_flag("checkpoint.load"), str(exc)))
+    outputs = [(with_flag("output_dir"), config.output_dir)]
+    if config.checkpoint.save is not None:
+        outputs.append((with_flag("checkpoint.save"), config.checkpoint.save))
+    created: list[Path] = []
+    try:
+        created = prepare_output_folders(outputs)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        remove_folders(created)
+        raise ConfigError(problems)
+    return created
 
 
 def _tokenizer(config: RunConfig) -> HFTokenizer:
@@ -58,7 +129,8 @@ def _tokenizer(config: RunConfig) -> HFTokenizer:
             ]
         )
     try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(str(folder)))
+        # A local folder only: never a model hub lookup (which waits on the network).
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     except OSError as exc:
         raise ConfigError(
             [
@@ -133,15 +205,32 @@ def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
         )
         return SGLangEngine.launch(settings, config.rollout.sglang_num_servers, options)
     import torch
+    from transformers.utils import logging as hf_logging
 
     from rlcore.engines.embedded import EmbeddedEngine
 
+    # "Loading weights" bars on every run say nothing a user needs.
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated
     return EmbeddedEngine.from_pretrained(
         config.model.hf_checkpoint,
         tokenizer,
         seed=config.seed,
         dtype=torch.bfloat16 if engine_dtype(config) == "bfloat16" else torch.float32,
     )
+
+
+def check_user_functions(config: RunConfig) -> None:
+    """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
+    Ray, the engine or any model starts (a :class:`ConfigError` naming the flag)."""
+    r, a = config.rollout, config.algorithm
+    if r.rollout_function_path is not None:
+        load_rollout_function(r.rollout_function_path)
+    if r.dynamic_sampling_filter_path is not None:
+        load_group_filter(r.dynamic_sampling_filter_path)
+    if a.use_tis and a.custom_tis_function_path is not None:
+        from rlcore.algorithms.correction import load_is_weight_fn
+
+        load_is_weight_fn(a.custom_tis_function_path)
 
 
 def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
@@ -151,7 +240,7 @@ def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
     sinks: list[MetricsSink] = []
     try:
         sinks.append(JsonlSink(out / "metrics.jsonl"))
-        if isinstance(the_plan, TrainPlan):
+        if isinstance(the_plan, TrainPlan | RolloutOnlyPlan):
             sinks.append(ProgressSink(total=the_plan.num_rollout))
         if config.use_tensorboard:
             sinks.append(TensorBoardSink(out / "tensorboard"))
@@ -172,7 +261,7 @@ def _start_ray(config: RunConfig) -> None:
         return
     if config.ray_address is not None:
         try:
-            ray.init(address=config.ray_address, log_to_driver=False)
+            ray.init(address=config.ray_address, log_to_driver=False, logging_level=logging.WARNING)
         except ConnectionError as exc:
             # Ray's reason, on its last line.
             cause = str(exc.__cause__ or "").strip().splitlines()[-1:]
@@ -187,79 +276,194 @@ def _start_ray(config: RunConfig) -> None:
             ) from exc
         log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False)
+        ray.init(
+            # Its own instance even when another one runs on this machine: without "local", Ray
+            # joins the last cluster `ray start` began here and then refuses num_cpus.
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,  # "Started a local Ray instance": logged below
+        )
         log.info("ray: started a local instance at %s", ray.get_runtime_context().gcs_address)
 
 
-def write_summary(path: Path, result: RunResult) -> None:
-    """``summary.json``: what the run built, trained, saved and evaluated, and its last metrics."""
-    path.write_text(json.dumps(attrs.asdict(result), indent=1) + "\n")
+def latest_checkpoint(config: RunConfig) -> Path | None:
+    """The newest complete checkpoint in ``--save``, if any."""
+    if config.checkpoint.save is None:
+        return None
+    try:
+        return find_checkpoint(config.checkpoint.save)
+    except CheckpointError:
+        return None
+
+
+def write_summary(path: Path, result: RunResult, config: RunConfig) -> None:
+    """``summary.json``: what the run built, trained, saved and evaluated, its last metrics,
+    whether Ctrl-C stopped it (and at which rollout) and the latest checkpoint."""
+    summary = attrs.asdict(result)
+    latest = latest_checkpoint(config)
+    summary["latest_checkpoint"] = None if latest is None else str(latest)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def _no_second_interrupt(active: bool) -> Iterator[None]:
+    """Ignore Ctrl-C while closing the pieces after a first one (a second would leave Ray and
+    the engine half-closed and print a traceback)."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def execute(config: RunConfig) -> RunResult:
-    """Run one configured job to the end; the pieces are closed whatever happens."""
+    """Run one configured job to the end; the pieces are closed whatever happens.
+
+    Raises :class:`ConfigError` / :class:`PlanError` before anything starts when the paths, data
+    or checkpoint cannot make the run (removing the folders it created), the rlcore error of a
+    failing component, and :class:`RunInterrupted` after Ctrl-C (``summary.json`` written).
+    """
+    created = preflight(config)
+    try:
+        tokenizer = _tokenizer(config)
+        data = load_run_data(config, tokenizer)
+        if not config.is_eval_only:
+            config = resolve_num_rollout(config, len(data.train_prompts))
+        the_plan = plan(config)
+        reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
+        check_user_functions(config)
+        check_inputs(the_plan, data)
+        if isinstance(the_plan, TrainPlan):
+            resume_point(the_plan)
+    except BaseException:
+        remove_folders(created)
+        raise
+    setup_logging(config.output_dir / "run.log")
+    log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
+
+    if config.ray_address is None and "ray" not in sys.modules:
+        # Token authentication stays on (Ray's default for a cluster it starts), said explicitly
+        # so that Ray does not warn about it on every run. Ray reads it when it is imported.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     from rlcore_megatron.ray_group import GroupOptions
     from rlcore_megatron.ray_stacks import RayMegatronBackend
 
-    setup_logging(config.output_dir / "run.log")
-    tokenizer = _tokenizer(config)
-    data = load_run_data(config, tokenizer)
-    if not config.is_eval_only:
-        config = resolve_num_rollout(config, len(data.train_prompts))
-    the_plan = plan(config)
-    reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
-    log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
-    started_ray = not ray.is_initialized()
-    _start_ray(config)
-    threads = max(1, (os.cpu_count() or 1))
-    backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
+    watchdog = watch_tree()  # kills what this run started if this process is killed
+    # A rollout-only run without --load builds no stack: no Ray needed.
+    builds_stacks = not (isinstance(the_plan, RolloutOnlyPlan) and the_plan.load is None)
+    started_ray = builds_stacks and not ray.is_initialized()
+    backend: RayMegatronBackend | None = None
     engine: RolloutEngine | None = None
     sink: MetricsSink | None = None
+    interrupted: RunInterrupted | None = None
     try:
+        if builds_stacks:
+            _start_ray(config)
+        threads = max(1, (os.cpu_count() or 1))
+        backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
         sink = _sinks(config, the_plan)
-        engine = make_engine(config, tokenizer)
+        # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
+        engine = None if config.debug.replays else make_engine(config, tokenizer)
         result = run(the_plan, backend, engine, reward_fn, data, sink)
-        write_summary(config.output_dir / "summary.json", result)
-        return result
+    except RunInterrupted as exc:
+        interrupted = exc
+        result = exc.result
+    except KeyboardInterrupt:  # before the loop started
+        result = RunResult((), (), (), {}, {}, interrupted=True)
+        interrupted = RunInterrupted(result)
     finally:
-        if sink is not None:
-            sink.close()
-        if engine is not None:
-            engine.close()
-        backend.close()
-        if started_ray:
-            ray.shutdown()
+        with _no_second_interrupt(active=interrupted is not None):
+            if sink is not None:
+                sink.close()
+            if engine is not None:
+                engine.close()
+            if backend is not None:
+                backend.close()
+            if started_ray:
+                ray.shutdown()
+            if watchdog is not None:
+                watchdog.stop()
+    write_summary(config.output_dir / "summary.json", result, config)
+    if interrupted is not None:
+        raise interrupted
+    return result
+
+
+def _offline_and_quiet() -> None:
+    """This process and what it starts (Ray's workers, SGLang servers) read model folders from
+    disk only and draw no download progress bars."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _interrupted_message(result: RunResult, config: RunConfig) -> str:
+    where = (
+        f"at rollout {result.interrupted_at}"
+        if result.interrupted_at is not None
+        else "before the first rollout"
+    )
+    trained = (
+        f"trained rollouts {result.trained[0]}..{result.trained[-1]}"
+        if result.trained
+        else "trained nothing"
+    )
+    latest = latest_checkpoint(config)
+    resume = (
+        f"; latest checkpoint {latest} (resume with --load {config.checkpoint.save})"
+        if latest
+        else "; no checkpoint"
+    )
+    return (
+        f"interrupted {where}: {trained}{resume}; summary in {config.output_dir / 'summary.json'}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for configuration problems, 1 for run
-    errors)."""
+    """Entry point; returns the process exit code: 2 for configuration problems (the flags, the
+    paths or the data cannot make a run), 1 for run errors, 130 after Ctrl-C."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _offline_and_quiet()
     parser = build_parser(description=DESCRIPTION)
-    if not args:
-        prepare_demo(DEMO_FOLDER)
-        args = demo_flags(DEMO_FOLDER)
-        print(
-            f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).",
-            file=sys.stderr,
-        )
+    config: RunConfig | None = None
     try:
+        if not args:
+            from rlcore_megatron.demo import demo_flags, prepare_demo
+
+            prepare_demo(DEMO_FOLDER)
+            args = demo_flags(DEMO_FOLDER)
+            print(
+                f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).",
+                file=sys.stderr,
+            )
         config = load_config(args, parser)
         result = execute(config)
-    except ConfigError as exc:
+    except (ConfigError, PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RLCoreError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except RunInterrupted as exc:
+        assert config is not None  # only execute() raises it
+        print(_interrupted_message(exc.result, config), file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted before the run started", file=sys.stderr)
+        return 130
     evals = {k: round(v, 4) for k, v in result.last_eval.items()}
-    trained = (
-        f"rollouts {result.trained[0]}..{result.trained[-1]}"
-        if result.trained
-        else "nothing (eval-only)"
-    )
+    if result.trained:
+        trained = f"rollouts {result.trained[0]}..{result.trained[-1]}"
+    elif result.rollouts:
+        trained = f"nothing (rollout-only: rollouts {result.rollouts[0]}..{result.rollouts[-1]})"
+    else:
+        trained = "nothing (eval-only)"
     print(
         f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, "
         f"last eval {evals}",

@@ -3,8 +3,11 @@
 
 Both score samples the same way (:func:`score_samples`). Every data-parallel rank calls
 ``train_step`` with the *same* whole rollout batch and takes its own slice of each global batch;
-the per-sample loss is summed, divided by the global batch's number of sequences and DDP sums the
-gradients (``calculate_per_token_loss``), so the update is the global mean whatever the split.
+each micro-batch's loss numerator is divided by the *global* batch's normaliser
+(:func:`rlcore.algorithms.losses.loss_normalizer`: its sequence count, or its token count for
+``token-mean``; every rank computes it from the whole global batch, so no collective is needed) and
+DDP sums the gradients (``calculate_per_token_loss``), so the update is the global aggregate
+whatever the micro-batch and data-parallel split, in every aggregation mode.
 
 Precision: a bf16 model's logits (or values) are upcast to fp32 as they leave it (what Megatron's
 ``Float16Module`` does), so log-probs, losses and metrics are computed in fp32 whatever the
@@ -19,8 +22,9 @@ from typing import TYPE_CHECKING, final
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -29,26 +33,30 @@ from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
-from rlcore_megatron import checkpoint
+from rlcore_megatron import checkpoint, moe
+from rlcore_megatron.arch import ModelArch
 from rlcore_megatron.hf_weights import export_hf_weights
-from rlcore_megatron.model import LlamaArch
+from rlcore_megatron.model import uses_sequence_parallel
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
+    from rlcore.algorithms.losses import LossOut
 
 __all__ = [
     "MegatronEvalStack",
     "MegatronTrainingStack",
     "model_info",
     "model_output",
+    "routed_tokens",
     "score_samples",
+    "sequence_multiple",
 ]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
 
 
-def model_info(arch: LlamaArch, role: Role) -> dict[str, object]:
+def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
     """What a checkpoint records about the model, checked when it is loaded."""
     return {
         "head": "value" if role == "critic" else "lm",
@@ -67,16 +75,32 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
 
 
+def sequence_multiple(arch: ModelArch) -> int:
+    """Sequence parallelism splits the sequence over the TP ranks: its length must divide."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return tp if uses_sequence_parallel(arch, tp) else 1
+
+
 def model_output(
-    model: torch.nn.Module, tb: TensorBatch, arch: LlamaArch, is_critic: bool
+    model: torch.nn.Module, tb: TensorBatch, arch: ModelArch, is_critic: bool
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``, in
     fp32 whatever the model's precision.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
-    context (no attention mask tensor is built).
+    context (no attention mask tensor is built); under sequence parallelism more padding makes
+    the length a multiple of the TP size, and is cut off again.
     """
-    out: torch.Tensor = model(tb.tokens, _positions(tb.tokens), None).float()
+    tokens, real = tb.tokens, tb.attention_mask.bool()
+    seq = tokens.shape[1]
+    extra = -seq % sequence_multiple(arch)
+    if extra:
+        tokens = F.pad(tokens, (0, extra), value=arch.pad_token_id)
+        real = F.pad(real, (0, extra), value=False)
+    # The MoE router leaves padding out of its load-balancing loss (True marks padding).
+    moe_kwargs = {"padding_mask": ~real} if arch.moe is not None else {}
+    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs).float()
+    out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)
     if out.shape[-1] != arch.vocab_size:  # vocabulary padded for tensor parallelism
@@ -84,11 +108,25 @@ def model_output(
     return out
 
 
+def routed_tokens(arch: ModelArch, attention_mask: torch.Tensor) -> int:
+    """The real (not padding) tokens that this rank's MoE routers see in a micro-batch with
+    ``attention_mask`` ``[B, S]``: all of them, or under sequence parallelism this TP rank's
+    contiguous share of the positions."""
+    split = sequence_multiple(arch)
+    mask = attention_mask.bool()
+    if split > 1:
+        mask = F.pad(mask, (0, -mask.shape[1] % split), value=False)
+        chunk = mask.shape[1] // split
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        mask = mask[:, rank * chunk : (rank + 1) * chunk]
+    return int(mask.sum())
+
+
 @torch.no_grad()
 def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
-    arch: LlamaArch,
+    arch: ModelArch,
     is_critic: bool,
     device: torch.device,
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
@@ -115,7 +153,7 @@ class MegatronEvalStack:
     """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
 
     def __init__(
-        self, spec: EvalSpec, model: GPTModel, arch: LlamaArch, device: torch.device
+        self, spec: EvalSpec, model: GPTModel, arch: ModelArch, device: torch.device
     ) -> None:
         self._spec = spec
         self.model = model
@@ -154,7 +192,7 @@ class MegatronTrainingStack:
         model: DistributedDataParallel,
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-        arch: LlamaArch,
+        arch: ModelArch,
         device: torch.device,
     ) -> None:
         if not isinstance(model.module, GPTModel):
@@ -250,7 +288,7 @@ class MegatronTrainingStack:
             for s in range(first, first + per_rank, mbs)
         ]
 
-    def _micro_loss(self, mb: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: TensorBatch) -> LossOut:
         from rlcore.algorithms import batching, losses
 
         out = model_output(self.model, mb, self.arch, self._is_critic)
@@ -261,37 +299,68 @@ class MegatronTrainingStack:
             wants_entropy = self.train_spec.loss.entropy_coef > 0
             entropy = batching.entropy_from_logits(out, mb) if wants_entropy else None
             result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
-        return result.loss, result.metrics
+        return result
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
-        global_size = global_batch.num_sequences
+        from rlcore.algorithms.losses import loss_normalizer
+
+        # The whole global batch is here on every rank: its normaliser needs no collective.
+        normalizer = loss_normalizer(self.train_spec.loss.agg_mode, global_batch.response_mask)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        # Per-sequence means weighted by micro-batch size; summed over DP below.
+        global_tokens = max(int(global_batch.response_mask.sum()), 1)
+        # Loss parts weighted by their micro-batch's share of the normaliser, token means by its
+        # tokens: summed over DP below, they give the global batch's values exactly.
         sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        token_keys: set[str] = set()
         tokens = 0
-        for mb in self._local_micro_batches(global_batch):
-            loss, parts = self._micro_loss(mb)
-            torch.autograd.backward(loss / global_size)
-            b = mb.num_sequences
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value * b
-            tokens += int(mb.response_mask.sum())
-        self.model.finish_grad_sync()
+        global_size = global_batch.num_sequences
+        micro_batches = self._local_micro_batches(global_batch)
+        for mb in micro_batches:
+            if self.arch.moe is not None:
+                # The router's aux loss is a per-sequence mean, whatever --loss-agg-mode says.
+                routed = routed_tokens(self.arch, mb.attention_mask)
+                moe.set_aux_loss_scale(mb.num_sequences, global_size, max(routed, 1))
+            out = self._micro_loss(mb)
+            torch.autograd.backward(out.loss / normalizer)
+            for key, value in out.metrics.items():
+                weight = out.tokens if key in out.token_metrics else out.normalizer
+                sums[key] = sums.get(key, 0.0) + value * weight
+            token_keys |= out.token_metrics
+            for key, value in out.maxima.items():
+                maxima[key] = max(maxima.get(key, value), value)
+            tokens += out.tokens
+        # DP gradient reduction, and the TP all-reduce of replicated weights that see only their
+        # rank's heads (QK-norms) or sequence shard (sequence parallelism).
+        finalize_model_grads([self.model])
         lr = float(self._optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self._optimizer.step()
         self._scheduler.step(increment=1)
-        keys = sorted(sums)
+        balance = moe.pop_load_balancing_loss(self.arch, len(micro_batches))
+        keys, max_keys = sorted(sums), sorted(maxima)
         totals = [sums[k] for k in keys] + [float(tokens)]
+        peaks = [maxima[k] for k in max_keys]
         if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
             reduced = torch.tensor(totals, dtype=torch.float64)
-            dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(reduced, group=group)
             totals = reduced.tolist()
-        means = {k: totals[i] / global_size for i, k in enumerate(keys)}
+            if peaks:  # every rank has the same keys: the same loss on the same kind of batch
+                reduced_peaks = torch.tensor(peaks, dtype=torch.float64)
+                dist.all_reduce(reduced_peaks, op=dist.ReduceOp.MAX, group=group)
+                peaks = reduced_peaks.tolist()
+        means = {
+            k: totals[i] / (global_tokens if k in token_keys else normalizer)
+            for i, k in enumerate(keys)
+        }
+        means.update(zip(max_keys, peaks, strict=True))
         loss_value = means.pop("loss", 0.0)
         if not ok:
             means["skipped_step"] = 1.0
+        if balance is not None:
+            means[moe.LOAD_BALANCING_LOSS] = balance
         return TrainMetrics(
             loss=loss_value,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,

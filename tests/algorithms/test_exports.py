@@ -6,17 +6,22 @@ import rlcore.algorithms as algorithms
 
 EXPECTED = {
     "Advantages",
+    "ISWeightFn",
+    "ISWeights",
     "LossOut",
     "PolicyLossOut",
     "TensorBatch",
     "actor_loss",
+    "aggregate",
     "critic_loss",
     "entropy_from_logits",
     "estimate_advantages",
     "gae",
     "gather_response",
     "grpo_advantages",
+    "importance_weights",
     "kl_estimate",
+    "loss_normalizer",
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
@@ -38,6 +43,7 @@ def test_all_is_what_we_mean_to_export() -> None:
 def test_value_classes_are_final() -> None:
     for cls in (
         algorithms.Advantages,
+        algorithms.ISWeights,
         algorithms.LossOut,
         algorithms.PolicyLossOut,
         algorithms.TensorBatch,

@@ -11,8 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlcore.algorithms.batching import TensorBatch
-from rlcore.algorithms.losses import actor_loss, critic_loss, policy_loss, value_loss
-from rlcore.specs import LossSpec
+from rlcore.algorithms.losses import (
+    actor_loss,
+    aggregate,
+    critic_loss,
+    loss_normalizer,
+    policy_loss,
+    value_loss,
+)
+from rlcore.config import structure_config
+from rlcore.plan import TrainPlan, plan
+from rlcore.specs import ISCorrection, LossAggMode, LossSpec
 from tests.strategies import finite, masked_floats
 
 
@@ -219,3 +228,140 @@ def test_critic_loss_metrics_and_gradient() -> None:
     assert torch.allclose(grad, torch.tensor([[0.0, 0.5, 0.0], [2.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="needs batch.returns"):
         critic_loss(values, attrs.evolve(batch, returns=None), LossSpec())
+
+
+# --- aggregation modes --------------------------------------------------------------------------
+
+# Per-token losses l = [[1, 2], [3]] (padding holds junk): as policy losses with ratio 1, A = -l.
+PER_TOKEN = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("mode", "numerator", "normalizer"),
+    [
+        ("seq-mean-token-mean", (1 + 2) / 2 + 3 / 1, 2),  # mean of sequence means: 2.25
+        ("token-mean", 1 + 2 + 3, 3),  # mean over the 3 tokens: 2.0
+        ("seq-mean-token-sum-norm", (1 + 2 + 3) / 4, 2),  # Dr. GRPO, C = 4: 0.75
+    ],
+)
+def test_each_aggregation_mode_by_hand(
+    mode: LossAggMode, numerator: float, normalizer: int
+) -> None:
+    assert aggregate(PER_TOKEN, MASK, mode, 4).item() == pytest.approx(numerator)
+    assert loss_normalizer(mode, MASK) == normalizer
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    spec = LossSpec(agg_mode=mode, agg_constant=4)
+    out = actor_loss(logp, batch_of(MASK, -PER_TOKEN), spec)
+    assert out.loss.item() == pytest.approx(numerator)
+    assert out.normalizer == normalizer
+    assert out.metrics["loss"] == pytest.approx(numerator / normalizer)
+    (grad,) = torch.autograd.grad(out.loss / loss_normalizer(mode, MASK), logp)
+    # dl/dlogp = -A = l, scaled by each mode's per-token weight.
+    weight = {
+        "seq-mean-token-mean": [[1 / 2 / 2, 1 / 2 / 2, 0], [1 / 2, 0, 0]],
+        "token-mean": [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]],
+        "seq-mean-token-sum-norm": [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0]],
+    }[mode]
+    expected = PER_TOKEN * torch.tensor(weight, dtype=torch.float64)
+    torch.testing.assert_close(grad, expected)
+
+
+@given(masked_floats(), st.sampled_from(["seq-mean-token-mean", "token-mean"]))
+def test_splitting_a_batch_leaves_the_aggregate_unchanged(
+    case: tuple[torch.Tensor, torch.Tensor], mode: LossAggMode
+) -> None:
+    """Micro-batches' numerators over the global normaliser sum to the whole batch's aggregate:
+    what gradient accumulation over micro-batches and data-parallel ranks relies on."""
+    x, mask = case
+    whole = aggregate(x, mask, mode) / loss_normalizer(mode, mask)
+    parts = sum(aggregate(x[i : i + 1], mask[i : i + 1], mode) for i in range(x.shape[0]))
+    assert float(parts / loss_normalizer(mode, mask)) == pytest.approx(float(whole), abs=1e-9)
+
+
+# --- GSPO: the sequence-level ratio ------------------------------------------------------------
+
+
+def test_gspo_uses_one_geometric_mean_ratio_per_sequence() -> None:
+    # Row 0: token ratios [1.5, 0.5], A = 1. Token level: token 0 clipped at 1.2, token 1 gives
+    # min(0.5, 0.8) = 0.5: mean -(1.2 + 0.5) / 2 = -0.85. GSPO: s = sqrt(1.5 * 0.5) = 0.866,
+    # inside [0.8, 1.2]: -0.866 on both tokens, mean -0.866.
+    # Row 1: ratio [1.1], A = 2: -2.2 either way.
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    ratios = torch.tensor([[1.5, 0.5, 7.0], [1.1, 7.0, 7.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 5.0], [2.0, 5.0, 5.0]], dtype=torch.float64)
+    token = policy_loss(torch.log(ratios), old, adv, MASK, 0.2, 0.2)
+    assert token.loss.item() == pytest.approx(-0.85 - 2.2)
+    logp = torch.log(ratios).requires_grad_(True)
+    seq = policy_loss(logp, old, adv, MASK, 0.2, 0.2, ratio_level="sequence")
+    s = math.sqrt(0.75)
+    assert seq.loss.item() == pytest.approx(-s - 2.2)
+    assert seq.clipfrac.item() == 0.0
+    (grad,) = torch.autograd.grad(seq.loss, logp)
+    # The sequence's loss is -A s (the token mean of a constant); d(-A s)/dlogp_t = -A s / n for
+    # every token t of it, since log s is the mean of the token log-ratios.
+    expected = torch.tensor([[-s / 2, -s / 2, 0.0], [-2.2, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_gspo_clips_the_whole_sequence() -> None:
+    # Token ratios [2, 1], A = 1: s = sqrt(2) = 1.414 > 1.2, so the whole sequence is clipped and
+    # gets no gradient, although its second token's own ratio (1) is inside the trust region.
+    mask = torch.tensor([[True, True]])
+    logp = torch.log(torch.tensor([[2.0, 1.0]], dtype=torch.float64)).requires_grad_(True)
+    old, adv = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    out = policy_loss(logp, old, adv, mask, 0.2, 0.2, ratio_level="sequence")
+    assert out.loss.item() == pytest.approx(-1.2)
+    assert out.clipfrac.item() == 1.0
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    assert torch.equal(grad, torch.zeros_like(grad))
+    token = policy_loss(logp, old, adv, mask, 0.2, 0.2)
+    (token_grad,) = torch.autograd.grad(token.loss, logp)
+    assert token_grad[0, 1].item() == pytest.approx(-0.5)  # token level: token 1 still learns
+
+
+# --- the flags reach the loss ------------------------------------------------------------------
+
+
+def _actor_spec(**algorithm: object) -> LossSpec:
+    config = structure_config(
+        {
+            "rollout": {"num_rollout": 1, "max_response_len": 12},
+            "train": {"global_batch_size": 32},
+            "algorithm": algorithm,
+        }
+    )
+    the_plan = plan(config)
+    assert isinstance(the_plan, TrainPlan)
+    return the_plan.actor.loss
+
+
+def test_eps_clip_high_is_wired_from_the_flag_to_the_loss() -> None:
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    logp = torch.log(torch.tensor([[1.5]]))
+    batch = batch_of(mask, torch.ones(1, 1), old_log_probs=torch.zeros(1, 1))
+    clip_higher = _actor_spec(eps_clip=0.2, eps_clip_high=0.28)
+    assert (clip_higher.eps_clip, clip_higher.eps_clip_high) == (0.2, 0.28)
+    assert actor_loss(logp, batch, clip_higher).loss.item() == pytest.approx(-1.28)
+    symmetric = _actor_spec(eps_clip=0.2)  # --eps-clip-high defaults to --eps-clip
+    assert actor_loss(logp, batch, symmetric).loss.item() == pytest.approx(-1.2)
+
+
+def test_the_loss_flags_reach_the_loss_spec() -> None:
+    assert _actor_spec().agg_mode == "seq-mean-token-mean"
+    assert _actor_spec(calculate_per_token_loss=True).agg_mode == "token-mean"
+    dr_grpo = _actor_spec(loss_agg_mode="seq-mean-token-sum-norm")
+    assert (dr_grpo.agg_mode, dr_grpo.agg_constant) == ("seq-mean-token-sum-norm", 12)
+    assert _actor_spec(advantage_estimator="gspo").ratio_level == "sequence"
+    assert _actor_spec().ratio_level == "token" and _actor_spec().correction is None
+    tis = _actor_spec(
+        use_tis=True,
+        tis_clip=1.5,
+        tis_clip_low=0.5,
+        tis_mode="mask",
+        tis_level="geometric",
+        tis_veto_threshold=1e-4,
+    )
+    assert tis.correction == ISCorrection(
+        mode="mask", level="geometric", low=0.5, high=1.5, veto_threshold=1e-4
+    )
+    assert _actor_spec(use_rollout_logprobs=True).use_rollout_logprobs

@@ -267,6 +267,8 @@ def other_ray_cluster() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             head.kill()
             raise
+        finally:
+            head.stdout.close()  # unclosed, it surfaces as a ResourceWarning (an error here)
 
 
 def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
@@ -309,7 +311,10 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
     ]
     assert len(rewards) == 2
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # tensorboard ships no type information (no py.typed, no stubs)
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -351,12 +356,119 @@ def test_help_is_grouped() -> None:
         check=True,
         timeout=120,
     )
-    for title in ("rollout:", "algorithm (advantages, loss, KL):", "checkpoints:", "evaluation:"):
-        assert title in out.stdout
-    assert "--num-rollout" in out.stdout and "--sft-warmup-rollouts" in out.stdout
-    assert "--bf16" in out.stdout and "--use-distributed-optimizer" in out.stdout
+    titles = [line for line in out.stdout.splitlines() if line and not line.startswith(" ")]
+    # Each group's title names its TOML section, so a flag's place in a --config file is clear.
+    for title in (
+        "run (top level of the TOML file):",
+        "rollout [rollout]:",
+        "algorithm (advantages, loss, KL) [algorithm]:",
+        "optimizer and LR schedule [optim]:",
+        "checkpoints [checkpoint]:",
+        "evaluation [eval]:",
+        "debug (saving and replaying rollouts) [debug]:",
+    ):
+        assert title in titles
+    for flag in (
+        "--num-rollout",
+        "--sft-warmup-rollouts",
+        "--rollout-function-path",
+        "--over-sampling-batch-size",
+        "--dynamic-sampling-filter-path",
+        "--use-tis",
+        "--tis-mode {clip,mask}",
+        "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
+        "--save-debug-rollout-data",
+        "--debug-rollout-only",
+        "--bf16",
+        "--use-distributed-optimizer",
+    ):
+        assert flag in out.stdout, flag
+    # The usage is one line, not every flag again (the groups below describe them).
+    usage = out.stdout.split("\n\n")[0]
+    assert usage == "usage: python -m rlcore_megatron.run [--config FILE.toml] [--FLAG VALUE ...]"
 
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--num-rollout", "0"]) == 2
     assert "nothing to evaluate" in capsys.readouterr().err
+
+
+def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
+    demo: Path, tmp_path: Path, ray_cluster: None
+) -> None:
+    """The CLI with DAPO's dynamic sampling and TIS, its rollouts saved; a replay of them that
+    builds no engine and retraces the run; a rollout-only run that builds no stack at all."""
+    rollouts = tmp_path / "rollouts"
+    out = tmp_path / "dapo"
+    # Partial credit (bench-tiny's reward) gives the untrained demo model's groups some spread.
+    reward = ["--custom-rm-path", "benchmarks.bench_tiny:prefix_partial"]
+    algorithm = [*reward, "--use-tis", "--tis-clip-low", "0.5"]
+    flags = _flags(
+        demo,
+        out,
+        "--num-rollout",
+        "2",
+        "--skip-eval-before-train",
+        "--over-sampling-batch-size",
+        "6",
+        "--dynamic-sampling-filter-path",
+        "rlcore.rollout:check_reward_nonzero_std",
+        "--over-sampling-surplus",
+        "keep",
+        "--save-debug-rollout-data",
+        str(rollouts),
+        *algorithm,
+    )
+    command = [sys.executable, "-m", "rlcore_megatron.run", *flags]
+    root = Path(__file__).resolve().parents[2]  # benchmarks/ is importable from here
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in read_jsonl_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    assert len(rows) == 2
+    for row in rows:
+        generated, filtered = row["rollout/groups_generated"], row["rollout/groups_filtered"]
+        assert row["rollout/groups_kept"] == generated - filtered
+        assert row["rollout/sampling_rounds"] >= 1
+        assert 0.5 <= row["train/actor/tis_weight"] <= 2.0
+        assert row["train/actor/logprob_mismatch_max"] >= row["train/actor/logprob_mismatch"]
+    assert sorted(p.name for p in rollouts.iterdir()) == [
+        "rollout_000000.json",
+        "rollout_000001.json",
+    ]
+
+    replay = tmp_path / "replay"
+    replay_flags = _flags(demo, replay, "--num-rollout", "2", *algorithm)
+    replay_flags += ["--load-debug-rollout-data", str(rollouts), "--debug-train-only"]
+    assert main(replay_flags) == 0
+    summary = _summary(replay)
+    assert summary["trained"] == [0, 1] and summary["evaluated"] == []
+    assert summary["built"] == ["train:actor"]
+    assert "no rollout engine is used" in (replay / "run.log").read_text()
+    again = [r for r in read_jsonl_metrics(replay / "metrics.jsonl") if "rollout/reward" in r]
+    for original, replayed in zip(rows, again, strict=True):
+        for key in ("rollout/reward", "train/actor/loss", "train/actor/grad_norm"):
+            assert replayed[key] == original[key], key  # the same numbers, not just close
+
+    saved_to = tmp_path / "generated"
+    only = _flags(demo, tmp_path / "only", "--num-rollout", "1", "--debug-rollout-only")
+    assert main([*only, "--save-debug-rollout-data", str(saved_to / "{rollout_id}.json")]) == 0
+    summary = _summary(tmp_path / "only")
+    assert summary["built"] == [] and summary["trained"] == [] and summary["rollouts"] == [0]
+    assert (saved_to / "0.json").is_file()
+    assert (
+        "rollout-only run, not built: training stacks"
+        in (tmp_path / "only" / "run.log").read_text()
+    )
+
+
+def test_a_bad_function_path_stops_the_run_before_anything_starts(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    flags = _flags(demo, out, "--num-rollout", "1")
+    assert main([*flags, "--dynamic-sampling-filter-path", "no_such_module_xyz:keep"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.dynamic_sampling_filter_path (--dynamic-sampling-filter-path)" in err
+    assert "cannot import module 'no_such_module_xyz'" in err
+    assert not (out / "summary.json").exists()
+    assert "ray: started" not in (out / "run.log").read_text()

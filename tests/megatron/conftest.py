@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.tiny import build_tiny_llama
+from tests.families import FamilyModels
 from tests.megatron.helpers import TINY
 
 
@@ -35,3 +36,9 @@ def tiny_hf_tied(tmp_path_factory: pytest.TempPathFactory, megatron_rank: None) 
     folder = tmp_path_factory.mktemp("tiny_llama_tied")
     build_tiny_llama(folder, **{**TINY, "tie_word_embeddings": True})
     return folder
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory, megatron_rank: None) -> FamilyModels:
+    """Checkpoints of each supported model family (``tests/families.py``), built on demand."""
+    return FamilyModels(tmp_path_factory.mktemp("families"))

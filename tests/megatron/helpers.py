@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -10,6 +13,7 @@ import torch
 
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
+    ISCorrection,
     LossSpec,
     LRSchedule,
     ModelSpec,
@@ -28,6 +32,10 @@ TINY: Final[dict[str, Any]] = {
     "intermediate_size": 64,
     "max_position_embeddings": 64,
 }
+
+
+TOKEN_MEAN_TIS: Final = LossSpec(agg_mode="token-mean", correction=ISCorrection(low=0.5, high=2.0))
+"""A loss whose normaliser is the global batch's token count, with an importance correction."""
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 32) -> list[Sample]:
@@ -51,9 +59,11 @@ def make_batch(
     returns: bool = False,
     ref: bool = False,
     old: bool = False,
+    rollout: bool = False,
     rollout_id: int = 0,
 ) -> TrainBatch:
-    """A batch with random advantages (and returns / reference / old log-probs when asked)."""
+    """A batch with random advantages (and returns / reference / old log-probs when asked;
+    ``rollout``: the samples' engine log-probs, as the loop passes them)."""
     rng = random.Random(seed)
 
     def rows(scale: float, offset: float = 0.0) -> tuple[tuple[float, ...], ...]:
@@ -69,6 +79,7 @@ def make_batch(
         ref_log_probs=rows(0.5, -3.0) if ref else (),
         old_log_probs=rows(0.5, -3.0) if old else (),
         rollout_id=rollout_id,
+        rollout_log_probs=tuple(s.response.log_probs for s in samples) if rollout else (),
     )
 
 
@@ -112,3 +123,27 @@ def optimizer_parts(optimizer: object) -> list[Any]:
     ``DistributedOptimizer``, each stepping a torch optimizer held as ``.optimizer``."""
     parts: list[Any] = list(getattr(optimizer, "chained_optimizers"))  # noqa: B009
     return parts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_two_ranks(target: Callable[..., None], *args: object, timeout: float = 600) -> None:
+    """Run ``target(rank, 2, port, *args)`` in two spawned processes (two gloo ranks) and wait;
+    a rank left stuck in a collective after its peer died is killed."""
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"

@@ -128,4 +128,24 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
         },
         results / f"dp2_zero1.rank{rank}.pt",
     )
+    del straight, resumed
+
+    # data parallel 2, token-mean loss with a TIS correction: the normaliser is the global token
+    # count, and the metrics are the global batch's
+    from tests.megatron.helpers import TOKEN_MEAN_TIS
+
+    spec = train_spec(folder, loss=TOKEN_MEAN_TIS)
+    stack = backend.build_training_stack(
+        attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
+    )
+    metrics = stack.train_step(make_batch(samples, seed=22, rollout=True))
+    torch.save(
+        {
+            "trained": weights(stack.export_weights()),
+            "grad_norm": metrics.grad_norm,
+            "loss": metrics.loss,
+            "extra": dict(metrics.extra),
+        },
+        results / f"dp2_token.rank{rank}.pt",
+    )
     shutdown_megatron()

@@ -4,6 +4,7 @@ weights, optimizer state and gradient reduction), through the optimizer classes 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.optimizer import MegatronOptimizer
 
 from rlcore.errors import CheckpointError
-from rlcore.samples import TrainBatch
+from rlcore.samples import Sample, TrainBatch
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision, Role
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.stacks import MegatronTrainingStack
@@ -68,7 +69,7 @@ def _main(param: torch.Tensor) -> torch.Tensor:
     return main
 
 
-def _sft_batch(samples: list) -> TrainBatch:  # type: ignore[type-arg]
+def _sft_batch(samples: list[Sample]) -> TrainBatch:
     """Every response token with advantage 1: the policy loss then has the SFT gradient."""
     return TrainBatch(tuple(samples), tuple((1.0,) * len(s.response.token_ids) for s in samples))
 
@@ -78,7 +79,7 @@ def test_bf16_stack_is_megatron_mixed_precision(tiny_hf: Path) -> None:
     assert type(_inner(stack.optimizer)).__name__ == "Float16OptimizerWithFloat16Params"
     params = list(stack.gpt.parameters())
     assert all(p.dtype == torch.bfloat16 for p in params)
-    assert all(p.main_grad.dtype == torch.float32 for p in params)  # DDP reduces in fp32
+    assert all(getattr(p, "main_grad").dtype == torch.float32 for p in params)  # noqa: B009  # DDP reduces in fp32
     assert all(p.dtype == torch.float32 for g in stack.optimizer.param_groups for p in g["params"])
     assert all(torch.equal(_main(p).bfloat16(), p) for p in params)
 
@@ -118,7 +119,7 @@ def test_bf16_training_tracks_fp32(tiny_hf: Path) -> None:
     assert bf16 == pytest.approx(fp32, abs=CRITIC_ABS_TOL)
 
 
-def _values(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _values(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Every element of ``tensors``, sorted: checkpoints stack the layers' tensors and rename some,
     so they are compared as multisets of values."""
     return torch.sort(torch.cat([t.detach().flatten() for t in tensors])).values

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlcore.errors import CheckpointError
+from rlcore.samples import TrainBatch
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.checkpoint import read_rollout_id
@@ -56,7 +57,7 @@ def _optimizer_tensors(stack: MegatronTrainingStack) -> list[torch.Tensor]:
     return out + [s[k] for s in state for k in ("exp_avg", "exp_avg_sq", "step")]
 
 
-def _batches(role: str) -> list:  # type: ignore[type-arg]
+def _batches(role: str) -> list[TrainBatch]:
     return [
         make_batch(make_samples(4, seed=100 + k), seed=200 + k, returns=role == "critic")
         for k in range(ROLLOUTS)

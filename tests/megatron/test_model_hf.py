@@ -10,13 +10,14 @@ import torch
 import transformers
 
 from rlcore.errors import CheckpointError, ConfigError
+from rlcore_megatron.arch import arch_from_hf_config, read_hf_config
 from rlcore_megatron.hf_weights import (
     export_hf_weights,
     load_hf_weights,
     load_named_tensors,
     save_hf,
 )
-from rlcore_megatron.model import arch_from_hf_config, build_gpt, read_hf_config
+from rlcore_megatron.model import build_gpt
 from tests.megatron.helpers import weights
 
 pytestmark = pytest.mark.megatron
@@ -24,11 +25,12 @@ pytestmark = pytest.mark.megatron
 CPU = torch.device("cpu")
 
 
-def _megatron_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _megatron_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` (without the rows Megatron pads the vocabulary with)."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         out: torch.Tensor = model(tokens, positions, None)
-    return out
+    return out[..., :vocab]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_hf", "tiny_hf_tied"])
@@ -41,7 +43,9 @@ def test_logits_equal_transformers(fixture: str, request: pytest.FixtureRequest)
     tokens = torch.randint(0, arch.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(tokens).logits
-    torch.testing.assert_close(_megatron_logits(model, tokens), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _megatron_logits(model, tokens, arch.vocab_size), expected, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("fixture", ["tiny_hf", "tiny_hf_tied"])
@@ -82,13 +86,19 @@ def test_save_hf_loads_in_transformers(tiny_hf: Path, tmp_path: Path) -> None:
     tokens = torch.randint(0, arch.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens).logits
-    torch.testing.assert_close(_megatron_logits(model, tokens), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _megatron_logits(model, tokens, arch.vocab_size), expected, rtol=1e-5, atol=1e-5
+    )
 
-    # and back: import of the saved folder reproduces the weights bit for bit
+    # and back: import of the saved folder reproduces the weights bit for bit (the rows that
+    # pad the vocabulary are not part of the model)
     again = build_gpt(arch, "actor", CPU)
     load_hf_weights(again, out, arch, "actor")
-    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+    before = weights(export_hf_weights(model, arch, "actor"))
+    after = weights(export_hf_weights(again, arch, "actor"))
+    assert before.keys() == after.keys()
+    for name, tensor in after.items():
+        assert torch.equal(tensor, before[name]), name
 
 
 def _config(**overrides: object) -> dict[str, object]:
@@ -113,7 +123,7 @@ def _config(**overrides: object) -> dict[str, object]:
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}},
             "rope_parameters.rope_type",
         ),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
@@ -157,6 +167,15 @@ def test_weights_that_do_not_match_the_config_are_refused(tiny_hf: Path, tmp_pat
         load_hf_weights(build_gpt(arch, "actor", CPU), tmp_path, arch, "actor")
 
 
+def test_truncated_weights_are_named_incomplete(tiny_hf: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((tiny_hf / "config.json").read_text())
+    full = (tiny_hf / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(full[: len(full) // 2])  # a copy cut short
+    arch = read_hf_config(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors is incomplete: \d+ bytes of"):
+        load_hf_weights(build_gpt(arch, "actor", CPU), tmp_path, arch, "actor")
+
+
 def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
     arch = read_hf_config(tiny_hf)
     critic = build_gpt(arch, "critic", CPU).eval()
@@ -164,7 +183,7 @@ def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
     head = dict(critic.named_parameters())["output_layer.weight"]
     assert head.shape == (1, arch.hidden_size)
     tokens = torch.randint(0, arch.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
-    values = _megatron_logits(critic, tokens)
+    values = _megatron_logits(critic, tokens, 1)
     assert values.shape == (2, 7, 1)
     exported = weights(export_hf_weights(critic, arch, "critic"))
     assert "score.weight" in exported and "lm_head.weight" not in exported

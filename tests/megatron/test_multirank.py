@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,36 +12,22 @@ import transformers
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron import multirank_worker
-from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+from tests.megatron.helpers import (
+    TOKEN_MEAN_TIS,
+    make_batch,
+    make_samples,
+    run_two_ranks,
+    train_spec,
+    weights,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=multirank_worker.run, args=(r, 2, port, str(tiny_hf), str(out)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:  # a rank stuck in a collective after its peer died
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"
+    run_two_ranks(multirank_worker.run, str(tiny_hf), str(out), timeout=300)
     return out
 
 
@@ -101,6 +85,24 @@ def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path,
     for rank in range(2):
         result = _load(two_ranks, name, rank)
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        for key, tensor in result["trained"].items():
+            torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_token_mean_loss_over_two_data_parallel_ranks_matches_one_process(
+    two_ranks: Path, tiny_hf: Path
+) -> None:
+    """The token-mean normaliser is the *global* token count: two replicas, each with half the
+    batch, take the update and report the metrics of one process with all of it."""
+    stack = MegatronBackend().build_training_stack(train_spec(tiny_hf, loss=TOKEN_MEAN_TIS))
+    metrics = stack.train_step(make_batch(make_samples(4, seed=21), seed=22, rollout=True))
+    expected = weights(stack.export_weights())
+    for rank in range(2):
+        result = _load(two_ranks, "dp2_token", rank)
+        assert result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
+        assert result["loss"] == pytest.approx(metrics.loss, rel=1e-5)
+        for key in ("tis_weight", "tis_clipfrac", "logprob_mismatch", "logprob_mismatch_max"):
+            assert result["extra"][key] == pytest.approx(metrics.extra[key], rel=1e-5), key
         for key, tensor in result["trained"].items():
             torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 

@@ -105,7 +105,7 @@ class EchoRuntime:
     rollout_ids: tuple[int, ...]
     failing: frozenset[int] = frozenset()
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None:
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             assert name in os.environ, name
 
@@ -161,6 +161,7 @@ def _assert_gone(group: RayTrainGroup[Any]) -> None:
     assert placement_group_table(group.placement_group)["state"] == "REMOVED"
     for handle in group.actors:
         with pytest.raises(ray.exceptions.RayActorError):
+            # group.actors are plain objects to mypy; Ray's actor handles are untyped
             ray.get(handle.__ray_ready__.remote(), timeout=30)  # type: ignore[attr-defined]
 
 
@@ -275,15 +276,15 @@ class TensorParallelCpuRuntime:
     ``megatron.core.utils``. A no-op once the shim covers it, and on GPUs.
     """
 
-    def init(self, tensor_parallel_size: int, seed: int) -> None:
+    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
         import importlib
 
-        MegatronRuntime().init(tensor_parallel_size, seed)
+        MegatronRuntime().init(tensor_parallel_size, seed, expert_parallel_size)
         utils = importlib.import_module("megatron.core.utils")
         mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
         shimmed = utils.torch
         if mappings.torch is not shimmed:
-            mappings.torch = shimmed
+            setattr(mappings, "torch", shimmed)  # noqa: B010  # a module global the stubs omit
 
     def backend(self) -> Backend:
         return MegatronRuntime().backend()

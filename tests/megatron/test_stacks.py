@@ -12,7 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import BackendUnavailableError, ConfigError, PlanError
 from rlcore.protocols import EvalStack, TrainingStack
-from rlcore.specs import EvalSpec, LossSpec, LRSchedule, ModelSpec, ParallelSpec
+from rlcore.specs import EvalSpec, ISCorrection, LossSpec, LRSchedule, ModelSpec, ParallelSpec
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.hf_weights import load_named_tensors
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
@@ -89,10 +89,29 @@ def test_positive_advantages_raise_the_log_probs(tiny_hf: Path) -> None:
     assert sum(map(sum, after)) > sum(map(sum, before))
 
 
-def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path) -> None:
+LOSS_VARIANTS = {
+    "grpo-kl-entropy": LossSpec(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+    "token-mean-tis": LossSpec(
+        agg_mode="token-mean", correction=ISCorrection(low=0.5, high=2.0, veto_threshold=1e-3)
+    ),
+    "dr-grpo-gspo-geometric-mask": LossSpec(
+        agg_mode="seq-mean-token-sum-norm",
+        agg_constant=6,
+        ratio_level="sequence",
+        eps_clip=0.1,
+        eps_clip_high=0.3,
+        correction=ISCorrection(mode="mask", level="geometric", low=0.0, high=3.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(LOSS_VARIANTS))
+def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path, variant: str) -> None:
+    """Every aggregation mode, ratio level and correction: the loss scaling is exact whatever the
+    micro-batch split (each micro-batch over the global batch's normaliser)."""
     samples = make_samples(4, seed=7)
-    batch = make_batch(samples, seed=8, old=True, ref=True)
-    loss = LossSpec(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
+    batch = make_batch(samples, seed=8, old=True, ref=True, rollout=True)
+    loss = LOSS_VARIANTS[variant]
     results = []
     for micro in (1, 4):
         stack = MegatronBackend().build_training_stack(
@@ -103,7 +122,12 @@ def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path) -> None:
     (m1, w1), (m4, w4) = results
     assert m1.loss == pytest.approx(m4.loss, rel=1e-5)
     assert m1.grad_norm == pytest.approx(m4.grad_norm, rel=1e-4)
-    assert {"kl_loss", "entropy"} <= set(m1.extra)
+    assert m1.grad_norm > 0
+    assert m1.extra["logprob_mismatch_max"] == m4.extra["logprob_mismatch_max"] > 0
+    if loss.use_kl_loss:
+        assert {"kl_loss", "entropy"} <= set(m1.extra)
+    if loss.correction is not None:
+        assert m1.extra["tis_weight"] == pytest.approx(m4.extra["tis_weight"], rel=1e-5)
     for name in w1:
         torch.testing.assert_close(w1[name], w4[name], rtol=1e-5, atol=1e-6)
 

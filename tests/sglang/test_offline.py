@@ -61,7 +61,10 @@ def test_launch_with_a_python_without_sglang_reports_the_log(tmp_path: Path) -> 
     assert "boom: no real server here" in message
 
 
-def test_launch_command_binds_localhost_and_caps_the_kv_pool(tmp_path: Path) -> None:
+def test_launch_command_binds_localhost_and_caps_the_kv_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     settings = LaunchSettings(model_path=tmp_path)
     cmd = settings.command(port=30001, base_gpu_id=0)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
@@ -74,6 +77,7 @@ def test_launch_command_binds_localhost_and_caps_the_kv_pool(tmp_path: Path) -> 
     env = settings.environment()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1"  # a local model folder: never a model hub lookup
 
 
 def test_options_reject_nonsense() -> None:

@@ -57,3 +57,31 @@ def test_this_environment_runs_the_sglang_the_engine_targets() -> None:
     import sglang
 
     assert sglang.__version__.startswith("0.5."), sglang.__version__
+
+
+def test_sampling_params_stub_names_real_fields() -> None:
+    """stubtest cannot read a msgspec.Struct's C-generated __init__ (stubs/sglang-allowlist.txt),
+    so the stub's keyword-only parameters are checked against the struct's fields here."""
+    import ast
+    import pathlib
+
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    stub = pathlib.Path(__file__).parents[2] / "stubs/sglang/srt/sampling/sampling_params.pyi"
+    (cls,) = [
+        node
+        for node in ast.parse(stub.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "SamplingParams"
+    ]
+    (init,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    declared = {arg.arg for arg in init.args.kwonlyargs}
+    attributes = {
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and not n.target.id.startswith("__")
+    }
+    fields = set(SGLangSamplingParams.__struct_fields__)
+    assert declared and declared <= fields, declared - fields
+    assert attributes <= fields, attributes - fields

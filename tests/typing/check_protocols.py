@@ -6,10 +6,26 @@ type-check, the ignore becomes unused and the type check fails.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import assert_never, assert_type
 
-from rlcore import EvalPlan, EvalSpec, EvalStack, Plan, TrainingStack, TrainPlan, TrainSpec
-from rlcore.protocols import Backend
+from rlcore import (
+    EvalPlan,
+    EvalSpec,
+    EvalStack,
+    Plan,
+    RolloutContext,
+    RolloutOnlyPlan,
+    RolloutOutput,
+    Sample,
+    TrainingStack,
+    TrainPlan,
+    TrainSpec,
+)
+from rlcore.protocols import Backend, GroupFilter, RewardFn, RolloutFn
+from rlcore.rewards import AsyncRewardFn
+from rlcore.rollout import check_reward_nonzero_std, default_rollout
+from rlcore.samples import Generation, Prompt
 from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
 
 
@@ -30,6 +46,16 @@ def eval_plan_has_no_training_parts(p: EvalPlan) -> None:
     _ = p.actor.optimizer  # type: ignore[attr-defined]
 
 
+def rollout_only_plan_has_no_training_parts(p: RolloutOnlyPlan, backend: Backend) -> None:
+    """--debug-rollout-only: no optimizer, critic, reference or training spec anywhere."""
+    _ = p.critic  # type: ignore[attr-defined]
+    _ = p.reference  # type: ignore[attr-defined]
+    _ = p.advantage  # type: ignore[attr-defined]
+    _ = p.actor.optimizer  # type: ignore[attr-defined]
+    backend.build_training_stack(p.actor)  # type: ignore[arg-type]
+    assert_type(backend.build_eval_stack(p.actor), EvalStack)
+
+
 def train_plan_critic_is_optional(p: TrainPlan) -> None:
     assert_type(p.critic, TrainSpec | None)
     assert_type(p.reference, EvalSpec | None)
@@ -41,6 +67,8 @@ def match_is_exhaustive(p: Plan) -> str:
             return "eval"
         case TrainPlan():
             return "train"
+        case RolloutOnlyPlan():
+            return "rollout"
         case _:
             assert_never(p)
 
@@ -49,8 +77,37 @@ def match_missing_a_case_is_an_error(p: Plan) -> str:
     match p:
         case EvalPlan():
             return "eval"
+        case TrainPlan():
+            return "train"
         case _:
             assert_never(p)  # type: ignore[arg-type]
+
+
+def my_rollout(ctx: RolloutContext) -> RolloutOutput:
+    """A user's rollout function: the default one, then something of their own."""
+    return default_rollout(ctx)
+
+
+def not_a_rollout(ctx: RolloutContext, extra: int) -> RolloutOutput:
+    return default_rollout(ctx)
+
+
+def wrong_result(ctx: RolloutContext) -> list[Sample]:
+    return []
+
+
+rollout_ok: RolloutFn = my_rollout
+default_ok: RolloutFn = default_rollout
+extra_argument: RolloutFn = not_a_rollout  # type: ignore[assignment]
+wrong_return_type: RolloutFn = wrong_result  # type: ignore[assignment]
+
+
+def first_reward_positive(group: Sequence[Sample]) -> bool:
+    return group[0].reward > 0
+
+
+filter_ok: GroupFilter = first_reward_positive
+builtin_filter_ok: GroupFilter = check_reward_nonzero_std
 
 
 class MyBackend:
@@ -86,3 +143,22 @@ wrong_return: Backend = WrongReturnBackend()  # type: ignore[assignment]
 
 def an_eval_stack_is_not_a_training_stack(stack: FakeEvalStack) -> TrainingStack:
     return stack  # type: ignore[return-value]
+
+
+def short_names(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+async def short_names_async(p: Prompt, g: Generation) -> float:
+    return float(g.text == p.label)
+
+
+def takes_one(p: Prompt) -> float:
+    return 0.0
+
+
+def reward_parameters_are_positional_only() -> None:
+    fits: RewardFn = short_names  # any names: the protocol's parameters are positional-only
+    fits_async: AsyncRewardFn = short_names_async
+    too_few: RewardFn = takes_one  # type: ignore[assignment]
+    del fits, fits_async, too_few

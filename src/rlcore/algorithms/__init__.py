@@ -1,4 +1,5 @@
-"""Torch maths for RL post-training: batching, KL estimators, advantage estimators and losses.
+"""Torch maths for RL post-training: batching, KL estimators, advantage estimators, losses and
+importance-sampling corrections of the rollout engine / trainer mismatch.
 
 Imported on demand (``import rlcore`` does not import torch). Shapes are stated in each
 function's docstring: ``B`` sequences, ``S`` the padded sequence length, ``T`` the longest
@@ -24,29 +25,37 @@ from rlcore.algorithms.batching import (
     token_log_probs,
     unpad,
 )
+from rlcore.algorithms.correction import ISWeightFn, ISWeights, importance_weights
 from rlcore.algorithms.kl import kl_estimate
 from rlcore.algorithms.losses import (
     LossOut,
     PolicyLossOut,
     actor_loss,
+    aggregate,
     critic_loss,
+    loss_normalizer,
     policy_loss,
     value_loss,
 )
 
 __all__ = [
     "Advantages",
+    "ISWeightFn",
+    "ISWeights",
     "LossOut",
     "PolicyLossOut",
     "TensorBatch",
     "actor_loss",
+    "aggregate",
     "critic_loss",
     "entropy_from_logits",
     "estimate_advantages",
     "gae",
     "gather_response",
     "grpo_advantages",
+    "importance_weights",
     "kl_estimate",
+    "loss_normalizer",
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",

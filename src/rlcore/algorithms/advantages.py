@@ -4,6 +4,8 @@ Tensor functions, each citing what it implements:
 
 - :func:`grpo_advantages` — group-normalised rewards (Shao et al. 2024, DeepSeekMath,
   arXiv:2402.03300); ``normalize_std=False`` is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783).
+  GSPO (Zheng et al. 2025, arXiv:2507.18071) uses the same advantages; its sequence-level ratio
+  lives in :func:`rlcore.algorithms.losses.policy_loss`.
 - :func:`reinforce_plus_plus_advantages` — discounted returns, whitened over the batch
   (Hu 2025, REINFORCE++, arXiv:2501.03262; OpenRLHF's ``reinforce`` estimator).
 - :func:`reinforce_plus_plus_baseline_advantages` — group-mean baseline, then whitening (the
@@ -54,7 +56,7 @@ def grpo_advantages(
     grouped = rewards.reshape(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
-        if group_size > 1:
+        if group_size > 1 and grouped.numel():  # torch warns on the std of no groups at all
             std = grouped.std(dim=1, correction=1, keepdim=True)
         else:
             std = torch.zeros_like(centered)
@@ -123,7 +125,7 @@ def gae(
 class Advantages:
     """What :func:`estimate_advantages` returns, one row per sample, each as long as its response.
 
-    ``returns`` are the critic's targets; for estimators without a critic (``grpo``,
+    ``returns`` are the critic's targets; for estimators without a critic (``grpo``, ``gspo``,
     ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) they equal ``advantages``.
     ``kl`` is the mean per-token KL estimate against the reference (before ``kl_coef``) over all
     response tokens, 0.0 when ``kl_coef == 0``.
@@ -150,9 +152,9 @@ def estimate_advantages(
     critic's ``V(s_t)`` per response token) are required by ``ppo``. Every given row sequence has
     one row per sample, each as long as the sample's response.
 
-    - ``grpo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed token rewards:
-      the reward minus ``kl_coef`` times the summed KL) is normalised within its group of
-      ``spec.group_size`` consecutive samples and broadcast to every response token.
+    - ``grpo`` / ``gspo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed
+      token rewards: the reward minus ``kl_coef`` times the summed KL) is normalised within its
+      group of ``spec.group_size`` consecutive samples and broadcast to every response token.
     - ``reinforce_plus_plus``: discounted token returns (``spec.gamma``), whitened.
     - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
 
@@ -168,7 +170,7 @@ def estimate_advantages(
     _check_rows("values", values, lengths)
     _check_rows("log_probs", log_probs, lengths)
     _check_rows("ref_log_probs", ref_log_probs, lengths)
-    grouped = spec.estimator in ("grpo", "reinforce_plus_plus_baseline")
+    grouped = spec.estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
     if grouped:
         _check_groups(len(samples), spec.group_size)
         _check_group_ids(samples, spec.group_size)
@@ -197,7 +199,7 @@ def estimate_advantages(
         n_tokens = int(mask.sum())
         kl_mean = float(kl.sum()) / n_tokens if n_tokens else 0.0
 
-    if spec.estimator == "grpo":
+    if spec.estimator in ("grpo", "gspo"):  # GSPO differs in the policy loss's ratio only
         per_seq = grpo_advantages(scores, spec.group_size, spec.normalize_std)
         adv = per_seq.unsqueeze(1) * mask
         ret = adv

@@ -47,8 +47,8 @@ class TensorBatch:
     """A batch of samples as right-padded tensors (shapes in the module docstring).
 
     ``returns``, ``old_log_probs``, ``ref_log_probs`` and ``old_values`` are ``None`` when the
-    :class:`~rlcore.samples.TrainBatch` field they come from is empty; ``rollout_log_probs`` (the
-    engine's, from each sample's :class:`~rlcore.samples.Generation`) is set by :func:`tensorize`.
+    :class:`~rlcore.samples.TrainBatch` field they come from is empty, and so is
+    ``rollout_log_probs`` (the engine's, for the mismatch metric and correction).
     Build one with :func:`tensorize` or :func:`tensorize_samples`.
     """
 
@@ -62,7 +62,8 @@ class TensorBatch:
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
-    """The rollout engine's log-probs of the response tokens, for the mismatch metric."""
+    """The rollout engine's log-probs of the response tokens, for the mismatch metric and the
+    importance-sampling correction."""
 
     def __attrs_post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -139,7 +140,7 @@ def tensorize(batch: TrainBatch, pad_id: int, device: torch.device | str = "cpu"
         old_log_probs=floats(batch.old_log_probs),
         ref_log_probs=floats(batch.ref_log_probs),
         old_values=floats(batch.old_values),
-        rollout_log_probs=floats(tuple(s.response.log_probs for s in batch.samples)),
+        rollout_log_probs=floats(batch.rollout_log_probs),
     )
 
 

@@ -1,17 +1,25 @@
-"""Actor and critic losses: PPO's clipped surrogate and clipped value loss, KL, entropy, SFT terms.
+"""Actor and critic losses: PPO's clipped surrogate (per token, or per sequence for GSPO) with an
+optional importance-sampling correction, the clipped value loss, KL and entropy terms.
 
-Every loss here is a *sum over sequences of per-sequence token means*::
+Every loss here returns a *numerator* ``N`` that the caller divides by
+``loss_normalizer(mode, global_mask)``, computed once over the *global* batch (all micro-batches
+on all data-parallel ranks): gradient accumulation and data-parallel summing then give exactly
+the aggregate over the global batch, whatever the split. The aggregation modes (verl's
+``loss_agg_mode`` names; :data:`~rlcore.specs.LossAggMode`)::
 
-    loss = sum_i ( sum_t mask_it * l_it ) / max(1, n_i),     n_i = sum_t mask_it
+    seq-mean-token-mean       N = sum_i sum_t m_it l_it / max(1, n_i)      normaliser: B
+    token-mean                N = sum_i sum_t m_it l_it                    normaliser: sum_i n_i
+    seq-mean-token-sum-norm   N = sum_i sum_t m_it l_it / C                normaliser: B
 
-The caller divides by the number of sequences in the *global* batch (all micro-batches on all
-data-parallel ranks), so that gradient accumulation and data-parallel averaging give exactly
-``mean_i`` over the global batch: micro-batches of different token counts weigh each sequence
-the same (GRPO's per-sequence normalisation, Shao et al. 2024, arXiv:2402.03300; the
-``loss_type="grpo"`` reduction of TRL and the bench-tiny workload, section 5).
+``seq-mean-token-mean`` weighs every sequence the same (GRPO's per-sequence normalisation, Shao et
+al. 2024, arXiv:2402.03300; TRL's ``loss_type="grpo"``; bench-tiny's loss). ``token-mean`` weighs
+every token the same, so long responses are not down-weighted (DAPO, Yu et al. 2025,
+arXiv:2503.14476, section 3.3; slime's ``--calculate-per-token-loss``). ``seq-mean-token-sum-norm``
+divides each sequence's token sum by a constant ``C`` instead of its length, removing GRPO's length
+bias (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, section 3.1; ``C`` is the generation budget).
 
-Shapes: ``B`` sequences, ``T`` the longest response; every per-token tensor is ``Tensor[B, T]``
-and ``mask`` is ``BoolTensor[B, T]``, True on real response tokens.
+Shapes: ``B`` sequences, ``T`` the longest response; every per-token tensor is ``Tensor[B, T]`` and
+``mask`` is ``BoolTensor[B, T]``, True on real response tokens.
 """
 
 from __future__ import annotations
@@ -22,14 +30,17 @@ import attrs
 import torch
 
 from rlcore.algorithms.batching import TensorBatch
+from rlcore.algorithms.correction import importance_weights
 from rlcore.algorithms.kl import kl_estimate
-from rlcore.specs import LossSpec
+from rlcore.specs import LossAggMode, LossSpec, RatioLevel
 
 __all__ = [
     "LossOut",
     "PolicyLossOut",
     "actor_loss",
+    "aggregate",
     "critic_loss",
+    "loss_normalizer",
     "policy_loss",
     "value_loss",
 ]
@@ -38,9 +49,9 @@ __all__ = [
 @final
 @attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class PolicyLossOut:
-    """:func:`policy_loss`'s result. ``loss`` is a differentiable scalar (sequence-summed);
-    ``clipfrac`` (share of valid tokens whose clipped branch is active) and ``approx_kl`` (k3
-    estimate of KL(old || new), token mean) are detached scalars."""
+    """:func:`policy_loss`'s result. ``loss`` is a differentiable scalar numerator (module
+    docstring); ``clipfrac`` (share of valid tokens whose clipped branch is active) and
+    ``approx_kl`` (k3 estimate of KL(old || new), token mean) are detached scalars."""
 
     loss: torch.Tensor
     clipfrac: torch.Tensor
@@ -50,12 +61,53 @@ class PolicyLossOut:
 @final
 @attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class LossOut:
-    """A differentiable scalar ``loss`` (sequence-summed: divide by the global batch's number of
-    sequences) and float ``metrics``, each a per-sequence mean over this batch (``clipfrac``
-    and ``approx_kl`` are token means)."""
+    """A differentiable scalar numerator ``loss`` (divide by
+    ``loss_normalizer(spec.agg_mode, global_mask)``) and float ``metrics``.
+
+    ``normalizer`` is this batch's own share of that normaliser (its sequence count, or its token
+    count for ``token-mean``), ``tokens`` its number of valid tokens. Loss parts (``loss``,
+    ``pg_loss``, ``kl_loss``, ``entropy``, ``value_loss``) are their numerators divided by
+    ``normalizer``: weighting each micro-batch's value by its ``normalizer`` and dividing by the
+    global normaliser gives the global batch's value exactly. The keys in ``token_metrics``
+    (``clipfrac``, ``approx_kl``, ``logprob_mismatch``, ``tis_*``, ...) are token means: weight
+    them by ``tokens`` and divide by the global token count. ``maxima`` hold maxima over this
+    batch's tokens (``logprob_mismatch_max``): reduce them with ``max``.
+    """
 
     loss: torch.Tensor
     metrics: dict[str, float]
+    normalizer: float = 1.0
+    tokens: int = 0
+    token_metrics: frozenset[str] = frozenset()
+    maxima: dict[str, float] = attrs.field(factory=dict)
+
+
+def aggregate(
+    x: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, constant: int = 1
+) -> torch.Tensor:
+    """The numerator of ``mode``'s aggregate of ``x: Tensor[B, T]`` over ``mask`` (module
+    docstring): a scalar. ``constant`` is ``C`` of ``seq-mean-token-sum-norm``. ``where`` (not a
+    product) so that a non-finite value on padding cannot leak in."""
+    per_sequence = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        return (per_sequence / mask.sum(dim=-1).clamp_min(1)).sum()
+    if mode == "token-mean":
+        return per_sequence.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return per_sequence.sum() / constant
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def loss_normalizer(mode: LossAggMode, mask: torch.Tensor) -> float:
+    """What to divide the summed numerators of a *global* batch by: its number of valid tokens
+    for ``token-mean``, its number of sequences otherwise (at least 1). ``mask:
+    BoolTensor[B, T]`` is the global batch's response mask."""
+    count = int(mask.sum()) if mode == "token-mean" else int(mask.shape[0])
+    return float(max(count, 1))
+
+
+def _local_normalizer(mode: LossAggMode, mask: torch.Tensor) -> float:
+    return float(int(mask.sum()) if mode == "token-mean" else int(mask.shape[0]))
 
 
 def policy_loss(
@@ -65,26 +117,42 @@ def policy_loss(
     mask: torch.Tensor,
     eps_clip: float,
     eps_clip_high: float,
+    *,
+    ratio_level: RatioLevel = "token",
+    weights: torch.Tensor | None = None,
+    agg_mode: LossAggMode = "seq-mean-token-mean",
+    agg_constant: int = 1,
 ) -> PolicyLossOut:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token::
 
-        l_t = -min(r_t A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) A_t)
-        r_t = exp(logp_t - old_t)
+        l_t = -w_t min(r_t A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) A_t)
 
     with the asymmetric upper bound of DAPO (Yu et al. 2025, arXiv:2503.14476, "clip-higher").
-    Reduced as the module docstring says (per-sequence token mean, summed over sequences).
+    ``ratio_level="token"``: ``r_t = exp(logp_t - old_t)``. ``ratio_level="sequence"`` (GSPO,
+    Zheng et al. 2025, arXiv:2507.18071): every token of sequence ``i`` uses
+    ``s_i = exp(mean_t (logp_t - old_t))``, the geometric mean of its token ratios, so the whole
+    sequence is clipped or not (GSPO's per-sequence objective when ``A`` is constant over a
+    sequence, as GRPO's advantages are). ``weights: Tensor[B, T]`` (detached, e.g. from
+    :func:`~rlcore.algorithms.correction.importance_weights`) default to 1. Reduced with
+    :func:`aggregate` (``agg_mode``, ``agg_constant``).
 
     The minimum takes the *unclipped* branch on ties, so where the ratio is inside the trust region
     (including ``eps_clip = 0`` with a ratio of exactly 1) the gradient is ``-A_t grad r_t``; the
     clipped branch is used only where it is strictly smaller, where its gradient is 0 anyway.
     """
     log_ratio = log_probs - old_log_probs
+    if ratio_level == "sequence":
+        n = mask.sum(dim=-1, keepdim=True).clamp_min(1)
+        masked = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+        log_ratio = (masked.sum(dim=-1, keepdim=True) / n).expand_as(log_probs)
     ratio = torch.exp(log_ratio)
     surrogate = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     is_clipped = clipped < surrogate
     per_token = -torch.where(is_clipped, clipped, surrogate)
-    loss = _sequence_sum_of_token_means(per_token, mask)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, mask, agg_mode, agg_constant)
     with torch.no_grad():
         clipfrac = _token_mean(is_clipped.to(per_token.dtype), mask)
         approx_kl = _token_mean(kl_estimate(old_log_probs, log_probs, "k3"), mask)
@@ -97,6 +165,9 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     value_clip: float,
+    *,
+    agg_mode: LossAggMode = "seq-mean-token-mean",
+    agg_constant: int = 1,
 ) -> torch.Tensor:
     """Clipped value loss, PPO2 style (OpenAI baselines ``ppo2``; OpenRLHF's ``ValueLoss``)::
 
@@ -104,7 +175,7 @@ def value_loss(
         l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)
 
     ``values``, ``old_values``, ``returns``: ``Tensor[B, T]``. ``old_values = None`` gives the
-    unclipped ``0.5 (v - R)^2``. Returns the sequence-summed scalar (module docstring).
+    unclipped ``0.5 (v - R)^2``. Returns the :func:`aggregate` numerator (module docstring).
     """
     unclipped = (values - returns).square()
     if old_values is None:
@@ -112,7 +183,7 @@ def value_loss(
     else:
         v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
         per_token = 0.5 * torch.maximum(unclipped, (v_clip - returns).square())
-    return _sequence_sum_of_token_means(per_token, mask)
+    return aggregate(per_token, mask, agg_mode, agg_constant)
 
 
 def actor_loss(
@@ -124,33 +195,59 @@ def actor_loss(
     """The actor's loss on ``batch``: ``log_probs: Tensor[B, T]`` are the current policy's
     (differentiable, from :func:`~rlcore.algorithms.batching.token_log_probs`)::
 
-        loss = policy_loss(log_probs, old, A)
-             + kl_loss_coef * sum_i mean_t kl(log_probs, ref)     if spec.use_kl_loss
-             - entropy_coef * sum_i mean_t entropy                if entropy_coef > 0
+        loss = policy_loss(log_probs, old, A, weights=w)
+             + kl_loss_coef * aggregate(kl(log_probs, ref))     if spec.use_kl_loss
+             - entropy_coef * aggregate(entropy)                if entropy_coef > 0
 
-    ``old`` is ``batch.old_log_probs``, or ``log_probs.detach()`` when that is ``None`` (one
-    optimizer step per rollout: the ratio is exactly 1, nothing is clipped, and
-    ``loss / B`` is bench-tiny's ``mean_i sum_t(mask * -exp(logp - sg(logp)) A) / n_i``, with
-    gradient ``-mean_i (A_i / n_i) sum_t grad logp_it``). The KL loss (GRPO's, arXiv:2402.03300)
-    needs ``batch.ref_log_probs``; the entropy bonus needs ``entropy: Tensor[B, T]`` (from
-    :func:`~rlcore.algorithms.batching.entropy_from_logits`). A supervised warm start needs no
-    term of its own: the policy loss with every advantage 1 and ratio 1 has the SFT gradient.
+    each term aggregated as ``spec.agg_mode`` says. ``old`` is ``batch.old_log_probs``, or
+    ``log_probs.detach()`` when that is ``None`` (one optimizer step per rollout: the ratio is
+    exactly 1, nothing is clipped, and with the default aggregation ``loss / B`` is bench-tiny's
+    ``mean_i sum_t(mask * -exp(logp - sg(logp)) A) / n_i``, with gradient
+    ``-mean_i (A_i / n_i) sum_t grad logp_it``). ``w`` are the importance weights of
+    ``spec.correction`` between ``old`` and the engine's ``batch.rollout_log_probs`` (1 without a
+    correction, and for a batch without engine log-probs, such as a supervised warm start). The KL
+    loss (GRPO's, arXiv:2402.03300) needs ``batch.ref_log_probs``; the entropy bonus needs
+    ``entropy: Tensor[B, T]`` (from :func:`~rlcore.algorithms.batching.entropy_from_logits`). A
+    supervised warm start needs no term of its own: the policy loss with every advantage 1 and
+    ratio 1 has the SFT gradient.
 
-    Metrics: ``pg_loss``, ``clipfrac``, ``approx_kl``, and when used ``kl_loss``, ``entropy``;
-    ``logprob_mismatch`` (mean |rollout engine's log-prob - this pass's|, over response tokens)
-    when ``batch.rollout_log_probs`` is set; plus ``loss``. Raises ``ValueError`` when a term's
-    input is missing.
+    Metrics (see :class:`LossOut`): ``pg_loss``, ``clipfrac``, ``approx_kl``, and when used
+    ``kl_loss``, ``entropy``, ``tis_weight``, ``tis_clipfrac``; with engine log-probs
+    ``logprob_mismatch`` (mean ``|old - rollout|``, or ``|log_probs - rollout|`` with
+    ``spec.use_rollout_logprobs``, whose ``old`` *are* the engine's) and the maximum
+    ``logprob_mismatch_max``; plus ``loss``. Raises ``ValueError`` when a term's input is missing.
     """
     mask = batch.response_mask
-    b = max(batch.num_sequences, 1)
+    mode, constant = spec.agg_mode, spec.agg_constant
+    norm = _local_normalizer(mode, mask)
+    per = max(norm, 1.0)
     old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
-    pg = policy_loss(log_probs, old, batch.advantages, mask, spec.eps_clip, spec.eps_clip_high)
+    metrics: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    weights = None
+    rollout = batch.rollout_log_probs
+    if spec.correction is not None and rollout is not None:
+        corrected = importance_weights(old, rollout, mask, spec.correction)
+        weights = corrected.weights
+        metrics.update(corrected.metrics)
+    pg = policy_loss(
+        log_probs,
+        old,
+        batch.advantages,
+        mask,
+        spec.eps_clip,
+        spec.eps_clip_high,
+        ratio_level=spec.ratio_level,
+        weights=weights,
+        agg_mode=mode,
+        agg_constant=constant,
+    )
     loss = pg.loss
-    metrics = {
-        "pg_loss": float(pg.loss.detach()) / b,
-        "clipfrac": float(pg.clipfrac),
-        "approx_kl": float(pg.approx_kl),
-    }
+    metrics.update(
+        pg_loss=float(pg.loss.detach()) / per,
+        clipfrac=float(pg.clipfrac),
+        approx_kl=float(pg.approx_kl),
+    )
     if spec.use_kl_loss:
         if batch.ref_log_probs is None:
             raise ValueError(
@@ -158,39 +255,50 @@ def actor_loss(
                 "compute them with the reference model"
             )
         kl = kl_estimate(log_probs, batch.ref_log_probs, spec.kl_loss_type)
-        kl_loss = _sequence_sum_of_token_means(kl, mask)
+        kl_loss = aggregate(kl, mask, mode, constant)
         loss = loss + spec.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = float(kl_loss.detach()) / b
+        metrics["kl_loss"] = float(kl_loss.detach()) / per
     if spec.entropy_coef > 0 and entropy is None:
         raise ValueError(
             f"LossSpec.entropy_coef = {spec.entropy_coef} > 0 needs entropy: "
             "pass entropy=entropy_from_logits(logits, batch)"
         )
     if entropy is not None:
-        mean_entropy = _sequence_sum_of_token_means(entropy, mask)
+        entropy_sum = aggregate(entropy, mask, mode, constant)
         if spec.entropy_coef > 0:
-            loss = loss - spec.entropy_coef * mean_entropy
-        metrics["entropy"] = float(mean_entropy.detach()) / b
-    if batch.rollout_log_probs is not None:
-        gap = (log_probs.detach() - batch.rollout_log_probs).abs()
-        metrics["logprob_mismatch"] = float(gap[mask].mean()) if bool(mask.any()) else 0.0
-    metrics["loss"] = float(loss.detach()) / b
-    return LossOut(loss=loss, metrics=metrics)
+            loss = loss - spec.entropy_coef * entropy_sum
+        metrics["entropy"] = float(entropy_sum.detach()) / per
+    if rollout is not None:
+        compared = log_probs.detach() if spec.use_rollout_logprobs else old
+        gap = torch.where(mask, (compared - rollout).abs(), torch.zeros_like(rollout))
+        metrics["logprob_mismatch"] = float(_token_mean(gap, mask))
+        maxima["logprob_mismatch_max"] = float(gap.max()) if gap.numel() else 0.0
+    metrics["loss"] = float(loss.detach()) / per
+    token_metrics = frozenset(metrics) & _ACTOR_TOKEN_MEANS
+    return LossOut(loss, metrics, norm, int(mask.sum()), token_metrics, maxima)
 
 
 def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> LossOut:
     """The critic's clipped value loss on ``batch``: ``values: Tensor[B, T]`` are the current
     critic's ``V(s_t)`` (from :func:`~rlcore.algorithms.batching.gather_response`), regressed on
     ``batch.returns`` and clipped around ``batch.old_values`` (unclipped when ``None``) with
-    ``spec.value_clip``. Metrics: ``value_loss``, ``value_clipfrac`` (share of valid tokens whose
-    clipped error is the larger), ``values`` (token mean), ``loss``. Raises ``ValueError`` without
-    returns.
+    ``spec.value_clip``, aggregated as ``spec.agg_mode`` says. Metrics: ``value_loss``,
+    ``value_clipfrac`` (share of valid tokens whose clipped error is the larger), ``values``
+    (token mean), ``loss``. Raises ``ValueError`` without returns.
     """
     if batch.returns is None:
         raise ValueError("critic_loss needs batch.returns: estimate advantages with a critic (ppo)")
     mask = batch.response_mask
-    b = max(batch.num_sequences, 1)
-    loss = value_loss(values, batch.old_values, batch.returns, mask, spec.value_clip)
+    norm = _local_normalizer(spec.agg_mode, mask)
+    loss = value_loss(
+        values,
+        batch.old_values,
+        batch.returns,
+        mask,
+        spec.value_clip,
+        agg_mode=spec.agg_mode,
+        agg_constant=spec.agg_constant,
+    )
     with torch.no_grad():
         if batch.old_values is None:
             clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -200,21 +308,20 @@ def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> Los
             larger = (v_clip - batch.returns).square() > (values - batch.returns).square()
             clipfrac = _token_mean(larger.to(values.dtype), mask)
         mean_value = _token_mean(values, mask)
-    value = float(loss.detach()) / b
+    value = float(loss.detach()) / max(norm, 1.0)
     metrics = {
         "value_loss": value,
         "value_clipfrac": float(clipfrac),
         "values": float(mean_value),
         "loss": value,
     }
-    return LossOut(loss=loss, metrics=metrics)
+    token_metrics = frozenset({"value_clipfrac", "values"})
+    return LossOut(loss, metrics, norm, int(mask.sum()), token_metrics)
 
 
-def _sequence_sum_of_token_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum_i sum_t(mask_it x_it) / max(1, n_i)`` for ``x: Tensor[B, T]``: a scalar.
-    ``where`` (not a product) so that a non-finite value on padding cannot leak in."""
-    per_sequence = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1)
-    return (per_sequence / mask.sum(dim=-1).clamp_min(1)).sum()
+_ACTOR_TOKEN_MEANS = frozenset(
+    {"clipfrac", "approx_kl", "logprob_mismatch", "tis_weight", "tis_clipfrac"}
+)
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ This module imports torch and transformers; ``import rlcore`` does not import it
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast, final
 
@@ -77,6 +78,34 @@ def _check_params(params: SamplingParams) -> None:
         raise RolloutError("EmbeddedEngine: bad sampling parameters: " + "; ".join(problems))
 
 
+_EXPERT = re.compile(
+    r"(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+
+
+def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The tensor (or view) that the checkpoint tensor ``name`` is written into; ``None`` if the
+    model has none.
+
+    transformers 5 keeps a mixture-of-experts layer's experts fused, ``experts.gate_up_proj``
+    ``[E, 2 * I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``, where published
+    checkpoints (and rlcore's exports) have one ``gate_proj``/``up_proj``/``down_proj`` per expert.
+    """
+    if name in targets:
+        return targets[name]
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match["experts"], int(match["index"]), match["proj"]
+    fused = targets.get(f"{prefix}.{'down' if proj == 'down' else 'gate_up'}_proj")
+    if fused is None or fused.dim() != 3 or not 0 <= expert < fused.shape[0]:
+        return None
+    if proj == "down":
+        return fused[expert]
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if proj == "gate" else fused[expert, half:]
+
+
 @final
 class EmbeddedEngine:
     """A :class:`~rlcore.protocols.RolloutEngine` over an in-process Hugging Face causal LM.
@@ -121,14 +150,17 @@ class EmbeddedEngine:
         Raises :class:`~rlcore.errors.RolloutError` naming the folder when it cannot be loaded.
         """
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+            # A local folder only: never a model hub lookup (which waits on the network).
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, local_files_only=True
+            )
         except (OSError, ValueError) as exc:
             raise RolloutError(
                 f"EmbeddedEngine: cannot load a causal LM from {folder} ({exc}); point at a "
                 "Hugging Face folder with config.json and the weights"
             ) from exc
-        # functools.wraps on PreTrainedModel.to hides its real signature from mypy.
-        model.to(device)  # type: ignore[arg-type]
+        # functools.wraps on PreTrainedModel.to hides its real signature from mypy:
+        model.to(device)  # type: ignore[arg-type]  # see above
         return cls(model, tokenizer, seed=seed)
 
     @property
@@ -299,16 +331,18 @@ class EmbeddedEngine:
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Copy Hugging Face-named tensors into the model in place and record ``version``.
 
-        Any subset of the model's weights may be given. Every name and shape is checked before
-        anything is written, so a bad update leaves the model as it was: an unknown name or a
-        shape mismatch raises :class:`~rlcore.errors.RolloutError` listing each offender.
+        Any subset of the model's weights may be given, under the names of the model's published
+        checkpoints (``model.layers.0.mlp.experts.3.gate_proj.weight`` for an expert that
+        transformers holds inside one fused ``experts.gate_up_proj`` tensor). Every name and shape
+        is checked before anything is written, so a bad update leaves the model as it was: an
+        unknown name or a shape mismatch raises :class:`~rlcore.errors.RolloutError` listing each
+        offender.
         """
         model = self.model
         targets = model.state_dict(keep_vars=True)
-        updates = list(weights)
+        updates = [(name, tensor, _target(targets, name)) for name, tensor in weights]
         problems = []
-        for name, tensor in updates:
-            target = targets.get(name)
+        for name, tensor, target in updates:
             if target is None:
                 problems.append(f"unknown weight {name!r}")
             elif tuple(target.shape) != tuple(tensor.shape):
@@ -325,6 +359,7 @@ class EmbeddedEngine:
                 "the model's Hugging Face names (model.state_dict() keys) with matching shapes"
             )
         with torch.no_grad():
-            for name, tensor in updates:
-                targets[name].copy_(tensor)
+            for _, tensor, target in updates:
+                assert target is not None  # checked above
+                target.copy_(tensor)
         self._version = version

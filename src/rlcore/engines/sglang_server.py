@@ -111,6 +111,8 @@ class LaunchSettings:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        if self.model_path.is_dir():  # a local folder: never a model hub lookup
+            env["HF_HUB_OFFLINE"] = "1"
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         env.update(self.env)

@@ -1,6 +1,6 @@
 from typing import Any
 
-ShardedStateDict = dict[str, Any]
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None: ...
 def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> dict[str, Any]: ...

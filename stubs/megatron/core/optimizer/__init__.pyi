@@ -1,7 +1,9 @@
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 class OptimizerConfig:
     min_lr: float | None
@@ -23,15 +25,26 @@ class OptimizerConfig:
         use_distributed_optimizer: bool = False,
     ) -> None: ...
 
-class MegatronOptimizer:
+class MegatronOptimizer(ABC):
     config: OptimizerConfig
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        init_state_fn: Callable[..., Any] = ...,
+    ) -> None: ...
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
+    @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     # (update_successful, grad_norm, num_zeros_in_grad); the norm is None when not computed.
+    @abstractmethod
     def step(self) -> tuple[bool, float | None, int | None]: ...
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
+    @abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    @abstractmethod
     def sharded_state_dict(
         self,
         model_sharded_state_dict: ShardedStateDict,

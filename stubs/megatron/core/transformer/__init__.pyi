@@ -1,13 +1,23 @@
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-class ModuleSpec: ...
+@dataclass
+class ModuleSpec:
+    module: tuple[str, ...] | type
+    params: dict[str, Any] = ...
+    # A dataclass of the module's own submodule specs (TransformerLayerSubmodules, ...).
+    submodules: Any = None
+    metainfo: dict[str, Any] = ...
 
 class TransformerConfig:
     init_method_std: float
     bf16: bool
     params_dtype: torch.dtype
+    sequence_parallel: bool
+    num_moe_experts: int | None
     def __init__(
         self,
         *,
@@ -23,6 +33,7 @@ class TransformerConfig:
         activation_func: Callable[[torch.Tensor], torch.Tensor] = ...,
         add_bias_linear: bool = True,
         add_qkv_bias: bool = False,
+        qk_layernorm: bool = False,
         hidden_dropout: float = 0.1,
         attention_dropout: float = 0.1,
         bias_activation_fusion: bool = False,
@@ -33,8 +44,21 @@ class TransformerConfig:
         gradient_accumulation_fusion: bool = False,
         tensor_model_parallel_size: int = 1,
         bf16: bool = False,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         use_cpu_initialization: bool = False,
         calculate_per_token_loss: bool = False,
         init_method_std: float = 0.02,
+        num_moe_experts: int | None = None,
+        moe_ffn_hidden_size: int | None = None,
+        moe_router_topk: int = 2,
+        moe_router_pre_softmax: bool = False,
+        moe_layer_freq: int | list[int] = 1,
+        moe_grouped_gemm: bool = False,
+        moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather",
+        moe_router_load_balancing_type: str = "aux_loss",
+        moe_aux_loss_coeff: float = 0.0,
+        moe_permute_fusion: bool = False,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
     ) -> None: ...

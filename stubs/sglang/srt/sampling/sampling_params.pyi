@@ -1,8 +1,10 @@
 from collections.abc import Iterable
+from typing import ClassVar
 
 class SamplingParams:
     """The ``sampling_params`` of ``/generate`` (a ``msgspec.Struct``; keyword-only)."""
 
+    __struct_fields__: ClassVar[tuple[str, ...]]
     max_new_tokens: int | None
     stop_token_ids: set[int] | None
     temperature: float

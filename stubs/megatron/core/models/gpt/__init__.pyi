@@ -1,16 +1,19 @@
 from typing import Literal
 
 import torch
-from megatron.core.dist_checkpointing import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import TransformerBlockSubmodules
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 class GPTModel(torch.nn.Module):
     config: TransformerConfig
     output_layer: torch.nn.Module
+    rotary_pos_emb: RotaryEmbedding
     def __init__(
         self,
         config: TransformerConfig,
-        transformer_layer_spec: ModuleSpec,
+        transformer_layer_spec: ModuleSpec | TransformerBlockSubmodules,
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
@@ -29,5 +32,7 @@ class GPTModel(torch.nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        *,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
     def sharded_state_dict(self, prefix: str = "") -> ShardedStateDict: ...

@@ -1,0 +1,77 @@
+"""Run every benchmark, each in its own process, and print one table of their ratios.
+
+``nox -s bench`` runs this (not part of CI: the numbers mean something only on an otherwise idle
+machine). ``--quick`` runs each with small settings: a smoke test of the scripts, not a
+measurement. A benchmark that needs SGLang is skipped, with a line saying so, where SGLang is not
+installed (run it in the ``nox -s sglang`` virtualenv: ``.nox/sglang/bin/python -m
+benchmarks.weight_sync``).
+
+    python -m benchmarks.run_all [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.results import Ratio, read_ratios
+
+BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
+    # name: (full arguments, --quick arguments)
+    "rl_step": ([], ["--steps", "3", "--rounds", "1"]),
+    "bringup": (
+        [],
+        ["--vocab", "1024", "--hidden", "128", "--ffn", "256", "--layers", "2", "--heads", "4"],
+    ),
+    "weight_sync": ([], ["--repeats", "1", "--vocab-size", "256"]),
+}
+NEEDS_SGLANG = {"weight_sync"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small settings: a smoke run")
+    args = parser.parse_args()
+    has_sglang = importlib.util.find_spec("sglang") is not None
+    ratios: list[Ratio] = []
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="rlcore-bench-") as tmp:
+        for name, (full, quick) in BENCHMARKS.items():
+            if name in NEEDS_SGLANG and not has_sglang:
+                notes.append(
+                    f"{name}: skipped, SGLang is not installed here; run it in the nox -s sglang "
+                    f"virtualenv: .nox/sglang/bin/python -m benchmarks.{name}"
+                )
+                print(notes[-1], flush=True)
+                continue
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", f"benchmarks.{name}", *(quick if args.quick else full)]
+            print(f"== {' '.join(cmd[1:])}", flush=True)
+            done = subprocess.run([*cmd, "--json", str(out)])
+            if done.returncode or not out.exists():
+                notes.append(f"{name}: FAILED (exit code {done.returncode}), see its output above")
+                print(notes[-1], flush=True)
+                continue
+            ratios += read_ratios(out)
+    print()
+    print(f"{'benchmark':12} {'measure':38} {'ratio':>7} {'target':>8}  verdict")
+    for r in ratios:
+        target = f"<= {r.target:g}" if r.target != float("inf") else "-"
+        verdict = "meets" if r.meets else "MISSES"
+        print(f"{r.benchmark:12} {r.measure:38} {r.value:6.2f}x {target:>8}  {verdict}")
+    for note in notes:
+        print(note)
+    if args.quick:
+        print("(--quick: small settings, not a measurement)")
+    if any("FAILED" in note for note in notes):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The loop's side of the protocols: every call into a backend, a stack or a rollout engine goes
+through here, so a component that breaks its contract is named in an rlcore error instead of
+surfacing as a raw ``ValueError`` three calls later.
+
+- :func:`build_training_stack` / :func:`build_eval_stack` check that what a backend built has
+  every method of its protocol and wrap it (:class:`CheckedTrainingStack`,
+  :class:`CheckedEvalStack`): an error that is not an :class:`~rlcore.errors.RLCoreError` becomes
+  a :class:`~rlcore.errors.BackendError` naming the stack and the method, and ``forward`` must
+  return one row per sample and one value per response token.
+- :class:`CheckedEngine` does the same for a rollout engine (:class:`~rlcore.errors.RolloutError`);
+  its ``generate`` is the one place the generation count is checked (:func:`check_generations`).
+
+Errors raised on purpose (``RLCoreError`` subclasses) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import final
+
+from rlcore.errors import BackendError, RLCoreError, RolloutError
+from rlcore.protocols import (
+    Backend,
+    EvalStack,
+    NamedTensors,
+    Optimizer,
+    RolloutEngine,
+    Scheduler,
+    TrainingStack,
+)
+from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+
+__all__ = [
+    "CheckedEngine",
+    "CheckedEvalStack",
+    "CheckedTrainingStack",
+    "build_eval_stack",
+    "build_training_stack",
+    "check_generations",
+    "missing_members",
+]
+
+
+def missing_members(obj: object, protocol: type) -> list[str]:
+    """The public members of ``protocol`` (and the protocols it extends) that ``obj`` lacks."""
+    names = {
+        name
+        for cls in protocol.__mro__
+        if getattr(cls, "_is_protocol", False)
+        for name in vars(cls)
+        if not name.startswith("_")
+    }
+    return sorted(name for name in names if not hasattr(obj, name))
+
+
+def _name(obj: object) -> str:
+    return type(obj).__qualname__
+
+
+@contextlib.contextmanager
+def _translated(what: str, error: type[RLCoreError], contract: str) -> Iterator[None]:
+    """Re-raise anything but an rlcore error as ``error``, naming ``what`` and its contract."""
+    try:
+        yield
+    except RLCoreError:
+        raise
+    except Exception as exc:
+        raise error(
+            f"{what} raised {type(exc).__name__}: {exc}. The {contract} contract is to raise "
+            f"rlcore errors ({error.__name__}, ...); fix or wrap the component"
+        ) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Stacks
+
+
+class _Checked:
+    """What both checked stacks share: the wrapped stack, its name, and ``forward``'s checks."""
+
+    def __init__(self, stack: EvalStack, what: str) -> None:
+        self._stack = stack
+        self._what = what
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._stack.spec
+
+    def _call(self, method: str) -> contextlib.AbstractContextManager[None]:
+        return _translated(f"{self._what}.{method}", BackendError, "EvalStack/TrainingStack")
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        with self._call("forward"):
+            rows = self._stack.forward(samples)
+        if len(rows) != len(samples):
+            raise BackendError(
+                f"{self._what}.forward returned {len(rows)} rows for {len(samples)} samples; "
+                "the contract is one row per sample, in order"
+            )
+        for i, (row, sample) in enumerate(zip(rows, samples, strict=True)):
+            if len(row) != len(sample.response.token_ids):
+                raise BackendError(
+                    f"{self._what}.forward returned {len(row)} values for sample {i}, which has "
+                    f"{len(sample.response.token_ids)} response tokens; the contract is one value "
+                    "per response token"
+                )
+        return rows
+
+    def load(self, path: Path) -> int:
+        with self._call("load"):
+            return self._stack.load(path)
+
+    def export_weights(self) -> NamedTensors:
+        with self._call("export_weights"):
+            return self._stack.export_weights()
+
+
+@final
+class CheckedEvalStack(_Checked):
+    """An :class:`~rlcore.protocols.EvalStack` whose calls are checked (see the module)."""
+
+    def __init__(self, stack: EvalStack, what: str) -> None:
+        super().__init__(stack, what)
+
+
+@final
+class CheckedTrainingStack(_Checked):
+    """A :class:`~rlcore.protocols.TrainingStack` whose calls are checked (see the module)."""
+
+    def __init__(self, stack: TrainingStack, what: str) -> None:
+        super().__init__(stack, what)
+        self._training = stack
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._training.optimizer
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._training.scheduler
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        with self._call("train_step"):
+            return self._training.train_step(batch)
+
+    def save(self, path: Path, rollout_id: int) -> None:
+        with self._call("save"):
+            self._training.save(path, rollout_id)
+
+
+def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingStack:
+    """``backend.build_training_stack(spec)``, checked against the protocol and wrapped."""
+    what = f"{_name(backend)}.build_training_stack({spec.model.role})"
+    with _translated(what, BackendError, "Backend"):
+        stack = backend.build_training_stack(spec)
+    missing = missing_members(stack, TrainingStack)
+    if missing:
+        raise BackendError(
+            f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
+            "TrainingStack protocol (rlcore.protocols); implement them"
+        )
+    return CheckedTrainingStack(stack, f"{_name(stack)} ({spec.model.role})")
+
+
+def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
+    """``backend.build_eval_stack(spec)``, checked against the protocol and wrapped."""
+    what = f"{_name(backend)}.build_eval_stack({spec.model.role})"
+    with _translated(what, BackendError, "Backend"):
+        stack = backend.build_eval_stack(spec)
+    missing = missing_members(stack, EvalStack)
+    if missing:
+        raise BackendError(
+            f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
+            "EvalStack protocol (rlcore.protocols); implement them"
+        )
+    return CheckedEvalStack(stack, f"{_name(stack)} ({spec.model.role})")
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout engines
+
+
+def check_generations(
+    engine: object, prompts: Sequence[Prompt], generations: Sequence[object]
+) -> list[Generation]:
+    """``generations`` as a list, after checking the :class:`~rlcore.protocols.RolloutEngine`
+    contract: exactly one :class:`~rlcore.samples.Generation` per prompt. Raises
+    :class:`~rlcore.errors.RolloutError` naming the engine otherwise."""
+    if len(generations) != len(prompts):
+        raise RolloutError(
+            f"rollout engine {_name(engine)}.generate returned {len(generations)} generations "
+            f"for {len(prompts)} prompts; the contract is exactly one per prompt, in order "
+            "(a prompt repeated n times is sampled n times)"
+        )
+    out = []
+    for i, generation in enumerate(generations):
+        if not isinstance(generation, Generation):
+            raise RolloutError(
+                f"rollout engine {_name(engine)}.generate returned a {_name(generation)} at "
+                f"position {i}; the contract is a list of rlcore.Generation"
+            )
+        out.append(generation)
+    return out
+
+
+@final
+class CheckedEngine:
+    """A :class:`~rlcore.protocols.RolloutEngine` whose calls are checked (see the module)."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        missing = missing_members(engine, RolloutEngine)
+        if missing:
+            raise RolloutError(
+                f"rollout engine {_name(engine)} lacks {', '.join(missing)} of the RolloutEngine "
+                "protocol (rlcore.protocols); implement them"
+            )
+        self._engine = engine
+        self._what = f"rollout engine {_name(engine)}"
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engine being checked."""
+        return self._engine
+
+    def _call(self, method: str) -> contextlib.AbstractContextManager[None]:
+        return _translated(f"{self._what}.{method}", RolloutError, "RolloutEngine")
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        with self._call("generate"):
+            generations = self._engine.generate(prompts, params)
+        return check_generations(self._engine, prompts, generations)
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        with self._call("update_weights"):
+            self._engine.update_weights(weights, version)
+
+    @property
+    def weight_version(self) -> int:
+        with self._call("weight_version"):
+            return self._engine.weight_version
+
+    def close(self) -> None:
+        with self._call("close"):
+            self._engine.close()

@@ -1,0 +1,68 @@
+"""Loading a user's function from a ``--...-path`` flag (rollout function, filter, IS weights).
+
+Two spellings are accepted: ``module:function`` (``pkg.mod:Class.method`` for a dotted attribute)
+and slime's ``pkg.mod.function`` (the last dot splits module and attribute). Every failure is a
+:class:`~rlcore.errors.ConfigError` naming the flag, the path and what to do, raised when the run
+starts rather than when the function is first needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from rlcore.errors import ConfigError, ConfigProblem
+
+__all__ = ["load_function"]
+
+
+def _split(path: str) -> tuple[str, str]:
+    if ":" in path:
+        module_name, _, attr_path = path.partition(":")
+    else:
+        module_name, _, attr_path = path.rpartition(".")
+    return module_name, attr_path
+
+
+def load_function(path: str, *, field: str, arity: int, signature: str) -> Any:
+    """The callable ``path`` names, checked to accept ``arity`` positional arguments.
+
+    ``field`` is the config field and flag for the error message (``rollout.rollout_function_path
+    (--rollout-function-path)``), ``signature`` the expected signature, shown when it does not fit.
+    The result is typed ``Any``: only its callability and arity are checked here.
+    """
+
+    def problem(message: str, hint: str) -> ConfigError:
+        return ConfigError([ConfigProblem(field, f"{path!r}: {message}", hint)])
+
+    module_name, attr_path = _split(path)
+    if not module_name or not attr_path:
+        raise problem("expected 'module:function'", "for example my_project.rollouts:generate")
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise problem(
+            f"cannot import module {module_name!r} ({exc})",
+            "check the spelling and that the module is on PYTHONPATH",
+        ) from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise problem(
+                f"module {module_name!r} has no attribute {attr_path!r}",
+                "check the name after the module",
+            ) from exc
+    if not callable(obj):
+        raise problem(f"{attr_path} is a {type(obj).__name__}, not a function", "point at one")
+    try:
+        inspect.signature(obj).bind(*([None] * arity))
+    except TypeError as exc:
+        raise problem(
+            f"{attr_path} cannot be called with {arity} argument(s) ({exc})",
+            f"give it the signature {signature}",
+        ) from exc
+    except ValueError:
+        pass  # no introspectable signature (some builtins): trust it
+    return obj

@@ -1,0 +1,105 @@
+"""Rollouts saved to files and read back (slime's ``--save-debug-rollout-data`` and
+``--load-debug-rollout-data``).
+
+One JSON file per rollout id holds the groups the rollout trained on: every sample's prompt
+(index, text, token ids, label), its generation (token ids, the engine's per-token log-probs,
+text, finish reason, weight version) and its reward. Python floats survive JSON exactly, so a run
+that trains on a replayed rollout sees bit for bit the numbers the original run saw.
+
+``PATH`` is a template: ``{rollout_id}`` is replaced by the rollout id; a path without it is a
+folder holding ``rollout_000003.json`` and so on. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Final
+
+import cattrs
+
+from rlcore.errors import DataError
+from rlcore.samples import Sample
+
+__all__ = [
+    "FORMAT",
+    "load_rollout_data",
+    "read_groups",
+    "rollout_data_path",
+    "save_rollout_data",
+    "write_groups",
+]
+
+FORMAT: Final = "rlcore.rollout/1"
+"""The ``format`` field of every file; a file with another one is refused."""
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def rollout_data_path(template: str, rollout_id: int) -> Path:
+    """The file of rollout ``rollout_id`` under ``template`` (module docstring)."""
+    if "{rollout_id}" in template:
+        return Path(template.replace("{rollout_id}", str(rollout_id)))
+    return Path(template) / f"rollout_{rollout_id:06d}.json"
+
+
+def save_rollout_data(
+    template: str, rollout_id: int, groups: tuple[tuple[Sample, ...], ...]
+) -> Path:
+    """Write rollout ``rollout_id``'s ``groups`` to their file under ``template``; returns it."""
+    path = rollout_data_path(template, rollout_id)
+    write_groups(path, rollout_id, groups)
+    return path
+
+
+def load_rollout_data(template: str, rollout_id: int) -> tuple[tuple[Sample, ...], ...]:
+    """The groups saved for rollout ``rollout_id`` under ``template`` (see :func:`read_groups`)."""
+    path = rollout_data_path(template, rollout_id)
+    if not path.is_file():
+        raise DataError(
+            f"{path}: no saved rollout {rollout_id} for --load-debug-rollout-data {template}; "
+            "save it with --save-debug-rollout-data, or train fewer rollouts (--num-rollout)"
+        )
+    return read_groups(path, rollout_id)
+
+
+def write_groups(path: Path, rollout_id: int, groups: tuple[tuple[Sample, ...], ...]) -> None:
+    """``groups`` as rollout ``rollout_id``'s file at ``path``, written atomically (a temporary
+    file renamed into place; the folder is created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"format": FORMAT, "rollout_id": rollout_id, "groups": _converter.unstructure(groups)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_groups(path: Path, rollout_id: int) -> tuple[tuple[Sample, ...], ...]:
+    """The groups of rollout ``rollout_id`` in the file ``path``. Raises
+    :class:`~rlcore.errors.DataError` naming the file when it is unreadable, not JSON, of another
+    format or rollout id, or malformed."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read saved rollout {rollout_id}: {exc}") from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise DataError(
+            f"{path}: not a rollout file of format {FORMAT!r} (found {found!r}); "
+            "point --load-debug-rollout-data at files written by --save-debug-rollout-data"
+        )
+    if record.get("rollout_id") != rollout_id:
+        raise DataError(
+            f"{path}: holds rollout {record.get('rollout_id')!r}, not {rollout_id}; "
+            "the file was renamed or the path template is wrong"
+        )
+    try:
+        groups: tuple[tuple[Sample, ...], ...] = _converter.structure(
+            record["groups"], tuple[tuple[Sample, ...], ...]
+        )
+    except (KeyError, cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        raise DataError(f"{path}: malformed rollout {rollout_id}: {exc}") from exc
+    return groups

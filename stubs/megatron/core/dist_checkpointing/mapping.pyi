@@ -1,0 +1,3 @@
+from typing import Any
+
+ShardedStateDict = dict[str, Any]

@@ -1,0 +1,157 @@
+"""`python -m rlcore_megatron.run` with the mistakes a newcomer makes first: each stops at once,
+before Ray or any model starts, with an error naming the flag and the file, exit code 2, no
+traceback, no process started, no folder left behind and no request to a model hub."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlcore.checkpoints import CheckpointMeta, write_checkpoint
+from rlcore_megatron.demo import prepare_demo
+from tests.e2e.cli import WatchedCLI, model_hub
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("demo")
+    prepare_demo(folder)
+    return folder
+
+
+def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--prompt-data",
+        str(demo / "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "answer",
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+
+
+def _refused(flags: list[str], tmp_path: Path) -> str:
+    """Run the CLI against a recording model hub; check it refused the run the way every case
+    must, and return its stderr."""
+    with model_hub() as (env, requests):
+        cli = WatchedCLI(flags, tmp_path / "cli", env)
+        code = cli.wait(timeout_s=300)
+    err = cli.stderr
+    assert code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert cli.seen == {}, "nothing may start (no Ray, no engine) before the checks pass"
+    assert requests == [], "a local path must never reach a model hub"
+    assert not (tmp_path / "out").exists(), "the output folder is removed again"
+    return err
+
+
+def test_a_model_folder_that_does_not_exist(demo: Path, tmp_path: Path) -> None:
+    # A relative name that also looks like a hub model id: it was looked up on the hub for 30 s.
+    err = _refused(_flags(demo, tmp_path / "out", "--hf-checkpoint", "my-model"), tmp_path)
+    assert err.splitlines()[1] == (
+        "  - model.hf_checkpoint (--hf-checkpoint): my-model does not exist (point it at a local "
+        "Hugging Face model folder (config.json, model.safetensors, tokenizer files); model hub "
+        "names are not downloaded)"
+    )
+
+
+def test_an_empty_model_folder_says_which_files_are_missing(demo: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    err = _refused(
+        _flags(demo, tmp_path / "out", "--hf-checkpoint", str(tmp_path / "empty")), tmp_path
+    )
+    assert (
+        f"{tmp_path / 'empty'} has no config.json, weights (model.safetensors, or "
+        "model.safetensors.index.json and shards), a tokenizer (tokenizer.json, tokenizer.model "
+        "or vocab files)"
+    ) in err
+
+
+@pytest.mark.slow
+@pytest.mark.megatron  # config.json is read by Megatron's validator
+def test_an_unsupported_model_type_is_found_in_config_json(demo: Path, tmp_path: Path) -> None:
+    bert = tmp_path / "bert"
+    shutil.copytree(demo / "model", bert)
+    config = json.loads((bert / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    err = _refused(_flags(demo, tmp_path / "out", "--hf-checkpoint", str(bert)), tmp_path)
+    assert err.splitlines() == [
+        "error: 1 configuration problem(s):",
+        f"  - model.hf_checkpoint (--hf-checkpoint): {bert / 'config.json'}: model_type: 'bert' "
+        "is not supported (the Megatron backend builds llama models)",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.megatron  # config.json is read by Megatron's validator
+def test_a_truncated_safetensors_file_is_named_incomplete(demo: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(demo / "model", model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:  # a copy that stopped 1 kB short
+        f.truncate(size - 1024)
+    err = _refused(_flags(demo, tmp_path / "out", "--hf-checkpoint", str(model)), tmp_path)
+    assert (
+        f"{weights} is incomplete: {size - 1024} bytes of the {size} its header describes "
+        "(an interrupted copy or download?) (copy or download the file again)"
+    ) in err
+
+
+@pytest.mark.slow
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_output_folders_that_cannot_be_written(demo: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    flags = _flags(demo, a_file / "out", "--hf-checkpoint", str(demo / "model"))
+    flags += ["--save", "/proc/rlcore-ckpt", "--save-interval", "1"]  # a virtual file system
+    err = _refused(flags, tmp_path)
+    assert err.splitlines()[1:] == [
+        f"  - output_dir (--output-dir): cannot create {a_file / 'out'}: Not a directory (choose "
+        "a folder this user can write)",
+        "  - checkpoint.save (--save): cannot create /proc/rlcore-ckpt: No such file or directory "
+        "(choose a folder this user can write)",
+    ]
+
+
+def test_non_finite_numbers_are_blamed_on_their_own_flags(demo: Path, tmp_path: Path) -> None:
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused(
+        [*flags, "--lr", "nan", "--rollout-temperature", "nan", "--eps-clip=inf"], tmp_path
+    )
+    assert err.splitlines()[1:] == [
+        "  - rollout.temperature (--rollout-temperature): must be a finite number, got nan",
+        "  - algorithm.eps_clip (--eps-clip): must be a finite number, got inf",
+        "  - optim.lr (--lr): must be a finite number, got nan",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, CheckpointMeta(2, 12, ("actor",)), {"actor": lambda f: f.mkdir()})
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused([*flags, "--load", str(ckpt)], tmp_path)
+    assert err == (
+        f"error: --load {ckpt}: the checkpoint rollout_000002 is of rollout 2, so training would "
+        "start at rollout 3, but --num-rollout is 3: nothing is left to train. Raise "
+        "--num-rollout above 3 to train on, or evaluate the checkpoint with --num-rollout 0 "
+        f"--load {ckpt}\n"
+    )

@@ -1,0 +1,121 @@
+"""A run stopped half-way leaves nothing behind. `kill -9` of the driver: every process it started
+(Ray, the rank actors and what they started, such as Megatron's checkpoint writer) is gone within
+seconds. Ctrl-C: no traceback, exit 130, a summary saying where the run stopped and which
+checkpoint to resume from, and no processes. The next save removes what an interrupted one left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from rlcore.checkpoints import find_checkpoint, read_meta
+from rlcore.metrics import read_jsonl_metrics
+from rlcore_megatron.demo import prepare_demo
+from tests.e2e.cli import WatchedCLI, model_hub
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
+
+SURVIVAL_S = 30.0
+"""How long the processes of a stopped run may take to go."""
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("demo")
+    prepare_demo(folder)
+    return folder
+
+
+def _flags(demo: Path, out: Path, save: Path) -> list[str]:
+    return [
+        "--hf-checkpoint",
+        str(demo / "model"),
+        "--prompt-data",
+        str(demo / "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "answer",
+        "--num-rollout",
+        "100",  # far more than the test waits for; one progress line per rollout
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--rollout-max-response-len",
+        "5",
+        "--lr",
+        "1e-3",
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+        "--output-dir",
+        str(out),
+    ]
+
+
+def test_kill_9_of_the_driver_leaves_no_process(demo: Path, tmp_path: Path) -> None:
+    cli = WatchedCLI(_flags(demo, tmp_path / "out", tmp_path / "ckpt"), tmp_path / "cli")
+    try:
+        # After a save: the rank has started Megatron's checkpoint writer by then.
+        cli.wait_for(tmp_path / "ckpt" / "latest", timeout_s=600)
+        names = " ".join(cli.survivors(within_s=0))
+        assert "ray::" in names and "multiprocessing.spawn" in names, names
+        cli.process.send_signal(signal.SIGKILL)
+        assert cli.wait(timeout_s=60) == -signal.SIGKILL
+        assert cli.survivors(within_s=SURVIVAL_S) == []
+    finally:
+        cli.kill_everything()
+
+
+def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(demo: Path, tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    # What a save killed half-way left here earlier: a temporary checkpoint folder.
+    debris = save / ".tmp-rollout_000007-4242"
+    shutil.copytree(demo / "model", debris / "actor")
+    out = tmp_path / "out"
+    with model_hub() as (env, requests):
+        cli = WatchedCLI(_flags(demo, out, save), tmp_path / "cli", env)
+        try:
+            cli.wait_for(save / "rollout_000001" / "rlcore.json", timeout_s=600)
+            cli.interrupt()
+            code = cli.wait(timeout_s=300)
+        finally:
+            cli.kill_everything()
+    err = cli.stderr
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    k = summary["interrupted_at"]
+    assert summary["trained"] == list(range(k)) or summary["trained"] == list(range(k + 1))
+    latest = find_checkpoint(save)
+    assert summary["latest_checkpoint"] == str(latest)
+    assert read_meta(latest).rollout_id == summary["saved"][-1]
+    assert (
+        f"interrupted at rollout {k}: trained rollouts 0..{summary['trained'][-1]}; latest "
+        f"checkpoint {latest} (resume with --load {save}); summary in {out / 'summary.json'}"
+    ) in err
+    assert cli.survivors(within_s=SURVIVAL_S) == []
+    # The first save removed the interrupted one's folder and said so.
+    assert not debris.exists()
+    log = (out / "run.log").read_text()
+    assert f"checkpoints: removed {debris}, left behind by an interrupted save" in log
+    # Not a terminal: one plain progress line per few rollouts, with the count and the time.
+    assert re.search(r"rollout \d+/100  \d:\d\d:\d\d  rollout/reward=", err), err
+    # Quiet: no Ray token-auth warning, no weight-loading bars.
+    assert "Token authentication" not in err and "Loading weights" not in err, err
+    assert requests == []  # the local model folder never sent anything to a model hub
+    rows = read_jsonl_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "rollout/reward" in r] == summary["trained"]

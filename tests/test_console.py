@@ -1,0 +1,62 @@
+"""What a person watching a run sees: the progress bar on a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+from rich.console import Console
+
+from rlcore_megatron.console import ProgressSink
+
+LONG = {
+    "rollout/reward": 0.03125,
+    "train/actor/loss": 0.123456,
+    "eval/heldout/reward": 0.42,
+    "eval/a_much_longer_eval_set_name/reward": 0.5,
+    "rollout/weight_version": 37.0,
+}
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_the_bar_keeps_count_and_elapsed_time_on_a_narrow_terminal(width: int) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    sink = ProgressSink(total=160, console=console)
+    sink.log(36, LONG)
+    sink.close()
+    last = out.getvalue().split("\r")[-1]
+    line = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", last).strip()
+    assert re.match(r"rollout +37/160 .* 0:00:\d\d ", line), line
+    assert ("rollout/reward=0.031" if width >= 80 else "rollout/re") in line  # then cut to fit
+    assert len(line) <= width
+
+
+def test_without_a_terminal_one_plain_line_per_rollout_goes_to_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    console = Console(file=io.StringIO(), width=80)  # a file: not a terminal
+    sink = ProgressSink(total=3, console=console)
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        for step in range(3):
+            sink.log(step, {"rollout/reward": step / 4, "rollout/weight_version": step + 1.0})
+            sink.log(step, {"eval/heldout/reward": 0.5})  # not a rollout: no line of its own
+    sink.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    for step, line in enumerate(lines):
+        assert re.fullmatch(rf"rollout {step + 1}/3  0:00:\d\d  .*", line), line
+    assert lines[0].endswith("rollout/reward=0.000")
+    assert lines[2].endswith("rollout/reward=0.500  eval/heldout/reward=0.500")
+    assert console.file.getvalue() == ""  # type: ignore[attr-defined]  # no bar drawn
+
+
+def test_long_runs_log_every_nth_rollout_and_the_last(caplog: pytest.LogCaptureFixture) -> None:
+    sink = ProgressSink(total=250, console=Console(file=io.StringIO()))
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        for step in range(250):
+            sink.log(step, {"rollout/weight_version": step + 1.0})
+    done = [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records]
+    assert done == [*range(3, 250, 3), 250]
