@@ -161,7 +161,6 @@ def rlcore_steps(
     from rlcore.flags import load_config
     from rlcore.loop import run
     from rlcore.plan import plan
-    from rlcore_megatron.ray_group import GroupOptions
     from rlcore_megatron.ray_stacks import RayMegatronBackend
     from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
 
@@ -203,7 +202,8 @@ def rlcore_steps(
     tokenizer = _tokenizer(config)
     data = load_run_data(config, tokenizer)
     clock = _StepClock()
-    with RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=THREADS)) as backend:
+    # The rank reserves one slot of the node, so it runs with all THREADS of the node's CPUs.
+    with RayMegatronBackend() as backend:
         engine = make_engine(config, tokenizer)
         try:
             clock.ends = [time.perf_counter()]
@@ -272,7 +272,7 @@ def main() -> None:
 
             args.assets = build_assets(tmp / "assets")
         # A new local instance even when another Ray cluster runs on this machine.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
         model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
         shutil.copytree(args.assets / "model", model_dir)
         for f in (args.assets / "tokenizer").iterdir():

@@ -38,7 +38,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "rl_step": (["--bf16"], ["--steps", "3", "--rounds", "1", "--bf16"]),
     "bringup": ([], _SMALL_BRINGUP),
     "bringup:bf16": (["--bf16"], [*_SMALL_BRINGUP, "--bf16"]),
-    "weight_sync": ([], ["--repeats", "1", "--vocab-size", "256"]),
+    "weight_sync": (
+        [],
+        ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
+    ),
 }
 NEEDS_SGLANG = {"weight_sync"}
 

@@ -31,10 +31,11 @@ from rlcore.algorithms import (
     unpad,
 )
 from rlcore.errors import CheckpointError
-from rlcore.protocols import NamedTensors
+from rlcore.protocols import WeightSink
 from rlcore.samples import EvalSet, Prompt, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.testing import ScriptedEngine
+from rlcore.weights import deliver
 
 VOCAB = 128  # the scripted engine emits characters' code points
 PAD = 0
@@ -92,8 +93,8 @@ class TorchEvalStack:
     def load(self, path: Path) -> int:
         return _load_model(self.model, path)[0]
 
-    def export_weights(self) -> NamedTensors:
-        return list(self.model.state_dict().items())
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver(self.model.state_dict().items(), sinks)  # the weights are in this process
 
 
 @final
@@ -181,8 +182,8 @@ class TorchTrainingStack:
         self._scheduler.load_state_dict(state["scheduler"])  # type: ignore[arg-type]  # likewise
         return rollout_id
 
-    def export_weights(self) -> NamedTensors:
-        return list(self.model.state_dict().items())
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver(self.model.state_dict().items(), sinks)
 
 
 @final

@@ -4,7 +4,9 @@ run had done."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from rlcore.config import RunConfig, structure_config
 from rlcore.errors import BackendError, CheckpointError, PlanError, RolloutError
 from rlcore.loop import RunData, RunInterrupted, run
 from rlcore.plan import EvalPlan, plan
-from rlcore.protocols import NamedTensors
+from rlcore.protocols import WeightSink
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import (
@@ -55,8 +57,8 @@ class DropsOne:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         return self.inner.generate(prompts, params)[:-1]
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        self.inner.update_weights(weights, version)
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+        return self.inner.receive_weights(version)
 
     @property
     def weight_version(self) -> int:
@@ -72,8 +74,8 @@ class Unreachable:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         raise ConnectionError("[Errno 111] Connection refused")
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        pass
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+        return contextlib.nullcontext([])
 
     @property
     def weight_version(self) -> int:
@@ -84,7 +86,7 @@ class Unreachable:
 
 
 class NoWeightSync:
-    """An engine without update_weights."""
+    """An engine without receive_weights."""
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         return []
@@ -119,7 +121,7 @@ def test_an_engine_raising_a_foreign_error_becomes_a_rollout_error(tmp_path: Pat
 def test_an_engine_missing_a_method_is_refused_before_anything_is_built(tmp_path: Path) -> None:
     backend = FakeBackend()
     with pytest.raises(
-        RolloutError, match="NoWeightSync lacks update_weights of the RolloutEngine"
+        RolloutError, match="NoWeightSync lacks receive_weights of the RolloutEngine"
     ):
         run(plan(_config(tmp_path)), backend, NoWeightSync(), label_reward, DATA)  # type: ignore[arg-type]
     assert backend.roles_built == []
@@ -136,7 +138,7 @@ class HalfStack:
         self.forward = self.inner.forward
         self.load = self.inner.load
         self.save = self.inner.save
-        self.export_weights = self.inner.export_weights
+        self.send_weights = self.inner.send_weights
 
 
 class HalfBackend:

@@ -67,6 +67,8 @@ EXPECTED = {
     "TrainPlan",
     "TrainSpec",
     "TrainingStack",
+    "WeightSink",
+    "WeightSource",
     "load_backend",
     "load_config",
     "plan",
@@ -87,7 +89,8 @@ def test_import_rlcore_is_light() -> None:
     code = (
         "import sys, json, rlcore, rlcore.testing, rlcore.data, rlcore.rewards, rlcore.metrics; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'numpy', 'rlcore_megatron'))))"
+        "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'numpy', 'rlcore_megatron', "
+        "'rlcore_sglang'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -254,3 +254,23 @@ def test_supervised_warm_start_needs_labelled_prompts(tmp_path: Path) -> None:
     config = _train_config(tmp_path, algorithm__sft_warmup_rollouts=1, eval__interval=None)
     with pytest.raises(PlanError, match="--sft-warmup-rollouts needs labelled prompts"):
         run(plan(config), FakeBackend(), ScriptedEngine(), label_reward, unlabelled)
+
+
+def test_a_failed_weight_send_leaves_the_engine_on_its_old_version() -> None:
+    from collections.abc import Sequence
+
+    from rlcore.loop import push_weights
+    from rlcore.protocols import WeightSink
+
+    class Broken:
+        def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+            raise RuntimeError("the rank died")
+
+    from rlcore.specs import EvalSpec, ModelSpec
+
+    engine = ScriptedEngine()
+    push_weights(FakeBackend().build_eval_stack(EvalSpec(ModelSpec("actor", None))), engine, 3)
+    assert engine.updates == [3] and engine.received == [()]
+    with pytest.raises(RuntimeError, match="the rank died"):
+        push_weights(Broken(), engine, version=4)
+    assert engine.weight_version == 3 and engine.updates == [3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import attrs
@@ -12,6 +13,7 @@ import pytest
 
 from rlcore.data import PromptSampler
 from rlcore.errors import ConfigError, DataError, RolloutError
+from rlcore.protocols import WeightSink
 from rlcore.replay import load_rollout_data, rollout_data_path, save_rollout_data
 from rlcore.rollout import (
     DynamicSampling,
@@ -147,8 +149,8 @@ class ShortEngine:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         return self.inner.generate(prompts, params)[:-1]
 
-    def update_weights(self, weights: object, version: int) -> None:
-        pass
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+        return self.inner.receive_weights(version)
 
     @property
     def weight_version(self) -> int:

@@ -1,8 +1,9 @@
 """rlcore: RL post-training for LLMs with a typed core.
 
 ``import rlcore`` is light (standard library, attrs, cattrs): the torch maths live in
-:mod:`rlcore.algorithms`, engines in :mod:`rlcore.engines`, fakes in :mod:`rlcore.testing`, and
-backends such as ``rlcore_megatron`` are imported by name on demand.
+:mod:`rlcore.algorithms`, the embedded engine in :mod:`rlcore.engines.embedded`, fakes in
+:mod:`rlcore.testing`, and backends (``rlcore_megatron``) and rollout engines (``rlcore_sglang``)
+are imported by name on demand.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from rlcore.protocols import (
     RolloutFn,
     Scheduler,
     TrainingStack,
+    WeightSink,
+    WeightSource,
 )
 from rlcore.replay import load_rollout_data, save_rollout_data
 from rlcore.rollout import (
@@ -123,6 +126,8 @@ __all__ = [
     "TrainPlan",
     "TrainSpec",
     "TrainingStack",
+    "WeightSink",
+    "WeightSource",
     "check_reward_nonzero_std",
     "default_rollout",
     "load_backend",

@@ -23,7 +23,8 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.engines import KNOWN_ENGINES, load_engine
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
 from rlcore.specs import (
     AdvantageEstimator,
     DecayStyle,
@@ -40,6 +41,7 @@ from rlcore.specs import (
 __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
+    "ClusterConfig",
     "DataConfig",
     "DebugConfig",
     "EvalConfig",
@@ -53,23 +55,27 @@ __all__ = [
     "check",
     "converter",
     "float_fields",
+    "option",
     "structure_config",
     "with_flag",
 ]
 
-RolloutEngineName = Literal["embedded", "sglang"]
 RewardName = Literal["exact_match", "math"]
 """The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
-WeightSyncMode = Literal["tensor", "distributed", "disk"]
 SurplusPolicy = Literal["drop", "keep"]
 
 _T = TypeVar("_T")
 
 
-def _opt(default: _T, flag: str, help: str, **metadata: Any) -> _T:
-    """An attrs field with its command-line flag and help text in the metadata."""
+def option(default: _T, flag: str, help: str, **metadata: Any) -> _T:
+    """An attrs field with its command-line flag and help text in the metadata (``repeat=True``:
+    a repeatable flag; ``invert=True``: a flag that sets a bool to False). Engine packages
+    declare their options with it too (see :mod:`rlcore.engines`)."""
     result: _T = attrs.field(default=default, metadata={"flag": flag, "help": help, **metadata})
     return result
+
+
+_opt = option
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,19 +98,22 @@ class RolloutConfig:
     temperature: float = _opt(1.0, "--rollout-temperature", "sampling temperature")
     top_p: float = _opt(1.0, "--rollout-top-p", "nucleus sampling threshold (1.0 = off)")
     top_k: int = _opt(0, "--rollout-top-k", "top-k sampling (0 = off)")
-    engine: RolloutEngineName = _opt(
-        "embedded", "--rollout-engine", "embedded (HF, in process) or sglang"
+    engine: str = _opt(
+        "embedded",
+        "--rollout-engine",
+        "the rollout engine, by name: embedded (HF, in the driver) or sglang (servers); "
+        "engine-specific settings are below, under the engine's name",
+        choices=tuple(KNOWN_ENGINES),
     )
-    sglang_urls: tuple[str, ...] = _opt(
-        (),
-        "--sglang-url",
-        "connect to a running SGLang server (repeatable); none = launch one",
-        repeat=True,
+    engine_options: object = attrs.field(
+        default=None,
+        metadata={
+            "help": "the chosen engine's own settings (its flags, or its config-file section)"
+        },
     )
-    weight_sync: WeightSyncMode = _opt("tensor", "--weight-sync", "how weights reach SGLang")
-    sglang_num_servers: int = _opt(
-        1, "--sglang-num-servers", "SGLang servers to launch (data-parallel rollout)"
-    )
+    """The chosen engine's own settings, an instance of its options class (``None``: its
+    defaults). Set from the engine's flags or its config-file section (``[sglang]``) by
+    :func:`rlcore.flags.load_config`; see :mod:`rlcore.engines`."""
     rollout_function_path: str | None = _opt(
         None,
         "--rollout-function-path",
@@ -283,10 +292,6 @@ class ModelConfig:
     moe_aux_loss_coeff: float = _opt(
         0.0, "--moe-aux-loss-coeff", "MoE router load-balancing loss weight (0 = off)"
     )
-    actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor")
-    actor_num_gpus_per_node: int = _opt(
-        1, "--actor-num-gpus-per-node", "ranks per node (CPU processes without GPUs)"
-    )
     bf16: bool = _opt(
         False,
         "--bf16",
@@ -294,9 +299,55 @@ class ModelConfig:
         "reduction); the rollout engine runs in bf16 too (default: fp32)",
     )
 
+
+@attrs.frozen
+class ClusterConfig:
+    """Where ranks and rollout servers run: slime's flags, with slime's meaning.
+
+    One rank per GPU; on a cluster without GPUs, one rank per CPU slot (a logical CPU), and the
+    actor's, critic's and reference model's ranks share their slots (they take turns in the loop).
+    """
+
+    actor_num_nodes: int = _opt(1, "--actor-num-nodes", "nodes for the actor's ranks")
+    actor_num_gpus_per_node: int = _opt(
+        1, "--actor-num-gpus-per-node", "actor ranks (GPUs, or CPU slots) per node"
+    )
+    critic_num_nodes: int | None = _opt(
+        None, "--critic-num-nodes", "nodes for the critic's ranks (default: --actor-num-nodes)"
+    )
+    critic_num_gpus_per_node: int | None = _opt(
+        None,
+        "--critic-num-gpus-per-node",
+        "critic ranks per node (default: --actor-num-gpus-per-node)",
+    )
+    rollout_num_gpus: int | None = _opt(
+        None,
+        "--rollout-num-gpus",
+        "GPUs (or CPU slots) for rollout servers in all (default: the actor's with --colocate, "
+        "else one engine's)",
+    )
+    rollout_num_gpus_per_engine: int = _opt(
+        1, "--rollout-num-gpus-per-engine", "GPUs per rollout server (its tensor-parallel size)"
+    )
+    colocate: bool = _opt(
+        False, "--colocate", "rollout servers share the actor's GPUs (else they get their own)"
+    )
+
     @property
-    def world_size(self) -> int:
+    def actor_ranks(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def critic_ranks(self) -> int:
+        nodes = self.critic_num_nodes or self.actor_num_nodes
+        return nodes * (self.critic_num_gpus_per_node or self.actor_num_gpus_per_node)
+
+    @property
+    def rollout_gpus(self) -> int:
+        """GPUs (or CPU slots) the rollout servers take, when the engine runs servers."""
+        if self.rollout_num_gpus is not None:
+            return self.rollout_num_gpus
+        return self.actor_ranks if self.colocate else self.rollout_num_gpus_per_engine
 
 
 @attrs.frozen
@@ -403,6 +454,7 @@ class RunConfig:
     optim: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -505,6 +557,8 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
         problems.append(_problem(section, prefix, name, message, hint))
 
+    problems += _check_engine_and_cluster(config)
+
     # Counts.
     for name in ("num_rollout", "num_epoch"):
         value = getattr(r, name)
@@ -518,12 +572,7 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             "must be >= 1",
             "use --num-rollout 0 to evaluate only",
         )
-    for name in (
-        "rollout_batch_size",
-        "n_samples_per_prompt",
-        "max_response_len",
-        "sglang_num_servers",
-    ):
+    for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
         if getattr(r, name) < 1:
             add(RolloutConfig, "rollout", name, f"must be >= 1, got {getattr(r, name)}")
     if r.temperature < 0:
@@ -548,22 +597,12 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             "dynamic_sampling_max_rounds",
             f"must be >= 1, got {r.dynamic_sampling_max_rounds}",
         )
-    if r.sglang_urls and r.engine != "sglang":
-        add(
-            RolloutConfig,
-            "rollout",
-            "sglang_urls",
-            "given but the rollout engine is not sglang",
-            "add --rollout-engine sglang",
-        )
     for name in ("global_batch_size", "micro_batch_size"):
         if getattr(t, name) < 1:
             add(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
     for name in (
         "tensor_model_parallel_size",
         "expert_model_parallel_size",
-        "actor_num_nodes",
-        "actor_num_gpus_per_node",
     ):
         if getattr(m, name) < 1:
             add(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
@@ -618,22 +657,29 @@ def check(config: RunConfig) -> list[ConfigProblem]:
             "--save-interval is set but there is no save folder",
             "add --save DIR",
         )
-    split = (
-        parallel_split_problem(m.tensor_model_parallel_size, m.world_size)
-        if m.tensor_model_parallel_size >= 1 and m.world_size >= 1
-        else None
-    )
-    if split:
-        add(ModelConfig, "model", "tensor_model_parallel_size", split)
-    experts = (
-        expert_split_problem(
-            m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size
-        )
-        if min(m.expert_model_parallel_size, m.tensor_model_parallel_size, m.world_size) >= 1
-        else None
-    )
-    if experts and not split:
-        add(ModelConfig, "model", "expert_model_parallel_size", experts)
+    tp, ep = m.tensor_model_parallel_size, m.expert_model_parallel_size
+    if min(tp, ep) >= 1 and not _problems_in(problems, "cluster."):
+        for role, ranks in _ranks_by_role(config).items():
+            split = parallel_split_problem(tp, ranks)
+            if split:
+                add(
+                    ModelConfig,
+                    "model",
+                    "tensor_model_parallel_size",
+                    f"the {role}'s ranks: {split}",
+                    f"make --{role}-num-nodes x --{role}-num-gpus-per-node a multiple of it",
+                )
+                continue
+            experts = expert_split_problem(ep, tp, ranks)
+            if experts:
+                add(
+                    ModelConfig,
+                    "model",
+                    "expert_model_parallel_size",
+                    f"the {role}'s ranks: {experts}",
+                    f"make --{role}-num-nodes x --{role}-num-gpus-per-node a multiple of "
+                    "--expert-model-parallel-size x --tensor-model-parallel-size",
+                )
 
     problems += _check_debug(config)
     if r.num_rollout is None and r.num_epoch is None:
@@ -839,13 +885,20 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
                 f"{r.n_samples_per_prompt} samples",
                 "use a multiple of --n-samples-per-prompt",
             )
-    tp, world = m.tensor_model_parallel_size, m.world_size
-    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp, world) >= 1
-    if sizes_valid and not parallel_split_problem(tp, world):
-        # TrainSpec's own rule, so that a config that passes plans into a valid TrainSpec.
-        split = batch_split_problem(t.global_batch_size, t.micro_batch_size, world // tp)
-        if split:
-            add(TrainConfig, "train", "micro_batch_size", split, "pick sizes that divide")
+    tp = m.tensor_model_parallel_size
+    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp) >= 1
+    for role, ranks in _ranks_by_role(config).items():
+        if sizes_valid and ranks >= 1 and not parallel_split_problem(tp, ranks):
+            # TrainSpec's own rule, so that a config that passes plans into valid TrainSpecs.
+            split = batch_split_problem(t.global_batch_size, t.micro_batch_size, ranks // tp)
+            if split:
+                add(
+                    TrainConfig,
+                    "train",
+                    "micro_batch_size",
+                    f"the {role}'s {split}",
+                    "pick sizes that divide",
+                )
 
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
         # LRSchedule's own rule, applied to the steps the plan will give it.
@@ -882,6 +935,90 @@ def _check_training(config: RunConfig) -> list[ConfigProblem]:
     return problems
 
 
+def _ranks_by_role(config: RunConfig) -> dict[str, int]:
+    """The rank count of each trained (or scored) model with its own ranks: the actor, and the
+    critic when there is one (the reference model is split like the actor)."""
+    ranks = {"actor": config.cluster.actor_ranks}
+    if config.algorithm.critic:
+        ranks["critic"] = config.cluster.critic_ranks
+    return ranks
+
+
+def _problems_in(problems: list[ConfigProblem], prefix: str) -> bool:
+    return any(p.path.startswith(prefix) for p in problems)
+
+
+def _check_engine_and_cluster(config: RunConfig) -> list[ConfigProblem]:
+    """The engine's name and options, and the placement counts."""
+    problems: list[ConfigProblem] = []
+    r, k = config.rollout, config.cluster
+
+    def add(section: type[Any], prefix: str, name: str, message: str, hint: str = "") -> None:
+        problems.append(_problem(section, prefix, name, message, hint))
+
+    runs_servers = False
+    if r.engine not in KNOWN_ENGINES:
+        add(
+            RolloutConfig,
+            "rollout",
+            "engine",
+            f"unknown rollout engine {r.engine!r}",
+            f"use one of: {', '.join(KNOWN_ENGINES)}",
+        )
+    else:
+        try:
+            kind = load_engine(r.engine)
+        except BackendUnavailableError as exc:
+            add(RolloutConfig, "rollout", "engine", str(exc))
+        else:
+            if r.engine_options is not None and not isinstance(r.engine_options, kind.options_type):
+                problems.append(
+                    ConfigProblem(
+                        "rollout.engine_options",
+                        f"engine {r.engine!r} takes {kind.options_type.__name__}, "
+                        f"got {type(r.engine_options).__name__}",
+                    )
+                )
+            else:
+                runs_servers = kind.runs_servers(kind.options(r.engine_options))
+
+    for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
+        if getattr(k, name) < 1:
+            add(ClusterConfig, "cluster", name, f"must be >= 1, got {getattr(k, name)}")
+    for name in ("critic_num_nodes", "critic_num_gpus_per_node", "rollout_num_gpus"):
+        value = getattr(k, name)
+        if value is not None and value < 1:
+            add(ClusterConfig, "cluster", name, f"must be >= 1, got {value}")
+    if _problems_in(problems, "cluster."):
+        return problems
+    if not runs_servers:
+        why = f"the {r.engine!r} engine starts no servers (with these settings)"
+        if k.rollout_num_gpus is not None:
+            add(ClusterConfig, "cluster", "rollout_num_gpus", why, "drop the flag")
+        if k.colocate:
+            add(ClusterConfig, "cluster", "colocate", why, "drop the flag")
+        return problems
+    if k.rollout_gpus % k.rollout_num_gpus_per_engine:
+        add(
+            ClusterConfig,
+            "cluster",
+            "rollout_num_gpus",
+            f"{k.rollout_gpus} rollout GPUs do not split into engines of "
+            f"--rollout-num-gpus-per-engine {k.rollout_num_gpus_per_engine}",
+            "make it a multiple",
+        )
+    if k.colocate and k.rollout_gpus > k.actor_ranks:
+        add(
+            ClusterConfig,
+            "cluster",
+            "rollout_num_gpus",
+            f"--colocate puts the rollout servers on the actor's {k.actor_ranks} GPUs, "
+            f"but {k.rollout_gpus} are asked for",
+            "lower --rollout-num-gpus or drop --colocate",
+        )
+    return problems
+
+
 # --------------------------------------------------------------------------------------------
 # Converter
 
@@ -892,11 +1029,18 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(int, lambda v, _: _structure_int(v))
     conv.register_structure_hook(float, lambda v, _: _structure_float(v))
     conv.register_structure_hook(bool, lambda v, _: _structure_bool(v))
+    conv.register_structure_hook_func(lambda t: t is object, _structure_engine_options)
     return conv
 
 
 class _NotFinite(ValueError):
     """A NaN or infinite float value (reported without the "invalid value" prefix)."""
+
+
+def _structure_engine_options(value: object, _: object) -> object:
+    raise TypeError(
+        "engine settings go in the engine's own section ([sglang] for --rollout-engine sglang)"
+    )
 
 
 # Strict scalars: cattrs' defaults call int()/bool() and would turn 3.7 into 3 and "no" into True.

@@ -24,11 +24,11 @@ from rlcore.errors import BackendError, RLCoreError, RolloutError
 from rlcore.protocols import (
     Backend,
     EvalStack,
-    NamedTensors,
     Optimizer,
     RolloutEngine,
     Scheduler,
     TrainingStack,
+    WeightSink,
 )
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
@@ -113,9 +113,9 @@ class _Checked:
         with self._call("load"):
             return self._stack.load(path)
 
-    def export_weights(self) -> NamedTensors:
-        with self._call("export_weights"):
-            return self._stack.export_weights()
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        with self._call("send_weights"):
+            self._stack.send_weights(sinks)
 
 
 @final
@@ -233,9 +233,12 @@ class CheckedEngine:
             generations = self._engine.generate(prompts, params)
         return check_generations(self._engine, prompts, generations)
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        with self._call("update_weights"):
-            self._engine.update_weights(weights, version)
+    @contextlib.contextmanager
+    def receive_weights(self, version: int) -> Iterator[Sequence[WeightSink]]:
+        # What the block raises is the sender's (a checked stack raises rlcore errors, which
+        # pass through); anything else from here is the engine's.
+        with self._call("receive_weights"), self._engine.receive_weights(version) as sinks:
+            yield sinks
 
     @property
     def weight_version(self) -> int:

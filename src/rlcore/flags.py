@@ -3,6 +3,10 @@
 The parser is generated from the config classes' field metadata, one argument group per section,
 so a flag cannot exist without a field (or the other way round). Values are handed to the cattrs
 converter as given, so a bad value is reported like a bad TOML value: with its field path.
+
+Each rollout engine with options of its own (:mod:`rlcore.engines`) gets a group and a TOML
+section under its name (``[sglang]``); its values become ``RolloutConfig.engine_options`` when it
+is the chosen engine, and are refused when it is not.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
-from rlcore.config import RunConfig, structure_config
-from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.config import RunConfig, _problems_from, converter, structure_config
+from rlcore.engines import KNOWN_ENGINES, load_engine
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
 
 __all__ = ["build_parser", "load_config", "read_toml"]
 
@@ -31,6 +37,7 @@ _SECTIONS: dict[str, str] = {
     "optim": "optimizer and LR schedule",
     "train": "training batches",
     "model": "model and parallelism",
+    "cluster": "placement on nodes and GPUs",
     "data": "data and reward",
     "eval": "evaluation",
     "checkpoint": "checkpoints",
@@ -38,27 +45,49 @@ _SECTIONS: dict[str, str] = {
 }
 
 
-def _fields_with_flags() -> list[tuple[str | None, attrs.Attribute[Any]]]:
-    """(section or None for top-level, field) for every field that has a flag."""
-    out: list[tuple[str | None, attrs.Attribute[Any]]] = []
+_Flagged = tuple[str | None, type[Any], "attrs.Attribute[Any]"]
+
+
+def _engine_sections() -> dict[str, type[Any]]:
+    """Engine name -> its options class, for the installed engines whose options have flags."""
+    out: dict[str, type[Any]] = {}
+    for name in KNOWN_ENGINES:
+        try:
+            options_type = load_engine(name).options_type
+        except BackendUnavailableError:
+            continue
+        if any("flag" in f.metadata for f in attrs.fields(options_type)):
+            out[name] = options_type
+    return out
+
+
+def _fields_with_flags() -> list[_Flagged]:
+    """(section or None for top-level, its class, field) for every field that has a flag: the
+    run config's sections, then each engine's options."""
+    out: list[_Flagged] = []
     hints = typing.get_type_hints(RunConfig)
     for field in attrs.fields(RunConfig):
         section_type = hints[field.name]
         if attrs.has(section_type):
-            out += [(field.name, f) for f in attrs.fields(section_type) if "flag" in f.metadata]
+            out += [
+                (field.name, section_type, f)
+                for f in attrs.fields(section_type)
+                if "flag" in f.metadata
+            ]
         elif "flag" in field.metadata:
-            out.append((None, field))
+            out.append((None, RunConfig, field))
+    for name, options_type in _engine_sections().items():
+        out += [(name, options_type, f) for f in attrs.fields(options_type) if "flag" in f.metadata]
     return out
 
 
-def _is_bool(field: attrs.Attribute[Any], section: str | None) -> bool:
-    owner = RunConfig if section is None else typing.get_type_hints(RunConfig)[section]
-    hint = typing.get_type_hints(owner)[field.name]
-    return hint is bool
+def _is_bool(field: attrs.Attribute[Any], owner: type[Any]) -> bool:
+    return typing.get_type_hints(owner)[field.name] is bool
 
 
-def _choices(field: attrs.Attribute[Any], section: str | None) -> tuple[str, ...] | None:
-    owner = RunConfig if section is None else typing.get_type_hints(RunConfig)[section]
+def _choices(field: attrs.Attribute[Any], owner: type[Any]) -> tuple[str, ...] | None:
+    if "choices" in field.metadata:
+        return tuple(field.metadata["choices"])
     hint = typing.get_type_hints(owner)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Literal:
@@ -106,17 +135,21 @@ def build_parser(
     }
     for name, title in _SECTIONS.items():
         groups[name] = parser.add_argument_group(f"{title} [{name}]")
-    for section, field in _fields_with_flags():
+    for name in _engine_sections():
+        groups[name] = parser.add_argument_group(
+            f"rollout engine {name} (with --rollout-engine {name}) [{name}]"
+        )
+    for section, owner, field in _fields_with_flags():
         meta = field.metadata
         dest = f"{section}.{field.name}" if section else field.name
         default = field.default
         shown = (
             f" (default: {default})"
-            if default not in (None, (), attrs.NOTHING) and not _is_bool(field, section)
+            if default not in (None, (), attrs.NOTHING) and not _is_bool(field, owner)
             else ""
         )
         kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"] + shown}
-        if _is_bool(field, section):
+        if _is_bool(field, owner):
             kwargs["action"] = "store_false" if meta.get("invert") else "store_true"
         elif meta.get("pairs"):
             kwargs.update(nargs="+", metavar="NAME PATH")
@@ -124,7 +157,7 @@ def build_parser(
             kwargs.update(action="append", metavar="VALUE")
         else:
             # Choices are shown, not enforced here: the converter reports a bad value with its path.
-            choices = _choices(field, section)
+            choices = _choices(field, owner)
             kwargs["metavar"] = (
                 field.name.upper() if choices is None else "{" + ",".join(choices) + "}"
             )
@@ -192,13 +225,37 @@ def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = No
     config_path: Path | None = getattr(namespace, "config", None)
     base = read_toml(config_path) if config_path is not None else {}
     source = str(config_path) if config_path is not None else "flags"
+    data = _merge(base, overrides)
+    engines = {name: data.pop(name) for name in KNOWN_ENGINES if name in data}
     try:
-        config = structure_config(_merge(base, overrides), source)
+        config = structure_config(data, source)
     except ConfigError as exc:
         raise ConfigError(problems + list(exc.problems), source) from exc.__cause__
+    problems += [
+        ConfigProblem(
+            f"{name}",
+            f"settings of the {name!r} rollout engine, but the engine is {config.rollout.engine!r}",
+            f"add --rollout-engine {name}, or drop them",
+        )
+        for name in engines
+        if name != config.rollout.engine
+    ]
     if problems:
         raise ConfigError(problems, source)
-    return config
+    return _with_engine_options(config, engines.get(config.rollout.engine, {}), source)
+
+
+def _with_engine_options(config: RunConfig, data: dict[str, Any], source: str) -> RunConfig:
+    """``config`` with the chosen engine's options built from ``data`` (its section)."""
+    name = config.rollout.engine
+    options_type = load_engine(name).options_type  # the config check has imported it already
+    try:
+        options = converter.structure(data, options_type)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source) from None
+    except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+        raise ConfigError(_problems_from(exc, name, options_type), source) from exc
+    return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_options=options))
 
 
 def _unknown_flag_problems(

@@ -51,6 +51,7 @@ from rlcore.protocols import (
     RolloutEngine,
     RolloutFn,
     TrainingStack,
+    WeightSource,
 )
 from rlcore.replay import load_rollout_data, read_groups, save_rollout_data, write_groups
 from rlcore.rollout import (
@@ -74,6 +75,7 @@ __all__ = [
     "TrainStacks",
     "check_inputs",
     "evaluate",
+    "push_weights",
     "resume_point",
     "rollout_source",
     "run",
@@ -211,6 +213,13 @@ class TrainStacks:
 
 # --------------------------------------------------------------------------------------------
 # Steps
+
+
+def push_weights(source: WeightSource, engine: RolloutEngine, version: int) -> None:
+    """The policy's weights to the engine, straight from where they live (the engine's sinks go
+    to the weights, not the weights to the caller), served from now on as ``version``."""
+    with engine.receive_weights(version) as sinks:
+        source.send_weights(sinks)
 
 
 def evaluate(
@@ -539,7 +548,7 @@ def run_training(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
     )
     if engine is not None:
-        engine.update_weights(stacks.actor.export_weights(), version=start)
+        push_weights(stacks.actor, engine, version=start)
 
     trained, saved, evaluated = progress.trained, progress.saved, progress.evaluated
     rollouts = progress.rollouts
@@ -587,7 +596,7 @@ def run_training(
             saved.append(rollout_id)
         t4 = time.perf_counter()
         if engine is not None:
-            engine.update_weights(stacks.actor.export_weights(), version=rollout_id + 1)
+            push_weights(stacks.actor, engine, version=rollout_id + 1)
         t5 = time.perf_counter()
         metrics.update(
             {
@@ -646,7 +655,7 @@ def run_eval_only(
     if plan.load is not None:
         folder = find_checkpoint(plan.load)
         version = actor.load(folder / "actor")
-    engine.update_weights(actor.export_weights(), version=version)
+    push_weights(actor, engine, version=version)
     metrics = evaluate(
         engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
     )
@@ -679,7 +688,7 @@ def run_rollout_only(
         actor.load(folder / "actor")
         start = meta.rollout_id + 1 if plan.start_rollout_id is None else plan.start_rollout_id
         consumed, carried = meta.consumed_prompts, _read_carried(folder, meta.rollout_id)
-        engine.update_weights(actor.export_weights(), version=start)
+        push_weights(actor, engine, version=start)
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
     )

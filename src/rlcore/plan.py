@@ -126,10 +126,13 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 
 
 def _model(config: RunConfig, role: Role) -> ModelSpec:
-    m = config.model
+    """The reference model is split like the actor (it shares the actor's GPUs); the critic has
+    its own rank count (``--critic-num-nodes`` x ``--critic-num-gpus-per-node``)."""
+    m, k = config.model, config.cluster
+    ranks = k.critic_ranks if role == "critic" else k.actor_ranks
     parallel = ParallelSpec(
         tensor_model_parallel_size=m.tensor_model_parallel_size,
-        world_size=m.world_size,
+        world_size=ranks,
         expert_model_parallel_size=m.expert_model_parallel_size,
     )
     return ModelSpec(

@@ -5,6 +5,19 @@ share code through functions. No method returns ``Optional`` and none takes a mo
 stack can do is what its type says. An :class:`EvalStack` has no optimizer *attribute at all*, so
 an eval-only run that touches an optimizer does not type-check.
 
+Weights travel from a :class:`WeightSource` (a stack) to a :class:`RolloutEngine` without passing
+through the caller: the engine opens an update and hands out :class:`WeightSink` s, each saying
+where it may run (:data:`~rlcore.weights.SinkPlacement`); the source runs each sink where its
+weights live. The loop's whole part in it::
+
+    with engine.receive_weights(version) as sinks:
+        actor.send_weights(sinks)
+
+A stack whose weights are in the calling process sends with
+``rlcore.weights.deliver(its_named_tensors, sinks)``; a group of Ray ranks ships the sinks to the
+ranks that hold the gathered weights (and brings the weights to the caller only for an
+:class:`~rlcore.weights.InProcess` sink, such as the embedded engine's).
+
 Tensors appear only in weight transfer and only for the type checker: ``import rlcore`` does not
 import torch.
 """
@@ -12,11 +25,13 @@ import torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.weights import SinkPlacement
 
 if TYPE_CHECKING:
     import torch
@@ -27,15 +42,19 @@ __all__ = [
     "Backend",
     "EvalStack",
     "GroupFilter",
+    "HostedProcess",
     "MetricsSink",
     "NamedTensors",
     "Optimizer",
+    "ProcessHost",
     "PromptSource",
     "RewardFn",
     "RolloutEngine",
     "RolloutFn",
     "Scheduler",
     "TrainingStack",
+    "WeightSink",
+    "WeightSource",
 ]
 
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
@@ -56,9 +75,35 @@ class Scheduler(Protocol):
     def state_dict(self) -> Mapping[str, object]: ...
 
 
+class WeightSink(Protocol):
+    """Receives one full set of weights for one update of a rollout engine.
+
+    ``receive`` is called once per update, with every weight under its Hugging Face name, in a
+    process that ``placement`` allows: :class:`~rlcore.weights.InProcess` (the one that opened the
+    update), :class:`~rlcore.weights.AnyProcess` or :class:`~rlcore.weights.OnHost` (the sink is
+    picklable and may be shipped there). A sink may read the iterable once, as it comes, and cut
+    it into buckets. It raises :class:`~rlcore.errors.RolloutError` when the engine refuses.
+    """
+
+    @property
+    def placement(self) -> SinkPlacement: ...
+
+    def receive(self, weights: NamedTensors) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Holds a model's weights and can send them to an engine's sinks from where they live."""
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        """Give every sink the full (unsharded) weights under Hugging Face names, each from a
+        process its ``placement`` allows. Raises :class:`~rlcore.errors.RLCoreError` when a sink
+        cannot be placed (naming the sink and where the weights are)."""
+        ...
+
+
 @runtime_checkable
-class EvalStack(Protocol):
-    """A model that can score token sequences, load a checkpoint and export its weights.
+class EvalStack(WeightSource, Protocol):
+    """A model that can score token sequences, load a checkpoint and send its weights to an engine.
 
     No optimizer, no scheduler, no gradient buffers.
     """
@@ -80,10 +125,6 @@ class EvalStack(Protocol):
         (optimizer state, if any, is ignored). Returns the rollout id recorded there.
         Raises :class:`~rlcore.errors.CheckpointError` naming the path when it is missing or
         corrupt."""
-        ...
-
-    def export_weights(self) -> NamedTensors:
-        """The full (unsharded) weights under Hugging Face names, for a rollout engine."""
         ...
 
 
@@ -125,14 +166,17 @@ class RolloutEngine(Protocol):
     """Generates responses from the current policy weights.
 
     ``generate`` returns exactly one :class:`Generation` per prompt, in order (repeat a prompt to
-    sample it several times). ``update_weights`` replaces the engine's weights with the given
-    tensors and records ``version``; later generations carry that version. Failures raise
+    sample it several times). ``receive_weights(version)`` opens a weight update: it yields the
+    sinks that must each receive the full new weights (see :class:`WeightSink`), and when the
+    block ends without an error the engine serves them as ``version`` (later generations carry
+    it). When the block raises, the engine does not record the version. The caller never has to
+    hold the weights: a :class:`WeightSource` sends them. Failures raise
     :class:`~rlcore.errors.RolloutError`; nothing waits forever.
     """
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]: ...
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None: ...
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]: ...
 
     @property
     def weight_version(self) -> int: ...
@@ -192,3 +236,60 @@ class MetricsSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class HostedProcess(Protocol):
+    """A process a :class:`ProcessHost` started (a rollout server), seen from the caller."""
+
+    @property
+    def pid(self) -> int:
+        """Its process id on its host."""
+        ...
+
+    def poll(self) -> int | None:
+        """Its exit code once it has exited, else ``None`` (as ``subprocess.Popen.poll``)."""
+        ...
+
+    def stop(self, timeout_s: float) -> None:
+        """End it and every process it started (SIGTERM, then SIGKILL after ``timeout_s``).
+        Safe to call twice."""
+        ...
+
+    def log_tail(self, lines: int) -> list[str]:
+        """The last ``lines`` lines of its output (stdout and stderr)."""
+        ...
+
+
+class ProcessHost(Protocol):
+    """A place a cluster reserved for one rollout server: a machine and its accelerators.
+
+    An engine that runs servers starts one per host it is given (``rlcore.engines.EngineSetup``);
+    the run's placement decides where hosts are and which GPUs they hold, the engine decides what
+    to run there. :class:`rlcore.hosts.LocalProcessHost` is this machine.
+    """
+
+    @property
+    def address(self) -> str:
+        """The machine's IP address; a server started here listens on it."""
+        ...
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        """The CUDA ordinals (as processes on the host number them) reserved for the server, in
+        order; empty on a host without GPUs."""
+        ...
+
+    @property
+    def cpus(self) -> int:
+        """CPU threads the server may use without oversubscribing its machine."""
+        ...
+
+    def free_port(self) -> int:
+        """A TCP port free on the host a moment ago."""
+        ...
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> HostedProcess:
+        """Start ``argv`` in the host's environment updated with ``env``, output to ``log_path``
+        (a path on the host), in a process group of its own. Does not wait for it to be ready.
+        Raises :class:`~rlcore.errors.RolloutError` when the program cannot be started."""
+        ...

@@ -8,7 +8,8 @@ can too. They import nothing heavy.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, final
 
@@ -25,9 +26,10 @@ from rlcore.samples import (
     TrainMetrics,
 )
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.weights import InProcess, deliver
 
 if TYPE_CHECKING:
-    from rlcore.protocols import NamedTensors
+    from rlcore.protocols import NamedTensors, WeightSink
 
 __all__ = [
     "FakeBackend",
@@ -36,6 +38,7 @@ __all__ = [
     "FakeScheduler",
     "FakeTrainingStack",
     "RecordingSink",
+    "RecordingWeightSink",
     "ScriptedEngine",
     "label_reward",
 ]
@@ -104,8 +107,8 @@ class FakeEvalStack:
         self.loaded_from = path
         return state["rollout_id"]
 
-    def export_weights(self) -> NamedTensors:
-        return []
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver([], sinks)
 
 
 @final
@@ -154,8 +157,8 @@ class FakeTrainingStack:
         self._optimizer.steps = self._scheduler.steps = state["steps"]
         return state["rollout_id"]
 
-    def export_weights(self) -> NamedTensors:
-        return []
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver([], sinks)
 
 
 @final
@@ -193,13 +196,15 @@ class ScriptedEngine:
     """A rollout engine whose response text is ``script(prompt, index_in_batch)``.
 
     Tokens are the characters' code points; log-probs are -1.0 each. The default script answers
-    every other sample correctly, so group rewards vary. Records every call and weight update.
+    every other sample correctly, so group rewards vary. Records every call and weight update
+    (``updates``: the versions; ``received``: the weight names each update got).
     """
 
     def __init__(self, script: Callable[[Prompt, int], str] = _alternate) -> None:
         self.script = script
         self.calls: list[tuple[int, SamplingParams]] = []
         self.updates: list[int] = []
+        self.received: list[tuple[str, ...]] = []
         self._version = 0
         self.closed = False
 
@@ -213,9 +218,12 @@ class ScriptedEngine:
             out.append(Generation(tokens, tuple(-1.0 for _ in tokens), text, finish, self._version))
         return out
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        for _ in weights:
-            pass
+    @contextmanager
+    def receive_weights(self, version: int) -> Iterator[list[RecordingWeightSink]]:
+        """One in-process sink; the version is recorded only when the update completes."""
+        sink = RecordingWeightSink()
+        yield [sink]
+        self.received.append(sink.names)
         self._version = version
         self.updates.append(version)
 
@@ -225,6 +233,21 @@ class ScriptedEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+@final
+class RecordingWeightSink:
+    """An in-process :class:`~rlcore.protocols.WeightSink` that keeps the names it received."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] = ()
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        self.names = tuple(name for name, _ in weights)
 
 
 def label_reward(prompt: Prompt, generation: Generation) -> float:

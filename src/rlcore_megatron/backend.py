@@ -25,7 +25,13 @@ from rlcore_megatron.model import build_gpt
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
-__all__ = ["MegatronBackend", "optimizer_config", "param_scheduler", "use_fused_cpu_adam"]
+__all__ = [
+    "MegatronBackend",
+    "optimizer_config",
+    "param_scheduler",
+    "share_cpu_parameters",
+    "use_fused_cpu_adam",
+]
 
 
 def optimizer_config(spec: OptimizerSpec, precision: Precision = "float32") -> OptimizerConfig:
@@ -92,6 +98,23 @@ def use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
         group["foreach"] = False
 
 
+def share_cpu_parameters(model: torch.nn.Module) -> None:
+    """Move a CPU model's parameters into shared memory (torch's ``file_system`` strategy, set
+    for this process), before the optimizer or DDP hold them.
+
+    Tensor-mode weight sync then hands a server on this machine handles to the live parameters
+    (``rlcore_sglang.weight_sync.TensorSink``), as CUDA IPC handles do on GPUs, instead of first
+    copying every tensor into a shared buffer: the server's copy into its own weights is the only
+    one. The memory used is the same; it is only mapped so that another process can read it.
+    """
+    import torch.multiprocessing
+
+    # torch leaves set_sharing_strategy unannotated
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    for param in model.parameters():
+        param.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
 @final
 class MegatronBackend:
     """Builds :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
@@ -135,6 +158,8 @@ class MegatronBackend:
             )
         arch = self._arch(spec)
         model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision)
+        if device().type == "cpu":
+            share_cpu_parameters(model)
         if spec.hf_checkpoint is not None:
             load_hf_weights(model, Path(spec.hf_checkpoint), arch, spec.role)
         return model, arch

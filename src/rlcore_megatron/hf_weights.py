@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Protocol, final, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from rlcore.errors import CheckpointError
 from rlcore.preflight import safetensors_problem
-from rlcore.protocols import EvalStack, NamedTensors
+from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.arch import ModelArch, arch_from_hf_config
 from rlcore_megatron.weight_map import EXPERT_KINDS, full_tensors, local_shard, param_map
@@ -218,19 +218,26 @@ def hf_config_for_save(
     return cfg
 
 
+@runtime_checkable
+class _Exporting(Protocol):
+    """A stack whose weights are in this process (the Megatron stacks)."""
+
+    def export_weights(self) -> NamedTensors: ...
+
+
 def save_hf(
-    source: EvalStack | NamedTensors, folder: Path, hf_config: Mapping[str, Any] | ModelArch
+    source: _Exporting | NamedTensors, folder: Path, hf_config: Mapping[str, Any] | ModelArch
 ) -> Path:
     """Write ``model.safetensors`` and ``config.json`` into ``folder`` so that
     ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` and the rollout engines load
     them. Returns ``folder``.
 
-    ``source`` is a stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs, saved in
-    their own dtype. With several ranks, call it on every rank (the export gathers over tensor
-    and expert parallel); only rank 0 writes.
+    ``source`` is a Megatron stack (its ``export_weights()``) or ``(hf_name, tensor)`` pairs,
+    saved in their own dtype. With several ranks, call it on every rank (the export gathers over
+    tensor and expert parallel); only rank 0 writes.
     """
     pairs: Iterable[tuple[str, torch.Tensor]] = (
-        source.export_weights() if isinstance(source, EvalStack) else source
+        source.export_weights() if isinstance(source, _Exporting) else source
     )
     tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in pairs}
     folder = Path(folder)

@@ -1,32 +1,30 @@
-"""One Ray actor per Megatron rank, in one placement group: :class:`RayTrainGroup`.
+"""One Ray actor per rank of one model, started in reserved slots: :class:`RankGroup`.
 
-A group is ``ParallelSpec.world_size`` actors of one worker class. Each actor is one
-``torch.distributed`` rank (gloo on the CPU, nccl on GPUs, as
-:func:`rlcore_megatron.parallel.init_megatron` picks) and holds its shard of one stack, built by
-:class:`~rlcore_megatron.backend.MegatronBackend` inside the actor. The driver never holds model
-weights; it fans a call out to every rank and gathers the results.
+The generic part of running a model on Ray ranks: start-up, fanning calls out, diagnosing
+failures. What the calls do (score, train, save, send weights) is in
+:mod:`rlcore_megatron.ray_stacks`; where the ranks go is :mod:`rlcore_megatron.cluster`'s.
+
+A group is ``ParallelSpec.world_size`` actors. Each actor is one ``torch.distributed`` rank (gloo
+on the CPU, nccl on GPUs, as :func:`rlcore_megatron.parallel.init_megatron` picks) and holds its
+shard of one stack, built by :class:`~rlcore_megatron.backend.MegatronBackend` inside the actor.
+The driver never holds model weights; it fans a call out to every rank and gathers the results.
 
 How a group comes up, in order:
 
-1. a placement group of one bundle per rank (``{"CPU": cpus_per_rank}``, plus ``{"GPU": 1}`` on
-   GPU clusters), ``STRICT_PACK`` on one node by default, reserved before any actor starts;
-2. one actor per bundle; rank ``r`` goes in bundle ``r``;
-3. rank 0 picks a free TCP port on its node; every rank gets ``MASTER_ADDR`` (rank 0's node IP),
-   ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its environment and calls the
-   runtime's ``init`` (``init_megatron``) concurrently, so the rendezvous can complete;
+1. its slots: given (:meth:`~rlcore_megatron.cluster.ClusterPlacement.slots` of a run's
+   placement), or reserved for the group alone (one slot per rank, refused at once when the
+   cluster cannot hold them);
+2. one actor per slot, asking for its share of the slot; rank ``r`` goes in slot ``r``;
+3. each rank reports where Ray put it; rank 0 picks a free TCP port on its node; every rank gets
+   ``MASTER_ADDR`` (rank 0's node IP), ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
+   in its environment and calls the runtime's ``init`` (``init_megatron``) concurrently, so the
+   rendezvous can complete;
 4. every rank builds its stack from the spec.
 
-Threads: unless ``OMP_NUM_THREADS`` is already set, Ray sets it in an actor's process to the
-actor's ``num_cpus`` rounded down (at least 1; 1 when it asks for none), and torch sizes its
-intra-op pool from it. A rank's thread count is set deliberately instead: to
-``GroupOptions.threads_per_rank`` when given, else to ``cpus_per_rank`` rounded down (at least 1),
-in ``OMP_NUM_THREADS`` before the process starts (so Ray leaves it alone) and with
-``torch.set_num_threads`` once the rank is initialised.
-
-GPUs: a GPU rank's actor keeps every GPU of its node visible
-(``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``) and gets ``LOCAL_RANK`` = the CUDA ordinal Ray
-assigned to it, which is the device ``init_megatron`` selects. On the CPU ``LOCAL_RANK`` is the
-rank's index among the group's ranks on its node.
+``LOCAL_RANK`` is the CUDA ordinal of the GPU Ray assigned to the rank (every GPU process sees all
+of its node's GPUs, see :mod:`rlcore_megatron.cluster`), or on the CPU the rank's index among the
+group's ranks on its node. Threads: ``OMP_NUM_THREADS`` is set from the slot before the process
+starts (so Ray leaves it alone) and ``torch.set_num_threads`` once the rank is initialised.
 
 Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is
 tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
@@ -38,8 +36,8 @@ Failures: a call fails as soon as one rank fails. Errors a stack raises on purpo
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
 :class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
 ranks were still busy (stuck in a collective) after a failure, the group is *broken*: later calls
-raise at once, and the only way on is :meth:`RayTrainGroup.close` and a new group. A timeout's
-error carries the late ranks' Python stacks, read through the actors' second concurrency group.
+raise at once, and the only way on is :meth:`RankGroup.close` and a new group. A timeout's error
+carries the late ranks' Python stacks, read through the actors' second concurrency group.
 """
 
 from __future__ import annotations
@@ -51,47 +49,28 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Concatenate,
-    Final,
-    Generic,
-    Literal,
-    ParamSpec,
-    Protocol,
-    TypeVar,
-    final,
-)
+from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVar, final
 
 import attrs
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from rlcore.errors import CheckpointError, RLCoreError
+from rlcore.errors import RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
+from rlcore_megatron.placement import PlacementRequest
 from rlcore_megatron.watchdog import watch_group
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "GroupOptions",
     "MegatronRuntime",
-    "PlacementStrategy",
     "RankContext",
+    "RankGroup",
     "RankRuntime",
     "RayGroupError",
-    "RayTrainGroup",
     "split_evenly",
 ]
-
-PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 S = TypeVar("S", bound=EvalStack)
 S_co = TypeVar("S_co", bound=EvalStack, covariant=True)
@@ -99,8 +78,6 @@ R = TypeVar("R")
 T = TypeVar("T")
 _Call = tuple[Callable[..., Any], tuple[object, ...], dict[str, Any]]
 P = ParamSpec("P")
-
-_NOSET_CUDA: Final = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 class RayGroupError(RLCoreError):
@@ -152,48 +129,20 @@ class MegatronRuntime:
 @final
 @attrs.frozen
 class GroupOptions:
-    """How a group claims resources. The defaults suit one CPU node."""
+    """How long a group waits."""
 
-    cpus_per_rank: float = 1.0
-    """Logical CPUs reserved for each rank (its bundle's ``CPU``)."""
-    gpus_per_rank: Literal[0, 1] = 0
-    """1 on GPU clusters: each rank's bundle also holds one ``GPU``."""
-    threads_per_rank: int | None = None
-    """torch intra-op threads per rank; ``None``: ``cpus_per_rank`` rounded down, at least 1."""
-    strategy: PlacementStrategy = "STRICT_PACK"
-    """Ray placement strategy for the bundles; ``STRICT_PACK`` keeps all ranks on one node."""
     setup_timeout_s: float = 600.0
-    """Limit for reserving the bundles, starting the actors and building the stacks."""
+    """Limit for reserving slots (a group started on its own), starting the actors and building
+    the stacks."""
     call_timeout_s: float | None = None
     """Limit for one fanned-out call (``None``: none; a failed rank still fails a call at once)."""
-
-    def __attrs_post_init__(self) -> None:
-        if self.cpus_per_rank <= 0:
-            raise ValueError(f"GroupOptions.cpus_per_rank must be > 0, got {self.cpus_per_rank}")
-        if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            raise ValueError(
-                f"GroupOptions.threads_per_rank must be >= 1, got {self.threads_per_rank}"
-            )
-
-    @property
-    def threads(self) -> int:
-        """The torch thread count each rank uses."""
-        if self.threads_per_rank is not None:
-            return self.threads_per_rank
-        return max(1, int(self.cpus_per_rank))
-
-    def bundle(self) -> dict[str, float]:
-        """One rank's placement-group bundle."""
-        if self.gpus_per_rank:
-            return {"CPU": self.cpus_per_rank, "GPU": float(self.gpus_per_rank)}
-        return {"CPU": self.cpus_per_rank}
 
 
 @final
 @attrs.frozen
 class RankContext(Generic[S_co]):
     """What a function run inside a rank's actor gets as its first argument
-    (:meth:`RayTrainGroup.run_on_all_ranks`, :meth:`RayTrainGroup.call_ranks`)."""
+    (:meth:`RankGroup.call_ranks`, :meth:`RankGroup.run_on_all_ranks`)."""
 
     rank: int
     world_size: int
@@ -205,7 +154,7 @@ class RankContext(Generic[S_co]):
 
 @final
 class _RankWorker:
-    """The actor class: one Megatron rank. Driven only by :class:`RayTrainGroup`."""
+    """The actor class: one rank. Driven only by :class:`RankGroup`."""
 
     def __init__(self, rank: int, world_size: int, threads: int, runtime: RankRuntime) -> None:
         # What this rank starts (Megatron's checkpoint writer starts a multiprocessing manager)
@@ -224,7 +173,7 @@ class _RankWorker:
         context = ray.get_runtime_context()
         gpus = context.get_accelerator_ids().get("GPU", [])
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ordinal = _cuda_ordinal(str(gpus[0]), visible) if gpus else None
+        ordinal = cuda_ordinal(str(gpus[0]), visible) if gpus else None
         # ray leaves get_node_ip_address unannotated
         ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         return context.get_node_id(), ip, ordinal
@@ -295,13 +244,23 @@ _ACTOR_CLASS: Final[Any] = ray.remote(concurrency_groups={_DIAGNOSTICS: 1})(  # 
 
 
 @final
-class RayTrainGroup(Generic[S]):
-    """``spec.model.parallel.world_size`` Megatron ranks as Ray actors; calls fanned out to them.
+@attrs.frozen
+class RankNode:
+    """Where Ray put one rank: node, its IP, and the CUDA ordinal of its GPU (``None``: CPU)."""
+
+    node_id: str
+    address: str
+    gpu: int | None
+
+
+@final
+class RankGroup(Generic[S]):
+    """``spec.model.parallel.world_size`` ranks as Ray actors; calls fanned out to them.
 
     Build one with :meth:`start_training` or :meth:`start_eval` (Ray must be initialised). Every
-    method that touches the model calls all ranks concurrently (each takes part in the
-    collectives) and waits until all are done or one fails (see the module's notes on failures).
-    :meth:`close` kills the actors and removes the placement group; it is safe to call twice.
+    call waits until all ranks it went to are done or one fails (see the module's notes on
+    failures). :meth:`close` kills the actors (and gives back slots the group reserved itself);
+    it is safe to call twice.
     """
 
     def __init__(
@@ -309,6 +268,7 @@ class RayTrainGroup(Generic[S]):
         spec: TrainSpec | EvalSpec,
         options: GroupOptions = GroupOptions(),
         runtime: RankRuntime = MegatronRuntime(),
+        slots: Sequence[RankSlot] | None = None,
     ) -> None:
         """Prefer :meth:`start_training` / :meth:`start_eval`, which also type the stack."""
         if not ray.is_initialized():
@@ -319,14 +279,23 @@ class RayTrainGroup(Generic[S]):
         self._spec = spec
         self._options = options
         self._handles: tuple[Any, ...] = ()
+        self._nodes: tuple[RankNode, ...] = ()
         self._broken = ""
         self._closed = False
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
         self._tp = parallel.tensor_model_parallel_size
-        self._pg: PlacementGroup = placement_group(
-            [options.bundle() for _ in range(self._world_size)], strategy=options.strategy
-        )
+        self._own: ClusterPlacement | None = None
+        if slots is None:
+            request = PlacementRequest(actor_ranks=self._world_size)
+            self._own = ClusterPlacement.reserve(request, timeout_s=options.setup_timeout_s)
+            slots = self._own.slots("actor")
+        if len(slots) != self._world_size:
+            self.close()
+            raise RayGroupError(
+                f"{spec.model.role}: {self._world_size} ranks but {len(slots)} slots were given"
+            )
+        self._slots = tuple(slots)
         try:
             self._start(runtime)
         except BaseException:
@@ -338,50 +307,36 @@ class RayTrainGroup(Generic[S]):
         spec: TrainSpec,
         options: GroupOptions = GroupOptions(),
         runtime: RankRuntime = MegatronRuntime(),
-    ) -> RayTrainGroup[TrainingStack]:
+        slots: Sequence[RankSlot] | None = None,
+    ) -> RankGroup[TrainingStack]:
         """Start the ranks and build a training stack on each."""
-        return RayTrainGroup[TrainingStack](spec, options, runtime)
+        return RankGroup[TrainingStack](spec, options, runtime, slots)
 
     @staticmethod
     def start_eval(
         spec: EvalSpec,
         options: GroupOptions = GroupOptions(),
         runtime: RankRuntime = MegatronRuntime(),
-    ) -> RayTrainGroup[EvalStack]:
+        slots: Sequence[RankSlot] | None = None,
+    ) -> RankGroup[EvalStack]:
         """Start the ranks and build an eval stack (no optimizer state) on each."""
-        return RayTrainGroup[EvalStack](spec, options, runtime)
+        return RankGroup[EvalStack](spec, options, runtime, slots)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def _start(self, runtime: RankRuntime) -> None:
-        options = self._options
-        deadline = time.monotonic() + options.setup_timeout_s
-        try:
-            ray.get(self._pg.ready(), timeout=options.setup_timeout_s)
-        except GetTimeoutError as exc:
-            raise RayGroupError(
-                f"could not reserve {self._world_size} bundles of {options.bundle()} "
-                f"({options.strategy}) within {options.setup_timeout_s}s; "
-                f"the cluster has {_resources()}"
-            ) from exc
-        env = {"OMP_NUM_THREADS": str(options.threads)}
-        if options.gpus_per_rank:
-            env[_NOSET_CUDA] = "1"
+        deadline = time.monotonic() + self._options.setup_timeout_s
         self._handles = tuple(
-            _ACTOR_CLASS.options(
-                num_cpus=options.cpus_per_rank,
-                num_gpus=options.gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank
-                ),
-                runtime_env={"env_vars": env},
-            ).remote(rank, self._world_size, options.threads, runtime)
-            for rank in range(self._world_size)
+            _ACTOR_CLASS.options(**slot.scheduling()).remote(
+                rank, self._world_size, slot.threads, runtime
+            )
+            for rank, slot in enumerate(self._slots)
         )
         nodes: list[tuple[str, str, int | None]] = self._gather(
             [h.node.remote() for h in self._handles], "starting the rank actors", deadline
         )
-        local_ranks = _local_ranks(nodes, gpu=bool(options.gpus_per_rank))
+        self._nodes = tuple(RankNode(*node) for node in nodes)
+        local_ranks = _local_ranks(nodes, gpu=self._slots[0].gpu)
         (port,) = self._gather([self._handles[0].free_port.remote()], "picking a port", deadline)
         master_addr = nodes[0][1]
         seed = self._spec.model.seed
@@ -399,7 +354,8 @@ class RayTrainGroup(Generic[S]):
         )
 
     def close(self) -> None:
-        """Kill the rank actors and remove the placement group. Safe to call twice."""
+        """Kill the rank actors (and give back the slots the group reserved). Safe to call
+        twice."""
         if self._closed:
             return
         self._closed = True
@@ -410,9 +366,10 @@ class RayTrainGroup(Generic[S]):
                 ray.kill(handle, no_restart=True)
             except RayError:
                 pass  # already dead
-        remove_placement_group(self._pg)
+        if self._own is not None:
+            self._own.close()
 
-    def __enter__(self) -> RayTrainGroup[S]:
+    def __enter__(self) -> RankGroup[S]:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -433,12 +390,22 @@ class RayTrainGroup(Generic[S]):
         return self._world_size
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self._tp
+
+    @property
     def data_parallel_size(self) -> int:
         return self._world_size // self._tp
 
     @property
-    def placement_group(self) -> PlacementGroup:
-        return self._pg
+    def nodes(self) -> tuple[RankNode, ...]:
+        """Where each rank runs, rank order."""
+        return self._nodes
+
+    @property
+    def slots(self) -> tuple[RankSlot, ...]:
+        """The slot of each rank, rank order."""
+        return self._slots
 
     @property
     def actors(self) -> tuple[object, ...]:
@@ -467,74 +434,6 @@ class RayTrainGroup(Generic[S]):
         """
         calls: dict[int, _Call] = {rank: (fn, args, {}) for rank, args in per_rank_args.items()}
         return self._call_ranks(calls, what or _name(fn))
-
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        """Log-probs (or values) per response token, in sample order.
-
-        The samples are split into contiguous, near-equal parts, one per data-parallel rank; the
-        tensor-parallel ranks of a data-parallel rank all get its part, and rank ``dp * tp`` (its
-        tensor-parallel rank 0) returns the answer. A data-parallel rank with no part is not called.
-        """
-        parts = split_evenly(tuple(samples), self.data_parallel_size)
-        per_rank: dict[int, tuple[object, ...]] = {}
-        for dp, part in enumerate(parts):
-            if part:
-                ref = ray.put(part)
-                for tp in range(self._tp):
-                    per_rank[dp * self._tp + tp] = (ref, tp == 0)
-        results = self.call_ranks(_forward, per_rank, "forward")
-        return [row for rows in results for row in rows]
-
-    def train_step(self: RayTrainGroup[TrainingStack], batch: TrainBatch) -> TrainMetrics:
-        """One ``train_step`` on every rank with the whole batch; rank 0's metrics.
-
-        The batch goes to the object store once and every rank reads it: each data-parallel rank's
-        stack trains on its own contiguous slice of every global batch
-        (:class:`~rlcore_megatron.stacks.MegatronTrainingStack` splits worker-side) and reports
-        metrics already reduced over data parallel.
-        """
-        ref = ray.put(batch)
-        per_rank = {rank: (ref,) for rank in range(self._world_size)}
-        return self.call_ranks(_train_step, per_rank, "train_step")[0]
-
-    def save(self: RayTrainGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
-        """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id``."""
-        self.run_on_all_ranks(_save, os.fspath(path), rollout_id)
-
-    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The full weights under Hugging Face names, gathered over tensor parallel, from rank 0.
-
-        Every rank takes part in the gather; only rank 0's tensors cross to the driver.
-        """
-        per_rank: dict[int, tuple[object, ...]] = {r: (r == 0,) for r in range(self._world_size)}
-        return self.call_ranks(_export_weights, per_rank, "export_weights")[0]
-
-    def state_dict_of(
-        self: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
-    ) -> Mapping[str, object]:
-        """Rank 0's optimizer or scheduler ``state_dict()`` (a copy); no collective, so only
-        rank 0 is called."""
-        (state,) = self.call_ranks(_state_dict, {0: (part,)}, f"{part} state_dict on rank 0")
-        return state
-
-    def load(self, path: os.PathLike[str]) -> int:
-        """Every rank loads its shard from ``path``; the rollout id all of them read.
-
-        Raises :class:`~rlcore.errors.CheckpointError` naming the ranks when they disagree.
-        """
-        ids = self.run_on_all_ranks(_load, os.fspath(path))
-        if len(set(ids)) > 1:
-            by_id: dict[int, list[int]] = {}
-            for rank, rollout_id in enumerate(ids):
-                by_id.setdefault(rollout_id, []).append(rank)
-            parts = "; ".join(
-                f"ranks {ranks} read rollout id {rid}" for rid, ranks in sorted(by_id.items())
-            )
-            raise CheckpointError(
-                f"the ranks disagree on the rollout id recorded in {path}: {parts}. "
-                "Its shards come from different saves; point the run at one complete checkpoint."
-            )
-        return ids[0]
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -601,25 +500,8 @@ class RayTrainGroup(Generic[S]):
             self._broken = f"{failure} while ranks {sorted(rank_of[r] for r in busy)} kept waiting"
 
 
-def _resources() -> str:
-    # ray leaves these two unannotated
-    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    free = ray.available_resources()  # type: ignore[no-untyped-call]
-    return f"{total} of which {free} are free"
-
-
 def _name(fn: Callable[..., object]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
-
-
-def _cuda_ordinal(gpu_id: str, visible: str | None) -> int:
-    """The CUDA device index of Ray's GPU ``gpu_id`` in a process that sees ``visible`` (the
-    node's ``CUDA_VISIBLE_DEVICES``, which Ray's ids refer to when it is set)."""
-    if visible:
-        ids = [v.strip() for v in visible.split(",")]
-        if gpu_id in ids:
-            return ids.index(gpu_id)
-    return int(gpu_id)
 
 
 def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> list[int]:
@@ -644,40 +526,3 @@ def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:
         out.append(items[start:stop])
         start = stop
     return out
-
-
-# Functions run inside the rank actors (module level, so they pickle by reference).
-
-
-def _forward(
-    context: RankContext[EvalStack], samples: tuple[Sample, ...], keep: bool
-) -> list[tuple[float, ...]]:
-    rows = context.stack.forward(samples)
-    return rows if keep else []
-
-
-def _train_step(context: RankContext[TrainingStack], shard: TrainBatch) -> TrainMetrics:
-    return context.stack.train_step(shard)
-
-
-def _save(context: RankContext[TrainingStack], path: str, rollout_id: int) -> None:
-    context.stack.save(Path(path), rollout_id)
-
-
-def _load(context: RankContext[EvalStack], path: str) -> int:
-    return context.stack.load(Path(path))
-
-
-def _export_weights(context: RankContext[EvalStack], keep: bool) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, tensor in context.stack.export_weights():  # all ranks iterate: gathers are collective
-        if keep:
-            out.append((name, tensor.detach().to("cpu").contiguous()))
-    return out
-
-
-def _state_dict(
-    context: RankContext[TrainingStack], part: Literal["optimizer", "scheduler"]
-) -> Mapping[str, object]:
-    holder = context.stack.optimizer if part == "optimizer" else context.stack.scheduler
-    return holder.state_dict()

@@ -1,38 +1,241 @@
-"""Driver-side stacks over Ray rank groups, and the backend that builds them.
+"""Stacks over Ray rank groups: what each call does on the ranks, and the backend that builds them.
 
 :class:`RayTrainingStack` and :class:`RayEvalStack` satisfy
-:class:`rlcore.protocols.TrainingStack` and :class:`rlcore.protocols.EvalStack` by calling a
-:class:`~rlcore_megatron.ray_group.RayTrainGroup`; the loop cannot tell them from in-process
+:class:`rlcore.protocols.TrainingStack` and :class:`rlcore.protocols.EvalStack` by fanning calls
+out to a :class:`~rlcore_megatron.ray_group.RankGroup`; the loop cannot tell them from in-process
 stacks.
 
 Data parallelism, training: split worker-side. Every rank receives the whole rollout batch (put
 once in Ray's object store) and each data-parallel rank's
 :class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice of each
 global batch, so ``global_batch_size`` must be divisible by
-``data_parallel_size * micro_batch_size`` (a :class:`~rlcore.specs.TrainSpec` that exists is
-split so). Scoring: split
+``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
 driver-side, each data-parallel rank scores a contiguous part of the samples.
 
-:class:`RayMegatronBackend` builds one group per stack, sized by ``spec.model.parallel``, and
-closes them all in :meth:`RayMegatronBackend.close`.
+Weights (:meth:`RayEvalStack.send_weights`): every rank takes part in the export (it gathers over
+tensor parallel, so every rank ends up with the full tensors), and each engine sink runs on one
+rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` sink on rank 0, an
+:class:`~rlcore.weights.OnHost` sink on the first rank on that machine. Only an
+:class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) makes
+rank 0 return the weights to the driver.
+
+:class:`RayMegatronBackend` builds one group per stack, in the slots the run's
+:class:`~rlcore_megatron.cluster.ClusterPlacement` reserved for the stack's role (or in slots
+reserved per group when it has none), and closes them all in :meth:`RayMegatronBackend.close`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal, final
+from typing import TYPE_CHECKING, Final, Literal, TypeVar, final
 
-from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
+import ray
+
+from rlcore.errors import CheckpointError
+from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore_megatron.ray_group import GroupOptions, MegatronRuntime, RankRuntime, RayTrainGroup
+from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
+from rlcore_megatron.cluster import ClusterPlacement
+from rlcore_megatron.ray_group import (
+    GroupOptions,
+    MegatronRuntime,
+    RankContext,
+    RankGroup,
+    RankRuntime,
+    RayGroupError,
+    split_evenly,
+)
 
-__all__ = ["RayEvalStack", "RayMegatronBackend", "RayTrainingStack", "RemoteStateView"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "RayEvalStack",
+    "RayMegatronBackend",
+    "RayTrainingStack",
+    "RemoteStateView",
+    "export_weights",
+    "forward",
+    "load",
+    "save",
+    "send_weights",
+    "state_dict_of",
+    "train_step",
+]
 
 # RayMegatronBackend's defaults (both frozen, so one shared instance each is safe).
 _DEFAULT_OPTIONS: Final = GroupOptions()
 _DEFAULT_RUNTIME: Final = MegatronRuntime()
+_LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
+S = TypeVar("S", bound=EvalStack)
+
+
+# -- what the calls do on a group ----------------------------------------------------------------
+
+
+def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    """Log-probs (or values) per response token, in sample order.
+
+    The samples are split into contiguous, near-equal parts, one per data-parallel rank; the
+    tensor-parallel ranks of a data-parallel rank all get its part, and rank ``dp * tp`` (its
+    tensor-parallel rank 0) returns the answer. A data-parallel rank with no part is not called.
+    """
+    tp = group.tensor_parallel_size
+    parts = split_evenly(tuple(samples), group.data_parallel_size)
+    per_rank: dict[int, tuple[object, ...]] = {}
+    for dp, part in enumerate(parts):
+        if part:
+            ref = ray.put(part)
+            for t in range(tp):
+                per_rank[dp * tp + t] = (ref, t == 0)
+    results = group.call_ranks(_forward, per_rank, "forward")
+    return [row for rows in results for row in rows]
+
+
+def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetrics:
+    """One ``train_step`` on every rank with the whole batch; rank 0's metrics.
+
+    The batch goes to the object store once and every rank reads it: each data-parallel rank's
+    stack trains on its own contiguous slice of every global batch
+    (:class:`~rlcore_megatron.stacks.MegatronTrainingStack` splits worker-side) and reports metrics
+    already reduced over data parallel.
+    """
+    ref = ray.put(batch)
+    per_rank = {rank: (ref,) for rank in range(group.world_size)}
+    return group.call_ranks(_train_step, per_rank, "train_step")[0]
+
+
+def save(group: RankGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
+    """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id``."""
+    group.run_on_all_ranks(_save, os.fspath(path), rollout_id)
+
+
+def load(group: RankGroup[S], path: os.PathLike[str]) -> int:
+    """Every rank loads its shard from ``path``; the rollout id all of them read.
+
+    Raises :class:`~rlcore.errors.CheckpointError` naming the ranks when they disagree.
+    """
+    ids = group.run_on_all_ranks(_load, os.fspath(path))
+    if len(set(ids)) > 1:
+        by_id: dict[int, list[int]] = {}
+        for rank, rollout_id in enumerate(ids):
+            by_id.setdefault(rollout_id, []).append(rank)
+        parts = "; ".join(
+            f"ranks {ranks} read rollout id {rid}" for rid, ranks in sorted(by_id.items())
+        )
+        raise CheckpointError(
+            f"the ranks disagree on the rollout id recorded in {path}: {parts}. "
+            "Its shards come from different saves; point the run at one complete checkpoint."
+        )
+    return ids[0]
+
+
+def state_dict_of(
+    group: RankGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
+) -> Mapping[str, object]:
+    """Rank 0's optimizer or scheduler ``state_dict()`` (a copy)."""
+    (state,) = group.call_ranks(_state_dict, {0: (part,)}, f"{part} state of rank 0")
+    return state
+
+
+def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
+    """Every sink gets the full weights from a rank its placement allows (see the module's
+    notes); the driver sees them only for :class:`~rlcore.weights.InProcess` sinks."""
+    here = [sink for sink in sinks if isinstance(sink.placement, InProcess)]
+    per_rank: dict[int, list[WeightSink]] = {rank: [] for rank in range(group.world_size)}
+    for sink in sinks:
+        placement = sink.placement
+        if isinstance(placement, AnyProcess):
+            per_rank[0].append(sink)
+        elif isinstance(placement, OnHost):
+            per_rank[_rank_on(group, placement.address, sink)].append(sink)
+    args = {rank: (tuple(chosen), rank == 0 and bool(here)) for rank, chosen in per_rank.items()}
+    results = group.call_ranks(_send_weights, args, "send_weights")
+    if here:
+        deliver(results[0], here)
+
+
+def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
+    """The full weights under Hugging Face names, in the driver (rank 0's copy; every rank takes
+    part in the gather). For tests and tools: the loop sends weights with :func:`send_weights`."""
+    args = {rank: ((), rank == 0) for rank in range(group.world_size)}
+    return group.call_ranks(_send_weights, args, "export_weights")[0]
+
+
+def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
+    """The first rank on the machine ``address`` (loopback: the driver's machine)."""
+    if address in _LOOPBACK:
+        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated
+    for rank, node in enumerate(group.nodes):
+        if node.address == address:
+            return rank
+    where = sorted({node.address for node in group.nodes})
+    raise RayGroupError(
+        f"{type(sink).__name__} must run on {address}, where no rank of the "
+        f"{group.model_spec.role} runs (its ranks are on {where}): shared-memory weight sync "
+        "needs a training rank on each server's machine; use --weight-sync distributed, or "
+        "place the servers beside the actor (--colocate)"
+    )
+
+
+# Functions run inside the rank actors (module level, so they pickle by reference).
+
+
+def _forward(
+    context: RankContext[EvalStack], samples: tuple[Sample, ...], keep: bool
+) -> list[tuple[float, ...]]:
+    rows = context.stack.forward(samples)
+    return rows if keep else []
+
+
+def _train_step(context: RankContext[TrainingStack], shard: TrainBatch) -> TrainMetrics:
+    return context.stack.train_step(shard)
+
+
+def _save(context: RankContext[TrainingStack], path: str, rollout_id: int) -> None:
+    context.stack.save(Path(path), rollout_id)
+
+
+def _load(context: RankContext[EvalStack], path: str) -> int:
+    return context.stack.load(Path(path))
+
+
+def _state_dict(
+    context: RankContext[TrainingStack], part: Literal["optimizer", "scheduler"]
+) -> Mapping[str, object]:
+    holder = context.stack.optimizer if part == "optimizer" else context.stack.scheduler
+    return holder.state_dict()
+
+
+def _send_weights(
+    context: RankContext[EvalStack], sinks: tuple[WeightSink, ...], keep: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """Every rank sends (the export is collective); ``sinks`` receive here, and with ``keep``
+    the weights also go back to the driver."""
+    collected = _Collect()
+    context.stack.send_weights([*sinks, collected] if keep else list(sinks))
+    return collected.pairs
+
+
+@final
+class _Collect:
+    """A sink that keeps CPU copies of the weights, to return them to the driver."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, torch.Tensor]] = []
+
+    @property
+    def placement(self) -> AnyProcess:
+        return AnyProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        self.pairs = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+
+
+# -- the stacks ----------------------------------------------------------------------------------
 
 
 @final
@@ -44,13 +247,13 @@ class RemoteStateView:
     """
 
     def __init__(
-        self, group: RayTrainGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
+        self, group: RankGroup[TrainingStack], part: Literal["optimizer", "scheduler"]
     ) -> None:
         self._group = group
         self._part: Literal["optimizer", "scheduler"] = part
 
     def state_dict(self) -> Mapping[str, object]:
-        return self._group.state_dict_of(self._part)
+        return state_dict_of(self._group, self._part)
 
     def __repr__(self) -> str:
         return f"RemoteStateView({self._part} of rank 0)"
@@ -60,12 +263,12 @@ class RemoteStateView:
 class RayEvalStack:
     """An :class:`~rlcore.protocols.EvalStack` whose shards live in a group of Ray actors."""
 
-    def __init__(self, group: RayTrainGroup[EvalStack]) -> None:
+    def __init__(self, group: RankGroup[EvalStack]) -> None:
         self._group = group
 
     @property
-    def group(self) -> RayTrainGroup[EvalStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
+    def group(self) -> RankGroup[EvalStack]:
+        """The rank actors."""
         return self._group
 
     @property
@@ -73,16 +276,20 @@ class RayEvalStack:
         return self._group.model_spec
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return self._group.forward(samples)
+        return forward(self._group, samples)
 
     def load(self, path: Path) -> int:
-        return self._group.load(path)
+        return load(self._group, path)
 
-    def export_weights(self) -> NamedTensors:
-        return self._group.export_weights()
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_weights(self._group, sinks)
+
+    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights in the driver (see :func:`export_weights`)."""
+        return export_weights(self._group)
 
     def close(self) -> None:
-        """Kill the actors and free their placement group. Safe to call twice."""
+        """Kill the actors. Safe to call twice."""
         self._group.close()
 
 
@@ -93,14 +300,14 @@ class RayTrainingStack:
     ``optimizer`` and ``scheduler`` are :class:`RemoteStateView` s of rank 0's.
     """
 
-    def __init__(self, group: RayTrainGroup[TrainingStack]) -> None:
+    def __init__(self, group: RankGroup[TrainingStack]) -> None:
         self._group = group
         self._optimizer = RemoteStateView(group, "optimizer")
         self._scheduler = RemoteStateView(group, "scheduler")
 
     @property
-    def group(self) -> RayTrainGroup[TrainingStack]:
-        """The rank actors (for :meth:`~RayTrainGroup.run_on_all_ranks` and friends)."""
+    def group(self) -> RankGroup[TrainingStack]:
+        """The rank actors."""
         return self._group
 
     @property
@@ -116,22 +323,26 @@ class RayTrainingStack:
         return self._scheduler
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return self._group.forward(samples)
+        return forward(self._group, samples)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        return self._group.train_step(batch)
+        return train_step(self._group, batch)
 
     def save(self, path: Path, rollout_id: int) -> None:
-        self._group.save(path, rollout_id)
+        save(self._group, path, rollout_id)
 
     def load(self, path: Path) -> int:
-        return self._group.load(path)
+        return load(self._group, path)
 
-    def export_weights(self) -> NamedTensors:
-        return self._group.export_weights()
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_weights(self._group, sinks)
+
+    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights in the driver (see :func:`export_weights`)."""
+        return export_weights(self._group)
 
     def close(self) -> None:
-        """Kill the actors and free their placement group. Safe to call twice."""
+        """Kill the actors. Safe to call twice."""
         self._group.close()
 
 
@@ -139,25 +350,33 @@ class RayTrainingStack:
 class RayMegatronBackend:
     """A :class:`~rlcore.protocols.Backend` that runs each stack as its own group of Ray actors.
 
-    Ray must already be initialised (``ray.init(...)``). Each ``build_*`` call reserves
-    ``spec.model.parallel.world_size`` bundles of ``options`` and builds the stack in them;
-    :meth:`close` (or leaving a ``with`` block) closes every group this backend started.
+    Ray must already be initialised (``ray.init(...)``). With a ``placement``, each ``build_*``
+    call starts the stack's ranks in the slots reserved for its role (the reference model in the
+    actor's); without one, each group reserves ``spec.model.parallel.world_size`` slots of its
+    own. :meth:`close` (or leaving a ``with`` block) closes every group this backend started.
     """
 
     def __init__(
-        self, options: GroupOptions = _DEFAULT_OPTIONS, runtime: RankRuntime = _DEFAULT_RUNTIME
+        self,
+        placement: ClusterPlacement | None = None,
+        options: GroupOptions = _DEFAULT_OPTIONS,
+        runtime: RankRuntime = _DEFAULT_RUNTIME,
     ) -> None:
+        self._placement = placement
         self._options = options
         self._runtime = runtime
         self._stacks: list[RayTrainingStack | RayEvalStack] = []
 
     def build_training_stack(self, spec: TrainSpec) -> RayTrainingStack:
-        stack = RayTrainingStack(RayTrainGroup.start_training(spec, self._options, self._runtime))
+        slots = self._placement.slots(spec.model.role) if self._placement is not None else None
+        group = RankGroup.start_training(spec, self._options, self._runtime, slots)
+        stack = RayTrainingStack(group)
         self._stacks.append(stack)
         return stack
 
     def build_eval_stack(self, spec: EvalSpec) -> RayEvalStack:
-        stack = RayEvalStack(RayTrainGroup.start_eval(spec, self._options, self._runtime))
+        slots = self._placement.slots(spec.model.role) if self._placement is not None else None
+        stack = RayEvalStack(RankGroup.start_eval(spec, self._options, self._runtime, slots))
         self._stacks.append(stack)
         return stack
 

@@ -34,20 +34,31 @@ import attrs
 from rlcore.checkpoints import find_checkpoint
 from rlcore.config import RunConfig, with_flag
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
+from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, RLCoreError
 from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
 from rlcore.preflight import check_model_folder, prepare_output_folders, remove_folders
-from rlcore.protocols import MetricsSink, RolloutEngine
+from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rewards import get_reward_fn
 from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.samples import Prompt
+from rlcore.specs import Precision
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
+from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
 from rlcore_megatron.watchdog import watch_tree
 
-__all__ = ["engine_dtype", "execute", "load_run_data", "main", "make_engine", "preflight"]
+__all__ = [
+    "engine_dtype",
+    "execute",
+    "load_run_data",
+    "main",
+    "make_engine",
+    "placement_request",
+    "preflight",
+]
 
 log = logging.getLogger("rlcore")
 
@@ -175,48 +186,47 @@ def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
     return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
 
 
-def engine_dtype(config: RunConfig) -> str:
+def engine_dtype(config: RunConfig) -> Precision:
     """The rollout engine's dtype: the trainer's (``bfloat16`` with ``--bf16``, else ``float32``),
     so that the weights synced after every step arrive unconverted and the engine's log-probs are
     comparable with the trainer's."""
     return "bfloat16" if config.model.bf16 else "float32"
 
 
-def make_engine(config: RunConfig, tokenizer: HFTokenizer) -> RolloutEngine:
-    """The rollout engine the config names, loaded with the initial HF weights, in
-    :func:`engine_dtype`."""
-    assert config.model.hf_checkpoint is not None
-    if config.rollout.engine == "sglang":
-        import torch
-
-        from rlcore.engines.sglang import EngineOptions, SGLangEngine
-        from rlcore.engines.sglang_server import LaunchSettings
-
-        options = EngineOptions(weight_sync=config.rollout.weight_sync)
-        if config.rollout.sglang_urls:
-            return SGLangEngine.connect(config.rollout.sglang_urls, options)
-        on_gpu = torch.cuda.is_available()
-        settings = LaunchSettings(
-            model_path=config.model.hf_checkpoint,
-            device="cuda" if on_gpu else "cpu",
-            dtype=engine_dtype(config),
-            random_seed=config.seed,
-            log_dir=config.output_dir / "sglang",
-        )
-        return SGLangEngine.launch(settings, config.rollout.sglang_num_servers, options)
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from rlcore.engines.embedded import EmbeddedEngine
-
-    # "Loading weights" bars on every run say nothing a user needs.
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated
-    return EmbeddedEngine.from_pretrained(
-        config.model.hf_checkpoint,
-        tokenizer,
-        seed=config.seed,
-        dtype=torch.bfloat16 if engine_dtype(config) == "bfloat16" else torch.float32,
+def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
+    """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only)
+    and, when the engine runs servers, the rollout GPUs."""
+    k = config.cluster
+    kind = load_engine(config.rollout.engine)
+    servers = kind.runs_servers(kind.options(config.rollout.engine_options))
+    critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
+    reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    return PlacementRequest(
+        actor_ranks=k.actor_ranks,
+        critic_ranks=k.critic_ranks if critic else 0,
+        reference=reference,
+        rollout_gpus=k.rollout_gpus if servers else 0,
+        gpus_per_engine=k.rollout_num_gpus_per_engine,
+        colocate=k.colocate,
     )
+
+
+def make_engine(
+    config: RunConfig, tokenizer: HFTokenizer, hosts: Sequence[ProcessHost] = ()
+) -> RolloutEngine:
+    """The rollout engine the config names (``--rollout-engine``), built by its kind from the
+    initial HF weights in :func:`engine_dtype`; its servers, if any, on ``hosts``."""
+    assert config.model.hf_checkpoint is not None
+    kind = load_engine(config.rollout.engine)
+    setup = EngineSetup(
+        model_path=config.model.hf_checkpoint,
+        tokenizer=tokenizer,
+        seed=config.seed,
+        log_dir=config.output_dir / kind.name,
+        hosts=tuple(hosts),
+        dtype=engine_dtype(config),
+    )
+    return kind.build(setup, config.rollout.engine_options)
 
 
 def check_user_functions(config: RunConfig) -> None:
@@ -276,16 +286,33 @@ def _start_ray(config: RunConfig) -> None:
             ) from exc
         log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
     else:
+        local = local_node()
         ray.init(
             # Its own instance even when another one runs on this machine: without "local", Ray
             # joins the last cluster `ray start` began here and then refuses num_cpus.
             address="local",
-            num_cpus=max(os.cpu_count() or 1, 2),
+            num_cpus=int(local.cpus),
+            num_gpus=int(local.gpus),
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.WARNING,  # "Started a local Ray instance": logged below
         )
         log.info("ray: started a local instance at %s", ray.get_runtime_context().gcs_address)
+
+
+def _ray_started() -> bool:
+    """Ray is initialised in this process (without importing it: importing reads RAY_AUTH_MODE)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def local_node() -> NodeResources:
+    """This machine as the local Ray instance the CLI starts will declare it: its CPUs (at least
+    2, so a rank and a server fit on a 1-core machine) and its CUDA GPUs."""
+    import torch
+
+    cpus = max(os.cpu_count() or 1, 2)
+    return NodeResources("local", "127.0.0.1", cpus, torch.cuda.device_count())
 
 
 def latest_checkpoint(config: RunConfig) -> Path | None:
@@ -340,6 +367,12 @@ def execute(config: RunConfig) -> RunResult:
         check_inputs(the_plan, data)
         if isinstance(the_plan, TrainPlan):
             resume_point(the_plan)
+        request = placement_request(config, the_plan)
+        if config.ray_address is None and not _ray_started():
+            # The local instance will hold exactly this machine: refuse a run that cannot fit
+            # now, before Ray starts. (A joined cluster is checked as Ray reports it, in
+            # reserve().)
+            plan_layout(request, [local_node()])
     except BaseException:
         remove_folders(created)
         raise
@@ -352,25 +385,25 @@ def execute(config: RunConfig) -> RunResult:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
-    from rlcore_megatron.ray_group import GroupOptions
+    from rlcore_megatron.cluster import ClusterPlacement
     from rlcore_megatron.ray_stacks import RayMegatronBackend
 
     watchdog = watch_tree()  # kills what this run started if this process is killed
-    # A rollout-only run without --load builds no stack: no Ray needed.
-    builds_stacks = not (isinstance(the_plan, RolloutOnlyPlan) and the_plan.load is None)
-    started_ray = builds_stacks and not ray.is_initialized()
+    started_ray = not ray.is_initialized()
+    placement: ClusterPlacement | None = None
     backend: RayMegatronBackend | None = None
     engine: RolloutEngine | None = None
     sink: MetricsSink | None = None
     interrupted: RunInterrupted | None = None
     try:
-        if builds_stacks:
-            _start_ray(config)
-        threads = max(1, (os.cpu_count() or 1))
-        backend = RayMegatronBackend(GroupOptions(cpus_per_rank=1.0, threads_per_rank=threads))
+        _start_ray(config)
         sink = _sinks(config, the_plan)
+        # Every slot of the run is reserved (or refused) before any rank or server starts.
+        placement = ClusterPlacement.reserve(request)
+        backend = RayMegatronBackend(placement)
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
-        engine = None if config.debug.replays else make_engine(config, tokenizer)
+        replays = config.debug.replays
+        engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
         result = run(the_plan, backend, engine, reward_fn, data, sink)
     except RunInterrupted as exc:
         interrupted = exc
@@ -386,6 +419,8 @@ def execute(config: RunConfig) -> RunResult:
                 engine.close()
             if backend is not None:
                 backend.close()
+            if placement is not None:
+                placement.close()
             if started_ray:
                 ray.shutdown()
             if watchdog is not None:

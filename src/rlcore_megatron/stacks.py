@@ -16,7 +16,7 @@ model's precision.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, final
 
@@ -30,9 +30,10 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import PlanError
-from rlcore.protocols import NamedTensors
+from rlcore.protocols import NamedTensors, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
+from rlcore.weights import deliver
 from rlcore_megatron import checkpoint, moe
 from rlcore_megatron.arch import ModelArch
 from rlcore_megatron.hf_weights import export_hf_weights
@@ -50,10 +51,23 @@ __all__ = [
     "routed_tokens",
     "score_samples",
     "sequence_multiple",
+    "send_exported",
 ]
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
+
+
+def send_exported(weights: Iterator[tuple[str, torch.Tensor]], sinks: Sequence[WeightSink]) -> None:
+    """This rank's part of sending weights: ``sinks`` (those given to this rank) receive the
+    export, and the export runs to its end even when there are none or one fails, since it is a
+    collective every tensor-parallel rank takes part in. Called on every rank."""
+    try:
+        if sinks:
+            deliver(weights, sinks)
+    finally:
+        for _ in weights:
+            pass
 
 
 def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
@@ -179,7 +193,12 @@ class MegatronEvalStack:
         return checkpoint.load_checkpoint(path, self.model, model_info(self.arch, self.spec.role))
 
     def export_weights(self) -> NamedTensors:
+        """The full weights under HF names, gathered over tensor parallel (every TP rank must
+        iterate them)."""
         return export_hf_weights(self.model, self.arch, self.spec.role)
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_exported(export_hf_weights(self.model, self.arch, self.spec.role), sinks)
 
 
 @final
@@ -240,7 +259,12 @@ class MegatronTrainingStack:
         )
 
     def export_weights(self) -> NamedTensors:
+        """The full weights under HF names, gathered over tensor parallel (every TP rank must
+        iterate them)."""
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_exported(export_hf_weights(self.gpt, self.arch, self.spec.role), sinks)
 
     def load(self, path: Path) -> int:
         info = model_info(self.arch, self.spec.role)

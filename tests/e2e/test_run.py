@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,34 +158,75 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     assert "not built: critic" in log and "not built: reference model" in log
 
 
-def test_ppo_with_critic_and_kl(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
-    result = execute(
-        load_config(
-            _flags(
-                demo,
-                tmp_path,
-                "--num-rollout",
-                "2",
-                "--advantage-estimator",
-                "ppo",
-                "--use-kl-loss",
-                "--kl-loss-coef",
-                "0.01",
-                "--gamma",
-                "1.0",
-                "--lambd",
-                "0.95",
-                "--skip-eval-before-train",
-            )
+def _cli(*flags: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it: its own process, its own Ray start-up (this machine's CPUs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlcore_megatron.run", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> None:
+    """Actor, critic and reference model through the CLI's own Ray start-up: on a 2-core machine
+    their ranks share one CPU slot and take turns (each used to claim a CPU of its own, and the
+    run waited for a third CPU until the group timeout)."""
+    run = _cli(
+        *_flags(
+            demo,
+            tmp_path,
+            "--num-rollout",
+            "2",
+            "--advantage-estimator",
+            "ppo",
+            "--kl-coef",
+            "0.05",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.01",
+            "--gamma",
+            "1.0",
+            "--lambd",
+            "0.95",
+            "--skip-eval-before-train",
         )
     )
-    assert result.built == ("train:actor", "train:critic", "eval:reference")
-    assert result.trained == (0, 1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = _summary(tmp_path)
+    assert summary["built"] == ["train:actor", "train:critic", "eval:reference"]
+    assert summary["trained"] == [0, 1]
     rows = [r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl") if "rollout/reward" in r]
     assert len(rows) == 2
     for row in rows:
         assert row["train/critic/loss"] is not None and row["train/critic/loss"] >= 0
-        assert "train/actor/kl_loss" in row
+        assert "train/actor/kl_loss" in row and "rollout/kl_penalty" in row
+    log = (tmp_path / "run.log").read_text()
+    if (os.cpu_count() or 1) <= 2:
+        assert "slot 0: " in log and "actor, reference, critic" in log
+
+
+def test_more_ranks_than_the_machine_has_are_refused_at_once(demo: Path, tmp_path: Path) -> None:
+    """A tensor-parallel run with one rank more than this machine has CPUs: refused before any
+    rank starts, with what was asked and what there is (it used to wait for the group timeout)."""
+    ranks = max(os.cpu_count() or 1, 2) + 1
+    started = time.monotonic()
+    run = _cli(
+        *_flags(demo, tmp_path, "--num-rollout", "2"),
+        "--tensor-model-parallel-size",
+        str(ranks),
+        "--actor-num-gpus-per-node",
+        str(ranks),
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    # Seconds of start-up (more on a loaded machine), not the 600 s group timeout of before.
+    assert time.monotonic() - started < 240
+    assert "PlacementError: the run does not fit on this Ray cluster" in run.stderr
+    assert f"it needs {ranks} CPU slots and the cluster has room for {ranks - 1}" in run.stderr
+    assert f"actor: {ranks} rank(s) on CPU slots 0-{ranks - 1}" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_bf16_grpo_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None) -> None:
@@ -470,5 +512,4 @@ def test_a_bad_function_path_stops_the_run_before_anything_starts(
     err = capsys.readouterr().err
     assert "rollout.dynamic_sampling_filter_path (--dynamic-sampling-filter-path)" in err
     assert "cannot import module 'no_such_module_xyz'" in err
-    assert not (out / "summary.json").exists()
-    assert "ray: started" not in (out / "run.log").read_text()
+    assert not out.exists()  # stopped before Ray or a log: the folder it made is removed

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 import torch
 
+from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     ISCorrection,
@@ -22,6 +23,7 @@ from rlcore.specs import (
     Role,
     TrainSpec,
 )
+from rlcore.weights import InProcess
 
 TINY: Final[dict[str, Any]] = {
     "vocab_size": 32,
@@ -147,3 +149,24 @@ def run_two_ranks(target: Callable[..., None], *args: object, timeout: float = 6
             p.join()
     codes = [p.exitcode for p in procs]
     assert codes == [0, 0], f"rank exit codes {codes}: see the captured stderr for the traceback"
+
+
+class _Keep:
+    """An in-process sink that keeps detached copies of what it receives."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, named: NamedTensors) -> None:
+        self.tensors = weights(named)
+
+
+def sent_weights(stack: EvalStack) -> dict[str, torch.Tensor]:
+    """What ``stack`` sends an engine, as detached copies (any stack: through the protocol)."""
+    keep = _Keep()
+    stack.send_weights([keep])
+    return keep.tensors

@@ -21,7 +21,7 @@ from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import ScriptedEngine, label_reward
 from rlcore.tiny import build_tiny_llama
 from rlcore_megatron.backend import MegatronBackend
-from tests.megatron.helpers import TINY, weights
+from tests.megatron.helpers import TINY, sent_weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -106,7 +106,7 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
     assert second.trained == (2, 3)
 
     for role in ("actor", "critic"):
-        a = weights(straight.training[role].export_weights())
-        b = weights(resumed.training[role].export_weights())
+        a = sent_weights(straight.training[role])
+        b = sent_weights(resumed.training[role])
         for name in a:
             assert torch.equal(a[name], b[name]), f"{role}: {name}"

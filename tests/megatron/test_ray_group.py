@@ -2,11 +2,13 @@
 
 The group mechanics (data-parallel split of ``forward``, rollout-id agreement on ``load``, failing
 and dead ranks, closing) run against a light stand-in runtime; data and tensor parallelism run the
-real :class:`~rlcore_megatron.backend.MegatronBackend` on a tiny Llama.
+real :class:`~rlcore_megatron.backend.MegatronBackend` on a tiny Llama. Groups that have more
+ranks than this machine has CPUs are started in explicit slots that split a CPU between ranks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -18,10 +20,10 @@ from typing import TYPE_CHECKING, Any, final
 import attrs
 import pytest
 import ray
-from ray.util.placement_group import placement_group_table
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlcore.errors import CheckpointError
-from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack
+from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     EvalSpec,
@@ -32,17 +34,26 @@ from rlcore.specs import (
     ParallelSpec,
     TrainSpec,
 )
+from rlcore.testing import RecordingWeightSink
+from rlcore.weights import AnyProcess, OnHost, deliver
+from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
+from rlcore_megatron.placement import PlacementRequest
 from rlcore_megatron.ray_group import (
     GroupOptions,
     MegatronRuntime,
     RankContext,
+    RankGroup,
     RayGroupError,
-    RayTrainGroup,
-    _cuda_ordinal,
     _local_ranks,
     split_evenly,
 )
-from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend, RayTrainingStack
+from rlcore_megatron.ray_stacks import (
+    RayEvalStack,
+    RayMegatronBackend,
+    RayTrainingStack,
+    forward,
+    load,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +91,8 @@ class _EchoStack:
     def load(self, path: Path) -> int:
         return self.rollout_id
 
-    def export_weights(self) -> NamedTensors:
-        return []
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver([], sinks)
 
 
 @final
@@ -119,11 +130,27 @@ def _echo_group(
     tp: int = 1,
     failing: frozenset[int] = frozenset(),
     call_timeout_s: float | None = None,
-) -> RayTrainGroup[EvalStack]:
+    slots: Sequence[RankSlot] | None = None,
+) -> RankGroup[EvalStack]:
     spec = EvalSpec(ModelSpec("actor", None, parallel=ParallelSpec(tp, len(rollout_ids))))
     runtime = EchoRuntime(rollout_ids, failing)
     options = GroupOptions(setup_timeout_s=120, call_timeout_s=call_timeout_s)
-    return RayTrainGroup.start_eval(spec, options, runtime)
+    return RankGroup.start_eval(spec, options, runtime, slots)
+
+
+@pytest.fixture
+def two_cpus_four_slots(ray_cluster: None) -> Iterator[tuple[RankSlot, ...]]:
+    """Four rank slots in two 1-CPU bundles, half a CPU each (what a placement gives two roles
+    that share two slots)."""
+    pg = placement_group([{"CPU": 1.0}, {"CPU": 1.0}], strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    try:
+        yield tuple(
+            RankSlot(pg, b, {"CPU": 0.5}, 1, str(table[b]), "127.0.0.1") for b in (0, 0, 1, 1)
+        )
+    finally:
+        remove_placement_group(pg)
 
 
 def _sample(index: int, prompt: Sequence[int], response: Sequence[int]) -> Sample:
@@ -147,6 +174,10 @@ def _seen(context: RankContext[EvalStack]) -> list[int]:
     return list(stack.seen)
 
 
+def _rank_of(context: RankContext[EvalStack]) -> int:
+    return context.rank
+
+
 def _crash_on_rank(context: RankContext[EvalStack], rank: int) -> None:
     if context.rank == rank:
         os._exit(1)
@@ -157,8 +188,7 @@ def _wait_for_a_peer_that_never_comes(context: RankContext[EvalStack], rank: int
         time.sleep(600)
 
 
-def _assert_gone(group: RayTrainGroup[Any]) -> None:
-    assert placement_group_table(group.placement_group)["state"] == "REMOVED"
+def _assert_gone(group: RankGroup[Any]) -> None:
     for handle in group.actors:
         with pytest.raises(ray.exceptions.RayActorError):
             # group.actors are plain objects to mypy; Ray's actor handles are untyped
@@ -174,26 +204,16 @@ def test_split_evenly_keeps_order_and_sizes() -> None:
     assert split_evenly((), 2) == [(), ()]
 
 
-def test_group_options_bundles_and_threads() -> None:
-    assert GroupOptions().bundle() == {"CPU": 1.0} and GroupOptions().threads == 1
-    assert GroupOptions(cpus_per_rank=2.5).threads == 2
-    assert GroupOptions(cpus_per_rank=0.5).threads == 1
-    assert GroupOptions(cpus_per_rank=4, threads_per_rank=3).threads == 3
-    assert GroupOptions(cpus_per_rank=8, gpus_per_rank=1).bundle() == {"CPU": 8.0, "GPU": 1.0}
-    with pytest.raises(ValueError, match="threads_per_rank"):
-        GroupOptions(threads_per_rank=0)
-
-
 def test_local_ranks_count_per_node_or_follow_the_gpu() -> None:
     nodes = [("a", "10.0.0.1", None), ("a", "10.0.0.1", None), ("b", "10.0.0.2", None)]
     assert _local_ranks(nodes, gpu=False) == [0, 1, 0]
     assert _local_ranks([("a", "ip", 3), ("a", "ip", 1)], gpu=True) == [3, 1]
-    assert _cuda_ordinal("6", "4,6") == 1  # Ray's ids name devices of CUDA_VISIBLE_DEVICES
-    assert _cuda_ordinal("2", None) == 2
+    assert cuda_ordinal("6", "4,6") == 1  # Ray's ids name devices of CUDA_VISIBLE_DEVICES
+    assert cuda_ordinal("2", None) == 2
 
 
-def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
-    group = _echo_group((3, 3, 3, 3), tp=2)
+def test_forward_splits_over_data_parallel_ranks(two_cpus_four_slots: tuple[RankSlot, ...]) -> None:
+    group = _echo_group((3, 3, 3, 3), tp=2, slots=two_cpus_four_slots)
     try:
         # rank r is tensor-parallel rank r % 2 of data-parallel rank r // 2; one thread each
         assert group.run_on_all_ranks(_env_of) == [
@@ -204,32 +224,43 @@ def test_forward_splits_over_data_parallel_ranks(ray_cluster: None) -> None:
         ]
         samples = [_sample(i, (1, 2), (3,) * (1 + i % 3)) for i in range(5)]
         expected = [tuple(float(i) for _ in s.response.token_ids) for i, s in enumerate(samples)]
-        assert group.forward(samples) == expected
+        assert forward(group, samples) == expected
         # data-parallel rank 0 (ranks 0, 1) scored the first three samples, rank 1 the rest
         assert group.run_on_all_ranks(_seen) == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
-        assert group.forward(samples[:1]) == expected[:1]  # data-parallel rank 1 idles
-        assert group.load(Path("/nowhere")) == 3
+        assert forward(group, samples[:1]) == expected[:1]  # data-parallel rank 1 idles
+        assert load(group, Path("/nowhere")) == 3
+        assert group.call_ranks(_rank_of, {2: ()}) == [2]  # one rank alone
     finally:
         group.close()
     _assert_gone(group)
     group.close()  # twice is fine
     with pytest.raises(RayGroupError, match="closed"):
-        group.load(Path("/nowhere"))
+        load(group, Path("/nowhere"))
+
+
+def test_a_group_on_its_own_reserves_and_gives_back_its_slots(ray_cluster: None) -> None:
+    groups = len(placement_group_table())
+    group = _echo_group((1, 1))
+    assert [slot.resources for slot in group.slots] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert len(placement_group_table()) == groups + 1
+    group.close()
+    states = [pg["state"] for pg in placement_group_table().values()]
+    assert states.count("REMOVED") >= 1 and len(states) == groups + 1
 
 
 def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
     samples = [_sample(0, (1,), (2,)), _sample(1, (1,), (2,))]
     with _echo_group((7, 5), failing=frozenset({1})) as group:
         with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
-            group.forward(samples)
+            forward(group, samples)
         # rank 0 had finished: the group still works, and a disagreement names ranks and ids
         match = r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"
         with pytest.raises(CheckpointError, match=match):
-            group.load(Path("/ckpt/iter_7"))
+            load(group, Path("/ckpt/iter_7"))
         with pytest.raises(RayGroupError, match="rank 1's actor died"):
             group.run_on_all_ranks(_crash_on_rank, 1)
         with pytest.raises(RayGroupError, match="broken"):
-            group.run_on_all_ranks(_env_of)
+            group.call_ranks(_rank_of, {0: ()})
 
 
 def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -> None:
@@ -242,7 +273,7 @@ def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -
         stuck = message.split("--- rank 1 is at ---", 1)[1]
         assert "in _wait_for_a_peer_that_never_comes" in stuck and "time.sleep(600)" in stuck
         with pytest.raises(RayGroupError, match="broken"):
-            group.run_on_all_ranks(_env_of)
+            group.call_ranks(_rank_of, {0: ()})
 
 
 # -- the real Megatron backend -------------------------------------------------------------------
@@ -311,19 +342,38 @@ def _train_spec(checkpoint: Path, parallel: ParallelSpec, global_batch_size: int
     )
 
 
+@final
+class _Keep:
+    """A sink that keeps copies of what it receives, in the rank that runs it."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, torch.Tensor]] = []
+
+    @property
+    def placement(self) -> AnyProcess:
+        return AnyProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        self.pairs = [(name, t.detach().cpu().clone()) for name, t in weights]
+
+
 def _exported(context: RankContext[TrainingStack]) -> list[tuple[str, torch.Tensor]]:
-    return [(name, t.detach().cpu().clone()) for name, t in context.stack.export_weights()]
+    """This rank's own full copy of the weights (every rank sends to its own sink)."""
+    keep = _Keep()
+    context.stack.send_weights([keep])
+    return keep.pairs
 
 
 @final
 @attrs.frozen
 class MegatronStacks:
-    """Started once per module, at once: actor start-up (importing Megatron) dominates."""
+    """Started once per module, at once: actor start-up (importing Megatron) dominates. Both
+    groups share one placement of two CPU slots, as an actor and its reference model do."""
 
     data_parallel: RayTrainingStack
-    """Two tensor-parallel-1 ranks, data parallel 2."""
+    """Two tensor-parallel-1 ranks, data parallel 2 (the actor)."""
     tensor_parallel: RayEvalStack
-    """Two ranks, tensor parallel 2."""
+    """Two ranks, tensor parallel 2 (a policy eval stack in the reference model's slots)."""
     samples: tuple[Sample, ...]
     reference: tuple[tuple[float, ...], ...]
     """The untrained data-parallel stack's log-probs of ``samples``: each rank has the whole
@@ -333,16 +383,20 @@ class MegatronStacks:
 @pytest.fixture(scope="module")
 def megatron(tiny_llama: Path, ray_cluster: None) -> Iterator[MegatronStacks]:
     options = GroupOptions(setup_timeout_s=300, call_timeout_s=300)
-    with RayMegatronBackend(options, TensorParallelCpuRuntime()) as backend:
-        with ThreadPoolExecutor(2) as pool:
-            train_spec = _train_spec(tiny_llama, ParallelSpec(1, 2))
-            eval_spec = EvalSpec(ModelSpec("actor", tiny_llama, parallel=ParallelSpec(2, 2)))
-            dp = pool.submit(backend.build_training_stack, train_spec)
-            tp = pool.submit(backend.build_eval_stack, eval_spec)
-            data_parallel, tensor_parallel = dp.result(), tp.result()
-        samples = tuple(_samples(5))
-        reference = tuple(data_parallel.forward(samples))
-        yield MegatronStacks(data_parallel, tensor_parallel, samples, reference)
+    request = PlacementRequest(actor_ranks=2, reference=True)
+    with ClusterPlacement.reserve(request, timeout_s=120) as placement:
+        assert [s.resources for s in placement.slots("reference")] == [{"CPU": 0.5}] * 2
+        with RayMegatronBackend(placement, options, TensorParallelCpuRuntime()) as backend:
+            with ThreadPoolExecutor(2) as pool:
+                train_spec = _train_spec(tiny_llama, ParallelSpec(1, 2))
+                parallel = ParallelSpec(2, 2)
+                eval_spec = EvalSpec(ModelSpec("reference", tiny_llama, parallel=parallel))
+                dp = pool.submit(backend.build_training_stack, train_spec)
+                tp = pool.submit(backend.build_eval_stack, eval_spec)
+                data_parallel, tensor_parallel = dp.result(), tp.result()
+            samples = tuple(_samples(5))
+            reference = tuple(data_parallel.forward(samples))
+            yield MegatronStacks(data_parallel, tensor_parallel, samples, reference)
 
 
 @pytest.mark.megatron
@@ -393,3 +447,48 @@ def test_tensor_parallel_2_matches_tensor_parallel_1(
     assert exported.keys() == hf.keys()
     for name, tensor in exported.items():
         assert torch.equal(tensor, hf[name]), name
+
+
+@final
+@attrs.frozen
+class FileSink:
+    """A picklable sink that writes, in the process that runs it, which rank it is and what it
+    received (names and sums) into ``folder``."""
+
+    folder: Path
+    where: AnyProcess | OnHost
+
+    @property
+    def placement(self) -> AnyProcess | OnHost:
+        return self.where
+
+    def receive(self, weights: NamedTensors) -> None:
+        sums = {name: float(t.double().sum()) for name, t in weights}
+        record = {"rank": os.environ["RANK"], "pid": os.getpid(), "sums": sums}
+        (self.folder / f"{type(self.where).__name__}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.megatron
+def test_weights_go_from_the_ranks_to_the_sinks(
+    megatron: MegatronStacks, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Each sink runs on the rank its placement allows; only an in-process sink brings the
+    weights to the driver. The tensor-parallel gather gives every sink the checkpoint's
+    weights."""
+    from safetensors.torch import load_file
+
+    stack = megatron.tensor_parallel
+    here = RecordingWeightSink()
+    anywhere = FileSink(tmp_path, AnyProcess())
+    on_this_machine = FileSink(tmp_path, OnHost("127.0.0.1"))
+    stack.send_weights([anywhere, on_this_machine, here])
+    hf = load_file(str(tiny_llama / "model.safetensors"))
+    assert set(here.names) == set(hf)
+    for name in ("AnyProcess", "OnHost"):
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["rank"] == "0" and record["pid"] != os.getpid()
+        assert record["sums"] == pytest.approx({k: float(t.double().sum()) for k, t in hf.items()})
+    with pytest.raises(RayGroupError, match=r"must run on 10\.9\.9\.9, where no rank"):
+        stack.send_weights([FileSink(tmp_path, OnHost("10.9.9.9"))])
+    # The group survived the refusal (it was made before any rank was called).
+    assert len(stack.forward(megatron.samples[:1])) == 1

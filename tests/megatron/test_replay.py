@@ -21,7 +21,7 @@ from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore.tiny import build_tiny_llama
 from rlcore_megatron.backend import MegatronBackend
-from tests.megatron.helpers import TINY, weights
+from tests.megatron.helpers import TINY, sent_weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -53,7 +53,7 @@ class RecordingBackend:
 
     def weights(self) -> dict[str, torch.Tensor]:
         assert self.actor is not None
-        return weights(self.actor.export_weights())
+        return sent_weights(self.actor)
 
 
 @pytest.fixture(scope="module")

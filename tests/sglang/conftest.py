@@ -15,9 +15,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from rlcore.engines.sglang import EngineOptions, LaunchSettings, SGLangEngine
-from rlcore.engines.sglang_server import SGLangServer
+from rlcore.hosts import LocalProcessHost
 from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.launcher import LaunchSettings, start_server
+from rlcore_sglang.options import EngineOptions
+from rlcore_sglang.server import SGLangServer
 
 ALPHABET = "0123456789+= abcdefghijklmnopqrstuvwxyz"
 STARTUP_TIMEOUT_S = float(os.environ.get("RLCORE_SGLANG_STARTUP_TIMEOUT", "900"))
@@ -67,9 +70,18 @@ def weights_a(tiny_model: Path) -> Weights:
 
 
 @pytest.fixture(scope="session")
-def weights_b(tmp_path_factory: pytest.TempPathFactory, vocab_size: int) -> Weights:
-    """Same architecture, other weights (seed 1)."""
-    return _peaked_llama(tmp_path_factory.mktemp("tiny-llama-b"), vocab_size, seed=1)
+def tiny_model_b(tmp_path_factory: pytest.TempPathFactory, vocab_size: int) -> Path:
+    """Same architecture, other weights (seed 1): :func:`weights_b`."""
+    folder = tmp_path_factory.mktemp("tiny-llama-b")
+    build_char_tokenizer(folder, ALPHABET)
+    _peaked_llama(folder, vocab_size, seed=1)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def weights_b(tiny_model_b: Path) -> Weights:
+    model = LlamaForCausalLM.from_pretrained(str(tiny_model_b), dtype=torch.float32)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +101,7 @@ def launch_settings(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="session")
 def _servers(launch_settings: LaunchSettings) -> Iterator[tuple[SGLangEngine, SGLangServer]]:
-    victim = SGLangServer.launch(launch_settings, index=2)  # starts while the others start
+    victim = start_server(launch_settings, LocalProcessHost(), index=2)  # starts with the others
     try:
         engine = SGLangEngine.launch(
             launch_settings,

@@ -6,13 +6,15 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from rlcore.engines.sglang import EngineOptions, SGLangEngine
-from rlcore.engines.sglang_server import SGLangServer
 from rlcore.errors import RolloutError
 from rlcore.samples import SamplingParams
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.options import EngineOptions
+from rlcore_sglang.server import SGLangServer
 from tests.sglang.test_generate import prompts
 
 pytestmark = pytest.mark.sglang
@@ -44,7 +46,7 @@ def test_killed_server_mid_rollout_raises_with_its_log_tail(victim_server: SGLan
     assert "exited with code -9" in message
     # The message quotes the end of the killed server's own log, which has stopped growing.
     assert victim_server.log_path is not None
-    log_lines = victim_server.log_path.read_text(errors="replace").splitlines()
+    log_lines = Path(victim_server.log_path).read_text(errors="replace").splitlines()
     quoted = message.split("--- last lines of the server log ---\n", 1)[1].splitlines()
     assert len(log_lines) >= len(quoted) > 0
     assert quoted == log_lines[-len(quoted) :]

@@ -16,11 +16,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlcore.engines.sglang import SGLangEngine
-from rlcore.engines.sglang_server import LaunchSettings, SGLangServer
+from rlcore.hosts import LocalProcessHost
 from rlcore.samples import Prompt, SamplingParams
 from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.hf_weights import HFReader, save_hf
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.launcher import LaunchSettings, start_server
+from rlcore_sglang.server import SGLangServer
 from tests.families import (
     ALPHABET,
     FAMILIES,
@@ -83,7 +85,7 @@ def family_servers(
                 log_dir=root / "logs",
                 env={"OMP_NUM_THREADS": "1"},
             )
-            servers[family] = (SGLangServer.launch(settings, index=index), served)
+            servers[family] = (start_server(settings, LocalProcessHost(), index=index), served)
         for server, _ in servers.values():
             server.wait_until_healthy(STARTUP_TIMEOUT_S)
         yield servers

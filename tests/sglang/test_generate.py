@@ -9,9 +9,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlcore.engines.sglang import EngineOptions, SGLangEngine
 from rlcore.errors import RolloutError
 from rlcore.samples import Prompt, SamplingParams
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.options import EngineOptions
 from tests.sglang.conftest import Weights
 from tests.sglang.reference import greedy, hf_model, score
 
@@ -55,9 +56,9 @@ def test_results_come_back_in_prompt_order(dp_engine: SGLangEngine, weights_a: W
 
 
 def test_both_data_parallel_servers_serve_requests(dp_engine: SGLangEngine) -> None:
-    def served(server_log: Path | None) -> int:
+    def served(server_log: str | None) -> int:
         assert server_log is not None
-        return server_log.read_text(errors="replace").count('"POST /generate HTTP/1.1" 200')
+        return Path(server_log).read_text(errors="replace").count('"POST /generate HTTP/1.1" 200')
 
     before = [served(s.log_path) for s in dp_engine.servers]
     dp_engine.generate(prompts(8), GREEDY)  # 4 requests of 2 prompts

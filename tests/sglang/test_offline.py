@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.engines.sglang import EngineOptions, LaunchSettings, SGLangEngine
-from rlcore.engines.sglang_server import ServerUnreachableError, SGLangServer, free_port
 from rlcore.errors import RolloutError
+from rlcore.hosts import LocalProcessHost
 from rlcore.samples import Prompt, SamplingParams
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.launcher import LaunchSettings, start_server
+from rlcore_sglang.options import EngineOptions
+from rlcore_sglang.server import ServerUnreachableError, SGLangServer, free_port
 
 
 def dead_url() -> str:
@@ -61,23 +64,36 @@ def test_launch_with_a_python_without_sglang_reports_the_log(tmp_path: Path) -> 
     assert "boom: no real server here" in message
 
 
-def test_launch_command_binds_localhost_and_caps_the_kv_pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+def test_launch_command_binds_the_host_and_caps_the_kv_pool(tmp_path: Path) -> None:
     settings = LaunchSettings(model_path=tmp_path)
-    cmd = settings.command(port=30001, base_gpu_id=0)
+    assert LocalProcessHost().address == "127.0.0.1"  # this machine: loopback only
+    cmd = settings.command("127.0.0.1", 30001)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--max-total-tokens") + 1] == "8192"
     assert cmd[cmd.index("--device") + 1] == "cpu"
+    assert "--base-gpu-id" not in cmd and "--mem-fraction-static" not in cmd
     assert "--sleep-on-idle" in cmd
     assert "--sleep-on-idle" not in LaunchSettings(
         model_path=tmp_path, sleep_on_idle=False
-    ).command(1, 0)
-    env = settings.environment()
+    ).command("127.0.0.1", 1)
+    env = settings.environment(cpus=3)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
     assert env["HF_HUB_OFFLINE"] == "1"  # a local model folder: never a model hub lookup
+    assert env["OMP_NUM_THREADS"] == "3"  # the host's share of its CPUs
+    # A GPU host: tensor parallel over its GPUs, starting at the first one.
+    gpu = LaunchSettings(model_path=tmp_path, device="cuda", mem_fraction_static=0.4)
+    cmd = gpu.command("10.0.0.2", 30002, base_gpu_id=2, tp_size=2)
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "2" and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.4"
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu.environment()
+
+
+def test_a_host_whose_gpus_are_not_consecutive_is_refused(tmp_path: Path) -> None:
+    host = LocalProcessHost(gpu_ids=(0, 2))
+    settings = LaunchSettings(model_path=tmp_path, device="cuda")
+    with pytest.raises(RolloutError, match=r"GPUs \[0, 2\] on 127.0.0.1 are not consecutive"):
+        start_server(settings, host)
 
 
 def test_options_reject_nonsense() -> None:

@@ -1,6 +1,8 @@
 """`python -m rlcore_megatron.run --rollout-engine sglang`: the same loop with a real SGLang server
-on the CPU (launched and shut down by the run), Megatron training in a Ray actor and tensor weight
-sync after every step; then an eval-only run of the saved checkpoint through SGLang."""
+on the CPU (launched by the run in its own rollout slot, through a Ray host, and shut down by it),
+Megatron training in a Ray actor and tensor weight sync from that rank after every step, in
+buckets of --update-weight-buffer-size; then an eval-only run of the saved checkpoint through
+SGLang with disk weight sync (written by the rank)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
         "5",
         "--lr",
         "1e-3",
+        "--update-weight-buffer-size",
+        "20000",
         "--save",
         str(tmp_path / "ckpt"),
         "--skip-eval-before-train",
@@ -77,7 +81,9 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0]
     # SGLang's fp32 log-probs of its own samples agree with Megatron's recomputation.
     assert all(r["train/actor/logprob_mismatch"] < 1e-3 for r in steps)
-    assert (tmp_path / "train" / "sglang").is_dir()  # the launched server's log
+    assert (tmp_path / "train" / "sglang" / "sglang-0.log").is_file()  # the launched server's
+    log = (tmp_path / "train" / "run.log").read_text()
+    assert "actor: 1 rank(s) on CPU slots 0" in log and "rollout engine 0: CPU slots 1" in log
 
     evaluate = _run(
         *data,
@@ -85,6 +91,8 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
         "0",
         "--load",
         str(tmp_path / "ckpt"),
+        "--weight-sync",
+        "disk",
         "--output-dir",
         str(tmp_path / "eval"),
     )

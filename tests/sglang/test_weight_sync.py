@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.engines.sglang import EngineOptions, SGLangEngine, WeightSyncMode
 from rlcore.samples import SamplingParams
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.options import EngineOptions, WeightSyncMode
 from tests.sglang.conftest import Weights
 from tests.sglang.reference import greedy, hf_model
 from tests.sglang.test_generate import prompts

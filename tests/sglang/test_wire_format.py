@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.engines.sglang import pickle_b64, sampling_payload
 from rlcore.samples import SamplingParams
+from rlcore_sglang.client import sampling_payload
+from rlcore_sglang.weight_sync import pickle_b64
 
 pytestmark = pytest.mark.sglang
 

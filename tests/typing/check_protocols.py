@@ -22,11 +22,27 @@ from rlcore import (
     TrainPlan,
     TrainSpec,
 )
-from rlcore.protocols import Backend, GroupFilter, RewardFn, RolloutFn
+from rlcore.protocols import (
+    Backend,
+    GroupFilter,
+    NamedTensors,
+    RewardFn,
+    RolloutEngine,
+    RolloutFn,
+    WeightSink,
+    WeightSource,
+)
 from rlcore.rewards import AsyncRewardFn
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
-from rlcore.samples import Generation, Prompt
-from rlcore.testing import FakeBackend, FakeEvalStack, FakeTrainingStack
+from rlcore.samples import Generation, Prompt, SamplingParams
+from rlcore.testing import (
+    FakeBackend,
+    FakeEvalStack,
+    FakeTrainingStack,
+    RecordingWeightSink,
+    ScriptedEngine,
+)
+from rlcore.weights import AnyProcess, InProcess, OnHost
 
 
 def eval_stack_has_no_optimizer(stack: EvalStack) -> None:
@@ -162,3 +178,54 @@ def reward_parameters_are_positional_only() -> None:
     fits_async: AsyncRewardFn = short_names_async
     too_few: RewardFn = takes_one  # type: ignore[assignment]
     del fits, fits_async, too_few
+
+
+# -- the weight seam ----------------------------------------------------------------------------
+
+
+def engines_and_stacks_meet_through_sinks(
+    engine: RolloutEngine, stack: EvalStack, source: WeightSource
+) -> None:
+    with engine.receive_weights(3) as sinks:
+        assert_type(sinks, Sequence[WeightSink])
+        stack.send_weights(sinks)
+        source.send_weights(sinks)
+        for sink in sinks:
+            assert_type(sink.placement, InProcess | AnyProcess | OnHost)
+
+
+def an_engine_takes_no_weights_from_the_caller(engine: RolloutEngine) -> None:
+    engine.update_weights([], 1)  # type: ignore[attr-defined]
+
+
+def a_stack_has_no_driver_side_export(stack: EvalStack) -> None:
+    stack.export_weights()  # type: ignore[attr-defined]
+
+
+scripted_ok: RolloutEngine = ScriptedEngine()
+sink_ok: WeightSink = RecordingWeightSink()
+
+
+class HalfAnEngine:
+    """Generates but cannot take weights."""
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        return []
+
+    @property
+    def weight_version(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+not_an_engine: RolloutEngine = HalfAnEngine()  # type: ignore[assignment]
+
+
+class SinkWithoutPlacement:
+    def receive(self, weights: NamedTensors) -> None:
+        pass
+
+
+not_a_sink: WeightSink = SinkWithoutPlacement()  # type: ignore[assignment]

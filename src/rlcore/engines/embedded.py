@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast, final
 
@@ -31,8 +32,9 @@ from rlcore.data import Tokenizer
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
+from rlcore.weights import InProcess, deliver
 
-__all__ = ["EmbeddedEngine", "sample_next_tokens"]
+__all__ = ["EmbeddedEngine", "EmbeddedWeightSink", "sample_next_tokens"]
 
 
 def sample_next_tokens(
@@ -328,16 +330,23 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------------------------------------
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
-        """Copy Hugging Face-named tensors into the model in place and record ``version``.
+    @contextmanager
+    def receive_weights(self, version: int) -> Iterator[list[EmbeddedWeightSink]]:
+        """One :class:`EmbeddedWeightSink` (in this process: the model lives here); ``version``
+        is recorded when the block completes."""
+        yield [EmbeddedWeightSink(self, version)]
+        self._version = version
 
-        Any subset of the model's weights may be given, under the names of the model's published
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        """Copy Hugging Face-named tensors into the model and record ``version`` (the same as
+        sending ``weights`` to :meth:`receive_weights`' sink)."""
+        with self.receive_weights(version) as sinks:
+            deliver(weights, sinks)
+
+    def _copy_in(self, weights: NamedTensors, version: int) -> None:
+        """Check every name and shape, then copy. Names are those of the model's published
         checkpoints (``model.layers.0.mlp.experts.3.gate_proj.weight`` for an expert that
-        transformers holds inside one fused ``experts.gate_up_proj`` tensor). Every name and shape
-        is checked before anything is written, so a bad update leaves the model as it was: an
-        unknown name or a shape mismatch raises :class:`~rlcore.errors.RolloutError` listing each
-        offender.
-        """
+        transformers holds inside one fused ``experts.gate_up_proj`` tensor)."""
         model = self.model
         targets = model.state_dict(keep_vars=True)
         updates = [(name, tensor, _target(targets, name)) for name, tensor in weights]
@@ -362,4 +371,26 @@ class EmbeddedEngine:
             for _, tensor, target in updates:
                 assert target is not None  # checked above
                 target.copy_(tensor)
+
+
+@final
+class EmbeddedWeightSink:
+    """Copies Hugging Face-named tensors into an :class:`EmbeddedEngine`'s model, in place.
+
+    Any subset of the model's weights may be given. Every name and shape is checked before
+    anything is written, so a bad update leaves the model as it was: an unknown name or a shape
+    mismatch raises :class:`~rlcore.errors.RolloutError` listing each offender. It runs in the
+    engine's process (:class:`~rlcore.weights.InProcess`): a source whose weights are elsewhere
+    brings them here, which is the one weight path that passes through the driver.
+    """
+
+    def __init__(self, engine: EmbeddedEngine, version: int) -> None:
+        self._engine = engine
         self._version = version
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        self._engine._copy_in(weights, self._version)

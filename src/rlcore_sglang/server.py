@@ -1,45 +1,44 @@
 """One SGLang server as rlcore sees it: an HTTP endpoint and, when we launched it, its process.
 
-:class:`SGLangServer` is the only place that speaks HTTP to SGLang (stdlib ``urllib``, so the client
-side needs neither ``requests`` nor ``sglang``) and the only place that starts or stops
-``python -m sglang.launch_server``. Every call has a timeout; every failure becomes a
+:class:`SGLangServer` is the only place that speaks HTTP to SGLang (stdlib ``urllib``, so neither
+``requests`` nor ``sglang`` is needed). Every call has a timeout; every failure becomes a
 :class:`~rlcore.errors.RolloutError` that names the server and, for a server we launched, quotes
-the tail of its log. :mod:`rlcore.engines.sglang` builds the data-parallel engine on top.
+the tail of its log. A launched server's process is a :class:`~rlcore.protocols.HostedProcess`:
+on this machine or on a cluster node (:mod:`rlcore_sglang.launcher` starts it). Also here: the
+helpers that call several servers at once.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
 import http.client
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import IO, Final, TypeVar, final
+from functools import partial
+from typing import Final, TypeVar, final
 
 import attrs
 
 from rlcore.errors import RolloutError
+from rlcore.hosts import free_port
+from rlcore.protocols import HostedProcess
 
 __all__ = [
-    "LaunchSettings",
+    "CallPolicy",
     "SGLangHTTPError",
     "SGLangServer",
     "ServerTimeoutError",
     "ServerUnreachableError",
     "first_error",
     "free_port",
+    "message_of",
+    "on_all",
+    "post_ok",
+    "post_with_retries",
     "run_all",
     "start_all",
     "wait_all",
@@ -48,75 +47,6 @@ __all__ = [
 LOG_TAIL_LINES: Final = 40
 _POLL_S: Final = 0.5
 _T = TypeVar("_T")
-
-
-@final
-@attrs.frozen
-class LaunchSettings:
-    """How to start ``python -m sglang.launch_server`` (one process per data-parallel server).
-
-    ``port = 0`` picks a free port per server. ``device="cpu"`` also sets
-    ``SGLANG_USE_CPU_ENGINE=1``; on the CPU keep ``max_total_tokens`` small (SGLang otherwise
-    sizes its KV pool from free RAM, about 14 GB). ``python`` is the interpreter that has SGLang
-    installed (default: this one).
-    ``log_dir`` receives ``sglang-<i>.log`` per server (default: a fresh temporary folder).
-    ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` is always set so that returned log-probs are at
-    temperature 1, as :class:`~rlcore.samples.Generation` promises.
-    ``sleep_on_idle`` (SGLang's ``--sleep-on-idle``) lets the scheduler block on its sockets
-    instead of spinning a core while no request is pending (measured on the CPU: 1.0 CPU-second
-    per second idle without it, 0.02 with it). An RL run leaves its servers idle during every
-    train step, often on the trainer's machine, where a spinning scheduler takes CPU from it.
-    """
-
-    model_path: Path
-    tokenizer_path: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_total_tokens: int | None = 8192
-    tp_size: int = 1
-    random_seed: int = 1234
-    python: str = sys.executable
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = attrs.field(factory=dict)
-    startup_timeout_s: float = 600.0
-    log_dir: Path | None = None
-    sleep_on_idle: bool = True
-
-    def command(self, port: int, base_gpu_id: int) -> list[str]:
-        """The argv that starts one server on ``port`` (GPU servers start at ``base_gpu_id``)."""
-        cmd = [
-            self.python, "-m", "sglang.launch_server",
-            "--model-path", str(self.model_path),
-            "--host", self.host,
-            "--port", str(port),
-            "--device", self.device,
-            "--dtype", self.dtype,
-            "--tp-size", str(self.tp_size),
-            "--random-seed", str(self.random_seed),
-            # The warmup request sends text through the tokenizer; rlcore only sends token ids.
-            "--skip-server-warmup",
-        ]  # fmt: skip
-        if self.tokenizer_path is not None:
-            cmd += ["--tokenizer-path", str(self.tokenizer_path)]
-        if self.max_total_tokens is not None:
-            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
-        if self.device != "cpu":
-            cmd += ["--base-gpu-id", str(base_gpu_id)]
-        if self.sleep_on_idle:
-            cmd.append("--sleep-on-idle")
-        return cmd + list(self.extra_args)
-
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-        if self.model_path.is_dir():  # a local folder: never a model hub lookup
-            env["HF_HUB_OFFLINE"] = "1"
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env.update(self.env)
-        return env
 
 
 class ServerUnreachableError(RolloutError):
@@ -138,65 +68,25 @@ class SGLangHTTPError(RolloutError):
         self.body = body
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @final
 class SGLangServer:
-    """An SGLang HTTP endpoint; owns its process and log when :meth:`launch` started it."""
+    """An SGLang HTTP endpoint; with ``process``, also the server process we launched (on this
+    machine or a cluster node, see :mod:`rlcore_sglang.launcher`), which :meth:`shutdown` stops.
+
+    ``log_path`` is where that process writes its log, on its host (for messages).
+    """
 
     def __init__(
         self,
         url: str,
         *,
-        process: subprocess.Popen[bytes] | None = None,
-        log_path: Path | None = None,
+        process: HostedProcess | None = None,
+        log_path: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.process = process
         self.log_path = log_path
-        self._log_file: IO[bytes] | None = None
         self._stopped = False
-
-    # -- launching and stopping -------------------------------------------------------------
-
-    @classmethod
-    def launch(cls, settings: LaunchSettings, index: int = 0) -> SGLangServer:
-        """Start one server process (non-blocking); call :meth:`wait_until_healthy` next."""
-        port = settings.port + index if settings.port else free_port(settings.host)
-        log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="rlcore-sglang-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"sglang-{index}.log"
-        log_file = log_path.open("wb")
-        cmd = settings.command(port, base_gpu_id=index * settings.tp_size)
-        try:
-            # A new session: SGLang forks a scheduler and a detokenizer; we stop the whole group.
-            process = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=settings.environment(),
-                start_new_session=True,
-            )
-        except OSError as exc:
-            log_file.close()
-            raise RolloutError(
-                f"could not start SGLang server {index} with {settings.python!r}: {exc}; "
-                "pass LaunchSettings(python=...) pointing at an interpreter with sglang installed"
-            ) from exc
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        server = cls(f"http://{host}:{port}", process=process, log_path=log_path)
-        server._log_file = log_file
-        # The server runs in its own session, so it would outlive a run that dies without
-        # closing its engine: stop it at interpreter exit too (a no-op once shut down).
-        atexit.register(server.shutdown, 10.0)
-        return server
 
     def wait_until_healthy(self, timeout_s: float) -> None:
         """Poll ``/health`` until it answers 200; raise with the log tail if the process dies or
@@ -219,10 +109,10 @@ class SGLangServer:
 
     def raise_if_exited(self, doing: str) -> None:
         """Raise a :class:`RolloutError` with the log tail when our server process has exited."""
-        if self.process is not None and self.process.poll() is not None:
+        code = self.process.poll() if self.process is not None else None
+        if code is not None:
             raise RolloutError(
-                f"{self.describe()} exited with code {self.process.returncode} {doing}"
-                + self.log_tail_text()
+                f"{self.describe()} exited with code {code} {doing}" + self.log_tail_text()
             )
 
     def is_alive(self) -> bool:
@@ -234,20 +124,8 @@ class SGLangServer:
         if self._stopped:
             return
         self._stopped = True
-        process = self.process
-        if process is not None and process.poll() is None:
-            _signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait(timeout=timeout_s)
-        if process is not None:
-            # Children (scheduler, detokenizer) may outlive the parent: end the group anyway.
-            _signal_group(process, signal.SIGKILL)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        if self.process is not None:
+            self.process.stop(timeout_s)
 
     # -- diagnostics -------------------------------------------------------------------------
 
@@ -258,13 +136,7 @@ class SGLangServer:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last ``lines`` lines of a launched server's log (empty when connected by URL)."""
-        if self.log_path is None or not self.log_path.exists():
-            return []
-        if self._log_file is not None:
-            self._log_file.flush()
-        with self.log_path.open("rb") as f:
-            tail = collections.deque(f, maxlen=lines)
-        return [line.decode("utf-8", "replace").rstrip("\n") for line in tail]
+        return self.process.log_tail(lines) if self.process is not None else []
 
     def log_tail_text(self) -> str:
         tail = self.log_tail()
@@ -317,13 +189,6 @@ class SGLangServer:
             raise ServerUnreachableError(
                 f"{self.describe()} could not be reached for {method} {path}: {reason!r}"
             ) from exc
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # -- calls to several servers at once -------------------------------------------------------
@@ -381,3 +246,84 @@ def run_all(calls: Sequence[Callable[[], _T]], max_workers: int) -> list[_T]:
             for future in futures:
                 future.cancel()
             raise
+
+
+# -- calls that must succeed ------------------------------------------------------------------
+
+
+@final
+@attrs.frozen
+class CallPolicy:
+    """How hard a call is tried: transport-level failures (and HTTP 503) are retried
+    ``retries`` times with exponential backoff; a call the server accepted but did not answer
+    within the timeout is not (it may still be running)."""
+
+    retries: int = 3
+    backoff_s: float = 0.5
+
+
+def post_with_retries(
+    server: SGLangServer,
+    path: str,
+    payload: Mapping[str, object],
+    timeout_s: float,
+    policy: CallPolicy = CallPolicy(),
+) -> object:
+    """POST under ``policy``; a dead launched server is reported with its log tail."""
+    attempts = policy.retries + 1
+    for attempt in range(attempts):
+        server.raise_if_exited(f"before {path}")
+        try:
+            return server.post(path, payload, timeout_s=timeout_s)
+        except ServerUnreachableError as exc:
+            server.raise_if_exited(f"during {path}")
+            if attempt + 1 == attempts:
+                raise RolloutError(
+                    f"{exc}\ngave up after {attempts} attempts; check that the server is "
+                    f"running and reachable{server.log_tail_text()}"
+                ) from exc
+            time.sleep(policy.backoff_s * 2**attempt)
+        except ServerTimeoutError as exc:
+            server.raise_if_exited(f"during {path}")
+            raise RolloutError(f"{exc}{server.log_tail_text()}") from exc
+        except SGLangHTTPError as exc:
+            if exc.status != 503 or attempt + 1 == attempts:
+                raise
+            time.sleep(policy.backoff_s * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def post_ok(
+    server: SGLangServer,
+    path: str,
+    payload: Mapping[str, object],
+    timeout_s: float,
+    policy: CallPolicy = CallPolicy(),
+) -> None:
+    """POST a control call (weight sync, sessions) and insist on ``success: true``."""
+    try:
+        answer = post_with_retries(server, path, payload, timeout_s, policy)
+    except SGLangHTTPError as exc:
+        raise RolloutError(
+            f"{server.describe()} failed {path}: {message_of(exc.body)}" + server.log_tail_text()
+        ) from exc
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise RolloutError(
+            f"{server.describe()} failed {path}: {answer.get('message')}" + server.log_tail_text()
+        )
+
+
+def message_of(body: str) -> str:
+    """The message of an SGLang error body (JSON or text)."""
+    try:
+        decoded = json.loads(body)
+    except json.JSONDecodeError:
+        return body.strip()[:2000]
+    if isinstance(decoded, dict):
+        return str(decoded.get("message") or decoded.get("error") or decoded)
+    return str(decoded)
+
+
+def on_all(servers: Sequence[SGLangServer], call: Callable[[SGLangServer], object]) -> None:
+    """``call(server)`` for every server at once; the first failure is raised."""
+    run_all([partial(call, s) for s in servers], len(servers))

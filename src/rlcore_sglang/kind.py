@@ -1,0 +1,51 @@
+"""``--rollout-engine sglang`` as the run finds it (:data:`SGLANG`, registered in
+:data:`rlcore.engines.KNOWN_ENGINES`). Light: the engine itself is imported when it is built."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from rlcore.engines import EngineKind, EngineSetup
+from rlcore.protocols import RolloutEngine
+from rlcore_sglang.options import SGLangOptions
+
+__all__ = ["SGLANG", "build"]
+
+
+def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
+    """Connect to ``options.urls``, or launch one server on each of ``setup.hosts`` (GPU hosts:
+    on CUDA, tensor parallel over the host's GPUs), in the trainer's dtype (``setup.dtype``: fp32,
+    or bf16 with ``--bf16``, on GPU and CPU hosts alike)."""
+    from rlcore_sglang.client import SGLangEngine
+    from rlcore_sglang.launcher import LaunchSettings
+    from rlcore_sglang.options import EngineOptions
+
+    sync_dir = options.weight_sync_dir or setup.log_dir / "weights"
+    engine_options = EngineOptions(
+        weight_sync=options.weight_sync,
+        bucket_bytes=options.update_weight_buffer_size,
+        sync_dir=sync_dir if options.weight_sync == "disk" else None,
+    )
+    if options.urls:
+        return SGLangEngine.connect(options.urls, engine_options)
+    hosts = setup.hosts
+    if not hosts:
+        from rlcore.hosts import LocalProcessHost
+
+        hosts = (LocalProcessHost(),)
+    on_gpu = any(host.gpu_ids for host in hosts)
+    settings = LaunchSettings(
+        model_path=setup.model_path,
+        device="cuda" if on_gpu else "cpu",
+        dtype=setup.dtype,
+        random_seed=setup.seed,
+        mem_fraction_static=options.mem_fraction_static,
+        log_dir=setup.log_dir,
+    )
+    return SGLangEngine.launch(settings, options=engine_options, hosts=hosts)
+
+
+SGLANG: Final[EngineKind[SGLangOptions]] = EngineKind(
+    "sglang", SGLangOptions, build, lambda options: not options.urls, "rlcore[sglang]"
+)
+"""SGLang servers: launched on the run's rollout hosts, or connected by ``--sglang-url``."""
