@@ -94,7 +94,7 @@ def test_an_unsupported_model_type_is_found_in_config_json(demo: Path, tmp_path:
     assert err.splitlines() == [
         "error: 1 configuration problem(s):",
         f"  - model.hf_checkpoint (--hf-checkpoint): {bert / 'config.json'}: model_type: 'bert' "
-        "is not supported (the Megatron backend builds llama models)",
+        "is not supported (the Megatron backend builds llama, qwen2, qwen3, qwen3_moe models)",
     ]
 
 
