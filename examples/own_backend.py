@@ -148,7 +148,7 @@ class TorchTrainingStack:
                 result = actor_loss(token_log_probs(out, step), step, self.train_spec.loss)
             # The loss is a numerator: divide by the global batch's normaliser (sequences, or
             # tokens for --loss-agg-mode token-mean). Here one step is one micro-batch.
-            loss = result.loss / loss_normalizer(self.train_spec.loss.agg_mode, step.response_mask)
+            loss = result.loss / loss_normalizer(self.train_spec.loss.agg_mode, step.loss_mask)
             self._optimizer.zero_grad()
             torch.autograd.backward(loss)
             clip = self.train_spec.optimizer.clip_grad

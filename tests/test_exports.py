@@ -12,6 +12,14 @@ import rlcore
 import rlcore.testing
 
 EXPECTED = {
+    "Environment",
+    "EnvironmentFactory",
+    "StepResult",
+    "EpisodeEngine",
+    "GenerateContext",
+    "Turn",
+    "Tool",
+    "ToolEnvironment",
     "save_rollout_data",
     "load_rollout_data",
     "default_rollout",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rlcore.backends import load_backend
 from rlcore.config import RunConfig
+from rlcore.environments import Environment, EnvironmentFactory, StepResult
 from rlcore.errors import (
     BackendError,
     BackendUnavailableError,
@@ -24,6 +25,7 @@ from rlcore.errors import (
 )
 from rlcore.flags import load_config
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
+from rlcore.multiturn import EpisodeEngine, GenerateContext
 from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
@@ -59,6 +61,7 @@ from rlcore.samples import (
     SamplingParams,
     TrainBatch,
     TrainMetrics,
+    Turn,
 )
 from rlcore.specs import (
     AdvantageSpec,
@@ -71,6 +74,7 @@ from rlcore.specs import (
     ParallelSpec,
     TrainSpec,
 )
+from rlcore.tools import Tool, ToolEnvironment
 
 __version__ = "0.1.0"
 
@@ -84,10 +88,14 @@ __all__ = [
     "ConfigProblem",
     "DataError",
     "DynamicSampling",
+    "Environment",
+    "EnvironmentFactory",
+    "EpisodeEngine",
     "EvalPlan",
     "EvalSet",
     "EvalSpec",
     "EvalStack",
+    "GenerateContext",
     "Generation",
     "Group",
     "GroupFilter",
@@ -121,11 +129,15 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "Scheduler",
+    "StepResult",
+    "Tool",
+    "ToolEnvironment",
     "TrainBatch",
     "TrainMetrics",
     "TrainPlan",
     "TrainSpec",
     "TrainingStack",
+    "Turn",
     "WeightSink",
     "WeightSource",
     "check_reward_nonzero_std",

@@ -47,6 +47,7 @@ __all__ = [
     "EvalConfig",
     "EvalDataConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "OptimizerConfig",
     "RewardName",
     "RolloutConfig",
@@ -63,6 +64,8 @@ __all__ = [
 RewardName = Literal["exact_match", "math"]
 """The built-in rule rewards (:data:`rlcore.rewards.BUILTIN_REWARDS`)."""
 SurplusPolicy = Literal["drop", "keep"]
+EnvRewardMode = Literal["ignore", "replace", "add"]
+"""How an environment's reward meets the reward function's (``--env-reward``)."""
 
 _T = TypeVar("_T")
 
@@ -413,6 +416,36 @@ class CheckpointConfig:
 
 
 @attrs.frozen
+class MultiTurnConfig:
+    """Multi-turn episodes and tools (:mod:`rlcore.multiturn`): on when an environment or a
+    custom generate function is given."""
+
+    environment_path: str | None = _opt(
+        None,
+        "--environment-path",
+        "module:function building each episode's environment from (prompt, tokenizer), e.g. an "
+        "rlcore.tools.ToolEnvironment; makes every sample a multi-turn episode",
+    )
+    custom_generate_function_path: str | None = _opt(
+        None,
+        "--custom-generate-function-path",
+        "async module:function (ctx, prompt) -> Generation generating one sample (slime's flag; "
+        "default with --environment-path: rlcore.multiturn:run_episode)",
+    )
+    max_turns: int = _opt(4, "--max-turns", "model turns per episode at most")
+    env_reward: EnvRewardMode = _opt(
+        "ignore",
+        "--env-reward",
+        "the environment's reward: ignore it, replace the reward function's, or add to it",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether samples are multi-turn episodes."""
+        return self.environment_path is not None or self.custom_generate_function_path is not None
+
+
+@attrs.frozen
 class DebugConfig:
     """Saving and replaying rollouts, and running one half of the loop (slime's debug flags)."""
 
@@ -459,6 +492,7 @@ class RunConfig:
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     debug: DebugConfig = DebugConfig()
+    multiturn: MultiTurnConfig = MultiTurnConfig()
     seed: int = _opt(1234, "--seed", "random seed")
     output_dir: Path = _opt(Path("runs/latest"), "--output-dir", "run folder for metrics and logs")
     use_tensorboard: bool = _opt(False, "--use-tensorboard", "also write TensorBoard events")
@@ -558,6 +592,17 @@ def check(config: RunConfig) -> list[ConfigProblem]:
         problems.append(_problem(section, prefix, name, message, hint))
 
     problems += _check_engine_and_cluster(config)
+    mt = config.multiturn
+    if mt.max_turns < 1:
+        add(MultiTurnConfig, "multiturn", "max_turns", f"must be >= 1, got {mt.max_turns}")
+    if mt.env_reward != "ignore" and not mt.enabled:
+        add(
+            MultiTurnConfig,
+            "multiturn",
+            "env_reward",
+            f"is {mt.env_reward!r} but no episode has an environment",
+            "give --environment-path or --custom-generate-function-path, or drop --env-reward",
+        )
 
     # Counts.
     for name in ("num_rollout", "num_epoch"):

@@ -42,6 +42,7 @@ _SECTIONS: dict[str, str] = {
     "eval": "evaluation",
     "checkpoint": "checkpoints",
     "debug": "debug (saving and replaying rollouts)",
+    "multiturn": "multi-turn and tools",
 }
 
 

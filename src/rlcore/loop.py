@@ -335,8 +335,10 @@ def supervised_step(
 
 def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str, float]:
     """Reward, response length, truncation, and how many weight versions the samples' generations
-    lag behind ``policy_version`` (0 on-policy; 1 for groups carried from the previous rollout)."""
-    return {
+    lag behind ``policy_version`` (0 on-policy; 1 for groups carried from the previous rollout).
+    With multi-turn episodes also model turns per episode (``rollout/turns``) and the share of
+    response tokens the model generated (``rollout/model_token_frac``)."""
+    metrics = {
         "rollout/reward": _mean([s.reward for s in samples]),
         "rollout/response_len": _mean([float(len(s.response.token_ids)) for s in samples]),
         "rollout/truncated": _mean([float(s.response.finish_reason == "length") for s in samples]),
@@ -344,6 +346,16 @@ def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str,
             [float(policy_version - s.response.weight_version) for s in samples]
         ),
     }
+    if any(s.response.turns for s in samples):
+        turns = [
+            sum(t.role == "model" for t in s.response.turns) if s.response.turns else 1
+            for s in samples
+        ]
+        metrics["rollout/turns"] = _mean([float(n) for n in turns])
+        total = sum(len(s.response.token_ids) for s in samples)
+        model = sum(s.response.model_tokens for s in samples)
+        metrics["rollout/model_token_frac"] = model / total if total else 0.0
+    return metrics
 
 
 def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:

@@ -21,11 +21,13 @@ __all__ = [
     "SamplingParams",
     "TrainBatch",
     "TrainMetrics",
+    "Turn",
 ]
 
 TokenIds = tuple[int, ...]
 TokenFloats = tuple[float, ...]
 FinishReason = Literal["stop", "length", "abort"]
+TurnRole = Literal["model", "environment"]
 
 
 @attrs.frozen
@@ -63,6 +65,17 @@ class SamplingParams:
 
 
 @attrs.frozen
+class Turn:
+    """One turn of a multi-turn episode: the model's (``role="model"``, sampled by the engine) or
+    an environment's observation (``role="environment"``: a tool's result, already formatted as
+    the chat template renders it). ``text`` is ``token_ids`` decoded."""
+
+    role: TurnRole
+    token_ids: TokenIds
+    text: str
+
+
+@attrs.frozen
 class Generation:
     """What the engine produced for one prompt.
 
@@ -76,12 +89,44 @@ class Generation:
     text: str
     finish_reason: FinishReason = "length"
     weight_version: int = 0
+    loss_mask: tuple[int, ...] = ()
+    """Per response token: 1 where the model generated it, 0 where an environment or tool inserted
+    it (a multi-turn episode's observations). Empty means every token is the model's. Training
+    reduces every per-token quantity over the 1s only; ``log_probs`` are 0.0 where it is 0 (the
+    engine did not sample those tokens)."""
+    turns: tuple[Turn, ...] = ()
+    """A multi-turn episode's turns in order (their ``token_ids`` concatenate to ``token_ids``),
+    so that a reward function can see the tool calls and results; empty for a single turn."""
+    env_reward: float | None = None
+    """The environment's own reward for the episode (the sum of what its steps returned), or
+    ``None`` when it gave none; ``--env-reward`` says whether it replaces or adds to the reward
+    function's."""
 
     def __attrs_post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(
                 f"Generation has {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs"
             )
+        if self.loss_mask:
+            if len(self.loss_mask) != len(self.token_ids):
+                raise ValueError(
+                    f"Generation has {len(self.token_ids)} tokens but a loss mask of "
+                    f"{len(self.loss_mask)} entries"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("Generation.loss_mask entries must be 0 or 1")
+        if self.turns and sum(len(t.token_ids) for t in self.turns) != len(self.token_ids):
+            raise ValueError("Generation.turns' token ids do not add up to its token_ids")
+
+    @property
+    def model_mask(self) -> tuple[int, ...]:
+        """``loss_mask``, or all 1s when it is empty: one entry per response token."""
+        return self.loss_mask if self.loss_mask else (1,) * len(self.token_ids)
+
+    @property
+    def model_tokens(self) -> int:
+        """How many response tokens the model generated (the loss counts these)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.token_ids)
 
 
 @attrs.frozen

@@ -39,6 +39,12 @@ from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
 from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
 from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
+from rlcore.multiturn import (
+    EpisodeEngine,
+    load_custom_generate_function,
+    load_environment_factory,
+    with_env_reward,
+)
 from rlcore.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
 from rlcore.preflight import check_model_folder, prepare_output_folders, remove_folders
 from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
@@ -229,6 +235,30 @@ def make_engine(
     return kind.build(setup, config.rollout.engine_options)
 
 
+def episodes(
+    config: RunConfig, engine: RolloutEngine | None, tokenizer: HFTokenizer
+) -> RolloutEngine | None:
+    """``engine`` wrapped so that every sample is a multi-turn episode (an
+    :class:`~rlcore.multiturn.EpisodeEngine`) when the config gives an environment or a custom
+    generate function; else ``engine`` itself."""
+    mt = config.multiturn
+    if engine is None or not mt.enabled:
+        return engine
+    return EpisodeEngine(
+        engine,
+        tokenizer,
+        max_turns=mt.max_turns,
+        make_environment=(
+            load_environment_factory(mt.environment_path) if mt.environment_path else None
+        ),
+        generate_fn=(
+            load_custom_generate_function(mt.custom_generate_function_path)
+            if mt.custom_generate_function_path
+            else None
+        ),
+    )
+
+
 def check_user_functions(config: RunConfig) -> None:
     """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
     Ray, the engine or any model starts (a :class:`ConfigError` naming the flag)."""
@@ -237,6 +267,10 @@ def check_user_functions(config: RunConfig) -> None:
         load_rollout_function(r.rollout_function_path)
     if r.dynamic_sampling_filter_path is not None:
         load_group_filter(r.dynamic_sampling_filter_path)
+    if config.multiturn.environment_path is not None:
+        load_environment_factory(config.multiturn.environment_path)
+    if config.multiturn.custom_generate_function_path is not None:
+        load_custom_generate_function(config.multiturn.custom_generate_function_path)
     if a.use_tis and a.custom_tis_function_path is not None:
         from rlcore.algorithms.correction import load_is_weight_fn
 
@@ -362,7 +396,10 @@ def execute(config: RunConfig) -> RunResult:
         if not config.is_eval_only:
             config = resolve_num_rollout(config, len(data.train_prompts))
         the_plan = plan(config)
-        reward_fn = get_reward_fn(config.data.rm_type, config.data.custom_rm_path)
+        reward_fn = with_env_reward(
+            get_reward_fn(config.data.rm_type, config.data.custom_rm_path),
+            config.multiturn.env_reward,
+        )
         check_user_functions(config)
         check_inputs(the_plan, data)
         if isinstance(the_plan, TrainPlan):
@@ -404,6 +441,7 @@ def execute(config: RunConfig) -> RunResult:
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
         replays = config.debug.replays
         engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
+        engine = episodes(config, engine, tokenizer)
         result = run(the_plan, backend, engine, reward_fn, data, sink)
     except RunInterrupted as exc:
         interrupted = exc

@@ -329,11 +329,11 @@ class MegatronTrainingStack:
         from rlcore.algorithms.losses import loss_normalizer
 
         # The whole global batch is here on every rank: its normaliser needs no collective.
-        normalizer = loss_normalizer(self.train_spec.loss.agg_mode, global_batch.response_mask)
+        normalizer = loss_normalizer(self.train_spec.loss.agg_mode, global_batch.loss_mask)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        global_tokens = max(int(global_batch.response_mask.sum()), 1)
+        global_tokens = max(int(global_batch.loss_mask.sum()), 1)
         # Loss parts weighted by their micro-batch's share of the normaliser, token means by its
         # tokens: summed over DP below, they give the global batch's values exactly.
         sums: dict[str, float] = {}

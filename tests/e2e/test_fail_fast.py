@@ -11,15 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.checkpoints import CheckpointMeta, write_checkpoint
-from rlcore_megatron.demo import prepare_demo
 from tests.e2e.cli import WatchedCLI, model_hub
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:

@@ -16,20 +16,12 @@ import pytest
 
 from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import prepare_demo
 from tests.e2e.cli import WatchedCLI, model_hub
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 
 SURVIVAL_S = 30.0
 """How long the processes of a stopped run may take to go."""
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, save: Path) -> list[str]:

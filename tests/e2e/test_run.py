@@ -19,17 +19,9 @@ from rlcore.checkpoints import find_checkpoint, read_meta
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.flags import load_config
 from rlcore.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import prepare_demo
 from rlcore_megatron.run import _tokenizer, execute, main, make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo")
-    prepare_demo(folder)
-    return folder
 
 
 def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
@@ -408,6 +400,7 @@ def test_help_is_grouped() -> None:
         "checkpoints [checkpoint]:",
         "evaluation [eval]:",
         "debug (saving and replaying rollouts) [debug]:",
+        "multi-turn and tools [multiturn]:",
     ):
         assert title in titles
     for flag in (
@@ -421,6 +414,10 @@ def test_help_is_grouped() -> None:
         "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
         "--save-debug-rollout-data",
         "--debug-rollout-only",
+        "--environment-path",
+        "--custom-generate-function-path",
+        "--max-turns",
+        "--env-reward {ignore,replace,add}",
         "--bf16",
         "--use-distributed-optimizer",
     ):

@@ -14,8 +14,16 @@ Tensor functions, each citing what it implements:
 
 and :func:`estimate_advantages`, the entry point the RL loop calls with ragged Python rows.
 
-Shapes: ``B`` sequences, ``T`` the longest response; ``mask: BoolTensor[B, T]`` is True on real
-response tokens and must be right-padded (each row a prefix of Trues).
+Shapes: ``B`` sequences, ``T`` the longest response; ``mask: BoolTensor[B, T]`` is True on the
+model's own response tokens: False on padding and, in a multi-turn episode, on the tokens an
+environment or tool inserted. Those are not actions: the recursions (:func:`gae`, the discounted
+returns of REINFORCE++) skip them, so ``gamma`` and ``lambd`` discount once per *model* token and
+an observation neither discounts nor adds a TD error (verl's ``compute_gae_advantage_return``
+does the same since its multi-turn support: "skip values and TD-error on observation tokens",
+as does RAGEN's masked GAE; slime's ``get_advantages_and_returns_batch`` runs over every response
+token, reward on the last, and masks only the losses; OpenRLHF zeroes rewards and values there
+but still steps ``gamma`` over them). The outcome reward
+sits on the last model token; whitening and means count model tokens only.
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ def reinforce_plus_plus_advantages(
     whitened over all valid tokens of the batch (mean 0, variance 1 with the biased variance, as
     OpenRLHF's ``masked_normalize``). Hu 2025, arXiv:2501.03262.
     """
-    returns = _discounted_returns(token_rewards * mask, gamma)
+    returns = _discounted_returns(token_rewards * mask, gamma, mask)
     return _masked_whiten(returns, mask)
 
 
@@ -100,24 +108,28 @@ def gae(
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
 
     ``token_rewards``, ``values``: ``Tensor[B, T]``; ``values[:, t]`` is ``V(s_t)``, the critic's
-    estimate before response token ``t`` is emitted. With
-    ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``, ``A_t = sum_k (gamma lambd)^k delta_{t+k}`` and
-    ``returns_t = A_t + V(s_t)``; the value after a sequence's last valid token is 0 (the episode
-    ends). Returns ``(advantages, returns)``, both
-    ``Tensor[B, T]`` and 0 on padding. Not whitened.
+    estimate before response token ``t`` is emitted. Over the tokens where ``mask`` is True (the
+    actions), with ``t'`` the next such token after ``t``:
+    ``delta_t = r_t + gamma V(s_t') - V(s_t)``, ``A_t = delta_t + gamma lambd A_t'`` and
+    ``returns_t = A_t + V(s_t)``; the value after a sequence's last action is 0 (the episode
+    ends). Tokens where ``mask`` is False (padding, environment observations) are skipped: they
+    are not time steps, their rewards and values are ignored (module docstring). Returns
+    ``(advantages, returns)``, both ``Tensor[B, T]`` and 0 where ``mask`` is False. Not whitened.
     """
-    rewards = token_rewards * mask
-    vals = values * mask  # right padding: V after the last valid token reads as 0
+    valid = mask.to(torch.bool)
+    rewards = torch.where(valid, token_rewards, torch.zeros_like(token_rewards))
+    vals = torch.where(valid, values, torch.zeros_like(values))
     advantages = torch.zeros_like(rewards)
-    last = rewards.new_zeros(rewards.shape[0])
-    t_len = int(rewards.shape[1])
-    for t in reversed(range(t_len)):
-        next_value = vals[:, t + 1] if t + 1 < t_len else torch.zeros_like(last)
+    last = rewards.new_zeros(rewards.shape[0])  # A at the next action
+    next_value = rewards.new_zeros(rewards.shape[0])  # V at the next action
+    for t in reversed(range(int(rewards.shape[1]))):
         delta = rewards[:, t] + gamma * next_value - vals[:, t]
-        last = delta + gamma * lambd * last
-        advantages[:, t] = last
-    advantages = advantages * mask
-    return advantages, (advantages + vals) * mask
+        here = delta + gamma * lambd * last
+        step = valid[:, t]
+        advantages[:, t] = torch.where(step, here, torch.zeros_like(here))
+        last = torch.where(step, here, last)
+        next_value = torch.where(step, vals[:, t], next_value)
+    return advantages, torch.where(valid, advantages + vals, torch.zeros_like(vals))
 
 
 @final
@@ -127,8 +139,9 @@ class Advantages:
 
     ``returns`` are the critic's targets; for estimators without a critic (``grpo``, ``gspo``,
     ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) they equal ``advantages``.
-    ``kl`` is the mean per-token KL estimate against the reference (before ``kl_coef``) over all
-    response tokens, 0.0 when ``kl_coef == 0``.
+    ``kl`` is the mean per-token KL estimate against the reference (before ``kl_coef``) over the
+    model's response tokens (a multi-turn episode's environment tokens excluded), 0.0 when
+    ``kl_coef == 0``.
     """
 
     advantages: tuple[tuple[float, ...], ...]
@@ -180,11 +193,19 @@ def estimate_advantages(
     width = max(lengths, default=0)
     dtype = torch.float64  # on the CPU and small: float64 costs nothing and rounds less
     length = torch.tensor(lengths, dtype=torch.long)
-    mask = torch.arange(width) < length.unsqueeze(1)
+    response = torch.arange(width) < length.unsqueeze(1)
+    mask = response.clone()
+    if any(s.response.loss_mask for s in samples):  # a multi-turn episode: model tokens only
+        mask[response] = torch.tensor(
+            [bool(m) for s in samples for m in s.response.model_mask], dtype=torch.bool
+        )
     rewards = torch.tensor([s.reward for s in samples], dtype=dtype)
     token_rewards = torch.zeros(len(samples), width, dtype=dtype)
-    nonempty = (length > 0).nonzero().squeeze(1)
-    token_rewards[nonempty, length[nonempty] - 1] = rewards[nonempty]  # on the last token
+    # The outcome reward sits on the last model token (the last action of an episode).
+    if width:
+        last_action = width - 1 - mask.flip(1).to(torch.long).argmax(dim=1)
+        acting = mask.any(dim=1).nonzero().squeeze(1)
+        token_rewards[acting, last_action[acting]] = rewards[acting]
 
     kl_mean = 0.0
     scores = rewards
@@ -192,8 +213,8 @@ def estimate_advantages(
         for name, rows in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
             if not rows:
                 raise ValueError(f"kl_coef = {spec.kl_coef} > 0 needs {name}: pass {name}=...")
-        logp = _pad(log_probs, mask, dtype)
-        kl = kl_estimate(logp, _pad(ref_log_probs, mask, dtype), spec.kl_type) * mask
+        logp = _pad(log_probs, response, dtype)
+        kl = kl_estimate(logp, _pad(ref_log_probs, response, dtype), spec.kl_type) * mask
         token_rewards = token_rewards - spec.kl_coef * kl
         scores = rewards - spec.kl_coef * kl.sum(dim=1)
         n_tokens = int(mask.sum())
@@ -210,7 +231,7 @@ def estimate_advantages(
         adv = reinforce_plus_plus_advantages(token_rewards, mask, spec.gamma)
         ret = adv
     elif spec.estimator == "ppo":
-        adv, ret = gae(token_rewards, _pad(values, mask, dtype), mask, spec.gamma, spec.lambd)
+        adv, ret = gae(token_rewards, _pad(values, response, dtype), mask, spec.gamma, spec.lambd)
     else:
         raise ValueError(f"unknown advantage estimator {spec.estimator!r}")
     if spec.whiten:
@@ -218,13 +239,17 @@ def estimate_advantages(
     return Advantages(advantages=_rows(adv, lengths), returns=_rows(ret, lengths), kl=kl_mean)
 
 
-def _discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + gamma G_{t+1}`` along dim 1 of ``rewards: Tensor[B, T]`` (0 beyond ``T``)."""
+def _discounted_returns(rewards: torch.Tensor, gamma: float, mask: torch.Tensor) -> torch.Tensor:
+    """``G_t = r_t + gamma G_t'`` along dim 1 of ``rewards: Tensor[B, T]``, ``t'`` the next
+    position after ``t`` where ``mask`` is True (0 beyond the last); positions where ``mask`` is
+    False are skipped (module docstring) and read 0."""
+    valid = mask.to(torch.bool)
     returns = torch.zeros_like(rewards)
     running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(int(rewards.shape[1]))):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
+        here = rewards[:, t] + gamma * running
+        running = torch.where(valid[:, t], here, running)
+        returns[:, t] = torch.where(valid[:, t], here, torch.zeros_like(here))
     return returns
 
 

@@ -9,6 +9,9 @@ response ``T``. Shapes used throughout (``B`` sequences)::
     attention_mask  BoolTensor[B, S]    True on prompt and response tokens
     response_index  LongTensor[B, T]    position of the logits that predict each response token
     response_mask   BoolTensor[B, T]    True on real response tokens
+    loss_mask       BoolTensor[B, T]    True on response tokens the model generated (a property:
+                                        response_mask without a multi-turn episode's
+                                        environment tokens); every loss reduces over it
     advantages ...  Tensor[B, T]        float, 0 on padding
 
 A causal LM's logits at position ``p`` predict the token at ``p + 1``, so response token ``j`` of a
@@ -64,6 +67,17 @@ class TensorBatch:
     rollout_log_probs: torch.Tensor | None = None
     """The rollout engine's log-probs of the response tokens, for the mismatch metric and the
     importance-sampling correction."""
+    model_token_mask: torch.Tensor | None = None
+    """``BoolTensor[B, T]``: True on response tokens the model generated, False on environment
+    tokens and padding; ``None`` when every response token is the model's (read
+    :attr:`loss_mask`, which falls back to ``response_mask``)."""
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``BoolTensor[B, T]``, True on the tokens every loss, advantage and metric reduces over:
+        the model's own response tokens (environment observations inside a multi-turn episode are
+        context, not actions)."""
+        return self.response_mask if self.model_token_mask is None else self.model_token_mask
 
     def __attrs_post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -80,6 +94,7 @@ class TensorBatch:
             "ref_log_probs": self.ref_log_probs,
             "old_values": self.old_values,
             "rollout_log_probs": self.rollout_log_probs,
+            "model_token_mask": self.model_token_mask,
         }
         want = tuple(self.response_index.shape)
         if len(want) != 2 or want[0] != b:
@@ -115,6 +130,7 @@ class TensorBatch:
             ref_log_probs=pick(self.ref_log_probs),
             old_values=pick(self.old_values),
             rollout_log_probs=pick(self.rollout_log_probs),
+            model_token_mask=pick(self.model_token_mask),
         )
 
 
@@ -147,8 +163,9 @@ def tensorize(batch: TrainBatch, pad_id: int, device: torch.device | str = "cpu"
 def tensorize_samples(
     samples: Sequence[Sample], pad_id: int, device: torch.device | str = "cpu"
 ) -> TensorBatch:
-    """``samples`` as a :class:`TensorBatch` with zero advantages and no optional fields, for
-    forward-only passes (reference log-probs, critic values)."""
+    """``samples`` as a :class:`TensorBatch` with zero advantages and no optional fields but the
+    model-token mask (set when some sample's generation has a loss mask), for forward-only passes
+    (reference log-probs, critic values)."""
     prompts = [s.prompt.token_ids for s in samples]
     responses = [s.response.token_ids for s in samples]
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
@@ -172,12 +189,19 @@ def tensorize_samples(
     positions = torch.arange(width)
     response_index = (prompt_len.unsqueeze(1) + positions - 1).clamp(0, max(seq_len - 1, 0))
     response_mask = positions < resp_len.unsqueeze(1)
+    model_token_mask = None
+    if any(s.response.loss_mask for s in samples):
+        model_token_mask = torch.zeros_like(response_mask)
+        model_token_mask[response_mask] = torch.tensor(
+            [bool(m) for s in samples for m in s.response.model_mask], dtype=torch.bool
+        )
     return TensorBatch(
         tokens=tokens.to(device),
         attention_mask=attention_mask.to(device),
         response_index=response_index.to(device),
         response_mask=response_mask.to(device),
         advantages=torch.zeros(len(samples), width, dtype=torch.float32, device=device),
+        model_token_mask=None if model_token_mask is None else model_token_mask.to(device),
     )
 
 

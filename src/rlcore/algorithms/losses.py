@@ -19,7 +19,9 @@ divides each sequence's token sum by a constant ``C`` instead of its length, rem
 bias (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, section 3.1; ``C`` is the generation budget).
 
 Shapes: ``B`` sequences, ``T`` the longest response; every per-token tensor is ``Tensor[B, T]`` and
-``mask`` is ``BoolTensor[B, T]``, True on real response tokens.
+``mask`` is ``BoolTensor[B, T]``, True on the tokens the loss counts: ``batch.loss_mask``, the
+model's own response tokens (a multi-turn episode's environment tokens and padding are False, so
+every term, normaliser and metric below ignores them).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def aggregate(
 def loss_normalizer(mode: LossAggMode, mask: torch.Tensor) -> float:
     """What to divide the summed numerators of a *global* batch by: its number of valid tokens
     for ``token-mean``, its number of sequences otherwise (at least 1). ``mask:
-    BoolTensor[B, T]`` is the global batch's response mask."""
+    BoolTensor[B, T]`` is the global batch's loss mask (``TensorBatch.loss_mask``)."""
     count = int(mask.sum()) if mode == "token-mean" else int(mask.shape[0])
     return float(max(count, 1))
 
@@ -217,7 +219,7 @@ def actor_loss(
     ``spec.use_rollout_logprobs``, whose ``old`` *are* the engine's) and the maximum
     ``logprob_mismatch_max``; plus ``loss``. Raises ``ValueError`` when a term's input is missing.
     """
-    mask = batch.response_mask
+    mask = batch.loss_mask
     mode, constant = spec.agg_mode, spec.agg_constant
     norm = _local_normalizer(mode, mask)
     per = max(norm, 1.0)
@@ -288,7 +290,7 @@ def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> Los
     """
     if batch.returns is None:
         raise ValueError("critic_loss needs batch.returns: estimate advantages with a critic (ppo)")
-    mask = batch.response_mask
+    mask = batch.loss_mask
     norm = _local_normalizer(spec.agg_mode, mask)
     loss = value_loss(
         values,
