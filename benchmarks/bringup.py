@@ -9,7 +9,13 @@ subprocess so that its peak RSS is its own:
 Printed side by side with their ratio. Target: eval peak RSS <= 0.6 x training peak RSS (an eval
 stack holds no gradient buffers, no optimizer state, no scheduler).
 
-    python -m benchmarks.bringup [--layers 12] [--hidden 768] [--batch 4] [--seq 128]
+``--bf16`` builds both in bf16 (``ModelSpec.precision``): the eval stack holds 2 bytes per
+parameter, the training stack 18 (bf16 weights, fp32 gradient buffer, fp32 main weights, two fp32
+Adam moments). Target: <= 0.25 x, for what the stacks hold: the peaks above the RSS after imports
+(the same Python, torch and Megatron in both, 0.4 GiB here, which at 100M bf16 parameters is
+larger than the whole eval stack). The ratio of the whole peaks is printed beside it.
+
+    python -m benchmarks.bringup [--layers 12] [--hidden 768] [--batch 4] [--seq 128] [--bf16]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 from benchmarks.results import Ratio, write_ratios
 
-TARGET_RSS_RATIO = 0.6
+TARGET_RSS_RATIO = {"float32": 0.6, "bfloat16": 0.25}
 
 
 def hf_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +81,7 @@ def child(side: str, args: argparse.Namespace) -> dict[str, float]:
     ]
     baseline = _peak_rss_mib()
     backend = MegatronBackend(hf_config=hf_config(args))
-    model = ModelSpec("actor", None)
+    model = ModelSpec("actor", None, precision="bfloat16" if args.bf16 else "float32")
     start = time.perf_counter()
     if side == "eval":
         stack = backend.build_eval_stack(EvalSpec(model))
@@ -122,6 +128,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--bf16", action="store_true", help="both stacks in bf16")
     parser.add_argument(
         "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
     )
@@ -139,8 +146,9 @@ def main() -> None:
         results[side] = json.loads(out.stdout.strip().splitlines()[-1])
 
     ev, tr = results["eval"], results["train"]
+    precision = "bfloat16" if args.bf16 else "float32"
     print(
-        f"bring-up, Megatron on the CPU: {ev['params_m']:.1f}M-parameter Llama, "
+        f"bring-up, Megatron on the CPU: {ev['params_m']:.1f}M-parameter Llama in {precision}, "
         f"batch {args.batch} x {args.seq} tokens, "
         f"{int(ev['threads'])} threads"
     )
@@ -152,14 +160,30 @@ def main() -> None:
         ("RSS after imports (MiB)", "baseline_rss_mib"),
         ("peak RSS (MiB)", "peak_rss_mib"),
     ]
+    for side in (ev, tr):
+        side["held_mib"] = side["peak_rss_mib"] - side["baseline_rss_mib"]
+    rows.append(("peak above imports (MiB)", "held_mib"))
     for label, key in rows:
         print(f"{label:26}{ev[key]:14.1f}{tr[key]:16.1f}{ev[key] / tr[key]:12.2f}")
-    ratio = ev["peak_rss_mib"] / tr["peak_rss_mib"]
-    verdict = "meets" if ratio <= TARGET_RSS_RATIO else "MISSES"
-    print(f"peak RSS ratio {ratio:.2f} {verdict} the target <= {TARGET_RSS_RATIO}")
-    write_ratios(
-        args.json, [Ratio("bringup", "peak RSS, eval vs training stack", ratio, TARGET_RSS_RATIO)]
+    bytes_per_param = [side["held_mib"] * 2**20 / (side["params_m"] * 1e6) for side in (ev, tr)]
+    print(
+        f"held per parameter: eval {bytes_per_param[0]:.1f} bytes, train {bytes_per_param[1]:.1f}"
     )
+    ratio = ev["peak_rss_mib"] / tr["peak_rss_mib"]
+    held_ratio = ev["held_mib"] / tr["held_mib"]
+    target = TARGET_RSS_RATIO[precision]
+    if args.bf16:
+        measured, measure = held_ratio, "peak RSS above imports, eval vs train, bf16"
+        verdict = "meets" if held_ratio <= target else "MISSES"
+        print(
+            f"peak RSS above imports ratio {held_ratio:.2f} {verdict} the target <= {target} "
+            f"(whole peak RSS ratio {ratio:.2f})"
+        )
+    else:
+        measured, measure = ratio, "peak RSS, eval vs training stack"
+        verdict = "meets" if ratio <= target else "MISSES"
+        print(f"peak RSS ratio {ratio:.2f} {verdict} the target <= {target}")
+    write_ratios(args.json, [Ratio("bringup", measure, measured, target)])
 
 
 if __name__ == "__main__":

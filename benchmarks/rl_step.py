@@ -12,14 +12,22 @@ as the reference build). Both are measured in this one process, alternating, eac
   embedded rollout engine in this process and the weight sync after every step — what
   ``python -m rlcore_megatron.run`` does.
 
+``--bf16`` measures both in bf16 as well, each round running all four (rlcore bf16, floor bf16,
+rlcore fp32, floor fp32). In bf16 rlcore is ``--bf16``: Megatron's mixed precision (bf16 weights
+and activations, fp32 main weights, gradients and Adam state) and a bf16 engine. The bf16 floor is
+the same in plain PyTorch: one bf16 model generates and trains, its gradients are copied to fp32
+main weights, clipped and stepped there with fused AdamW, and copied back; logits are taken in
+fp32 for sampling and log-probs, as rlcore's are.
+
 Usage::
 
-    python -m benchmarks.rl_step [--steps 20] [--rounds 3] [--assets DIR]
+    python -m benchmarks.rl_step [--steps 20] [--rounds 3] [--assets DIR] [--bf16]
 
 ``--assets`` uses an existing build instead of building one in a temporary folder.
 
 It prints the median seconds per step of each (median of the per-round medians), min and max,
-the ratio, and where rlcore's time goes (generation, advantages, train, weight sync).
+the ratio, and where rlcore's time goes (generation, advantages, train, weight sync); with
+``--bf16`` the same for bf16, and each one's bf16/fp32 ratio of seconds per step.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -48,8 +57,9 @@ PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 # The floor
 
 
-def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
-    """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5)."""
+def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> list[float]:
+    """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5); with ``bf16``,
+    in mixed precision (bf16 model, fp32 main weights, gradients and AdamW)."""
     from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
     from benchmarks.bench_tiny import prefix_credit  # the workload's reward, on text
@@ -57,8 +67,12 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
     tok = AutoTokenizer.from_pretrained(str(assets / "tokenizer"))
     model = LlamaForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
     rows = [json.loads(line) for line in (assets / "prompts.jsonl").read_text().splitlines()]
+    params: list[torch.Tensor] = list(model.parameters())
+    main = [p.detach().clone() for p in params] if bf16 else params  # what AdamW steps
+    if bf16:
+        model.bfloat16()
     opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
+        main, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
     )
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
@@ -76,7 +90,7 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
             x, done, out = prompt_ids, torch.zeros(n, dtype=torch.bool), []
             for _ in range(NEW_TOKENS):
                 out_step = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-                logits = out_step.logits[:, -1]
+                logits = out_step.logits[:, -1].float()
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
                 nxt = torch.where(done, torch.zeros_like(nxt), nxt)
                 out.append(nxt)
@@ -101,13 +115,19 @@ def floor_steps(assets: Path, steps: int, offset: int) -> list[float]:
         full = torch.cat([prompt_ids, completion], 1)
         attn = torch.cat([torch.ones_like(prompt_ids), mask.long()], 1)
         logits = model(input_ids=full, attention_mask=attn).logits[:, prompt_ids.shape[1] - 1 : -1]
-        logp = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, completion[..., None])[..., 0]
         per_tok = -torch.exp(logp - logp.detach()) * adv[:, None]
         loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
         opt.zero_grad()
         torch.autograd.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if bf16:
+            for m, p in zip(main, params, strict=True):
+                m.grad, p.grad = p.grad.float() if p.grad is not None else None, None
+        torch.nn.utils.clip_grad_norm_(main, 1.0)
         opt.step()
+        if bf16:
+            with torch.no_grad():
+                torch._foreach_copy_(params, main)
         now = time.perf_counter()
         times.append(now - last)
         last = now
@@ -135,7 +155,7 @@ class _StepClock:
 
 
 def rlcore_steps(
-    model_dir: Path, prompts: Path, steps: int, offset: int, out: Path
+    model_dir: Path, prompts: Path, steps: int, offset: int, out: Path, bf16: bool = False
 ) -> tuple[list[float], list[dict[str, float]]]:
     from benchmarks.bench_tiny import prefix_partial
     from rlcore.flags import load_config
@@ -176,6 +196,7 @@ def rlcore_steps(
             str(offset),
             "--output-dir",
             str(out),
+            *(["--bf16"] if bf16 else []),
         ]
     )
     tokenizer = _tokenizer(config)
@@ -198,11 +219,23 @@ def _summary(name: str, per_round: list[list[float]]) -> float:
     flat = [t for r in per_round for t in r]
     med = statistics.median(medians)
     print(
-        f"{name:>7}: median {med:.3f} s/step "
+        f"{name:>12}: median {med:.3f} s/step "
         f"(per-round medians {', '.join(f'{m:.3f}' for m in medians)}; "
         f"min {min(flat):.3f}, max {max(flat):.3f}, {len(flat)} steps)"
     )
     return med
+
+
+def _split(name: str, perf: list[dict[str, float]]) -> None:
+    keys = sorted({k for p in perf for k in p})
+    print(
+        f"  {name} split (median s): "
+        + ", ".join(
+            f"{k.removeprefix('perf/').removesuffix('_s')} "
+            f"{statistics.median(p[k] for p in perf):.3f}"
+            for k in keys
+        )
+    )
 
 
 def main() -> None:
@@ -217,6 +250,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--bf16", action="store_true", help="also measure both in bf16 mixed precision"
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
     )
     args = parser.parse_args()
@@ -225,47 +261,70 @@ def main() -> None:
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
-    if args.assets is None:
-        from benchmarks.bench_tiny import build_assets
-
-        args.assets = build_assets(tmp / "assets")
-    ray.init(num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
-    model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
-    shutil.copytree(args.assets / "model", model_dir)
-    for f in (args.assets / "tokenizer").iterdir():
-        shutil.copy(f, model_dir / f.name)
     warm = 2
-    floor_rounds: list[list[float]] = []
-    ours_rounds: list[list[float]] = []
-    perf: list[dict[str, float]] = []
+    precisions = (True, False) if args.bf16 else (False,)
+    floor_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
+    ours_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
+    perf: dict[bool, list[dict[str, float]]] = {bf16: [] for bf16 in precisions}
     try:
+        if args.assets is None:
+            from benchmarks.bench_tiny import build_assets
+
+            args.assets = build_assets(tmp / "assets")
+        # A new local instance even when another Ray cluster runs on this machine.
+        ray.init(address="local", num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
+        model_dir = tmp / "model"  # the HF folder our CLI expects: weights and tokenizer together
+        shutil.copytree(args.assets / "model", model_dir)
+        for f in (args.assets / "tokenizer").iterdir():
+            shutil.copy(f, model_dir / f.name)
         for r in range(args.rounds):
-            ours, split = rlcore_steps(
-                model_dir, args.assets / "prompts.jsonl", warm + args.steps, r, tmp / f"run{r}"
-            )
-            ours_rounds.append(ours[warm:])
-            perf += split[warm:]
-            floor_rounds.append(floor_steps(args.assets, warm + args.steps, r)[warm:])
+            for bf16 in precisions:
+                ours, split = rlcore_steps(
+                    model_dir,
+                    args.assets / "prompts.jsonl",
+                    warm + args.steps,
+                    r,
+                    tmp / f"run{r}-{bf16}",
+                    bf16,
+                )
+                ours_rounds[bf16].append(ours[warm:])
+                perf[bf16] += split[warm:]
+                floor = floor_steps(args.assets, warm + args.steps, r, bf16)
+                floor_rounds[bf16].append(floor[warm:])
+                print(
+                    f"round {r} {'bf16' if bf16 else 'fp32'}: rlcore "
+                    f"{statistics.median(ours[warm:]):.3f}, floor "
+                    f"{statistics.median(floor[warm:]):.3f} s/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
         f"{THREADS} threads, {args.rounds} alternating rounds of {args.steps} steps"
     )
-    floor = _summary("floor", floor_rounds)
-    ours_med = _summary("rlcore", ours_rounds)
-    print(f"  ratio: {ours_med / floor:.2f}x the floor (target <= 1.15x)")
-    write_ratios(args.json, [Ratio("rl_step", "s/step vs plain PyTorch", ours_med / floor, 1.15)])
-    keys = sorted({k for p in perf for k in p})
-    print(
-        "  rlcore split (median s): "
-        + ", ".join(
-            f"{k.removeprefix('perf/').removesuffix('_s')} "
-            f"{statistics.median(p[k] for p in perf):.3f}"
-            for k in keys
+    medians: dict[tuple[str, bool], float] = {}
+    ratios: list[Ratio] = []
+    for bf16 in sorted(precisions):
+        dtype = "bf16" if bf16 else "fp32"
+        medians["floor", bf16] = _summary(f"floor {dtype}", floor_rounds[bf16])
+        medians["rlcore", bf16] = _summary(f"rlcore {dtype}", ours_rounds[bf16])
+        ratio = medians["rlcore", bf16] / medians["floor", bf16]
+        print(f"  {dtype} ratio: {ratio:.2f}x the floor (target <= 1.15x)")
+        ratios.append(Ratio("rl_step", f"s/step vs plain PyTorch, {dtype}", ratio, 1.15))
+        _split(f"rlcore {dtype}", perf[bf16])
+    if args.bf16:
+        print(
+            "  bf16/fp32 seconds per step: "
+            + ", ".join(
+                f"{name} {medians[name, True] / medians[name, False]:.2f}"
+                for name in ("floor", "rlcore")
+            )
         )
-    )
+    write_ratios(args.json, ratios)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,24 @@ from pathlib import Path
 
 from benchmarks.results import Ratio, read_ratios
 
+_SMALL_BRINGUP = [
+    "--vocab",
+    "1024",
+    "--hidden",
+    "128",
+    "--ffn",
+    "256",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+]
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
-    # name: (full arguments, --quick arguments)
-    "rl_step": ([], ["--steps", "3", "--rounds", "1"]),
-    "bringup": (
-        [],
-        ["--vocab", "1024", "--hidden", "128", "--ffn", "256", "--layers", "2", "--heads", "4"],
-    ),
+    # name (the module, or module:variant): (full arguments, --quick arguments)
+    # rl_step --bf16 measures both precisions, alternating.
+    "rl_step": (["--bf16"], ["--steps", "3", "--rounds", "1", "--bf16"]),
+    "bringup": ([], _SMALL_BRINGUP),
+    "bringup:bf16": (["--bf16"], [*_SMALL_BRINGUP, "--bf16"]),
     "weight_sync": (
         [],
         ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
@@ -53,12 +64,13 @@ def main() -> None:
             if name in NEEDS_SGLANG and not has_sglang:
                 notes.append(
                     f"{name}: skipped, SGLang is not installed here; run it in the nox -s sglang "
-                    f"virtualenv: .nox/sglang/bin/python -m benchmarks.{name}"
+                    f"virtualenv: .nox/sglang/bin/python -m benchmarks.{name.partition(':')[0]}"
                 )
                 print(notes[-1], flush=True)
                 continue
-            out = Path(tmp) / f"{name}.json"
-            cmd = [sys.executable, "-m", f"benchmarks.{name}", *(quick if args.quick else full)]
+            module = name.partition(":")[0]
+            out = Path(tmp) / f"{name.replace(':', '-')}.json"
+            cmd = [sys.executable, "-m", f"benchmarks.{module}", *(quick if args.quick else full)]
             print(f"== {' '.join(cmd[1:])}", flush=True)
             done = subprocess.run([*cmd, "--json", str(out)])
             if done.returncode or not out.exists():
@@ -67,11 +79,11 @@ def main() -> None:
                 continue
             ratios += read_ratios(out)
     print()
-    print(f"{'benchmark':12} {'measure':38} {'ratio':>7} {'target':>8}  verdict")
+    print(f"{'benchmark':12} {'measure':44} {'ratio':>7} {'target':>8}  verdict")
     for r in ratios:
         target = f"<= {r.target:g}" if r.target != float("inf") else "-"
         verdict = "meets" if r.meets else "MISSES"
-        print(f"{r.benchmark:12} {r.measure:38} {r.value:6.2f}x {target:>8}  {verdict}")
+        print(f"{r.benchmark:12} {r.measure:44} {r.value:6.2f}x {target:>8}  {verdict}")
     for note in notes:
         print(note)
     if args.quick:

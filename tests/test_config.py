@@ -93,6 +93,13 @@ def test_advantage_normalisation_flags() -> None:
     assert not changed.normalize_std and changed.normalize_advantages
 
 
+def test_precision_and_optimizer_flags_keep_slimes_names() -> None:
+    default = load_config(TRAIN)
+    assert not default.model.bf16 and not default.optim.use_distributed_optimizer  # fp32
+    changed = load_config([*TRAIN, "--bf16", "--use-distributed-optimizer"])
+    assert changed.model.bf16 and changed.optim.use_distributed_optimizer
+
+
 def test_eval_prompt_data_takes_name_path_pairs() -> None:
     config = load_config([*TRAIN, "--eval-prompt-data", "a", "a.jsonl", "b", "b.jsonl"])
     assert [(d.name, d.path) for d in config.eval.prompt_data] == [
@@ -237,6 +244,8 @@ def test_every_field_has_a_flag_and_help() -> None:
         "--load",
         "--start-rollout-id",
         "--seed",
+        "--bf16",
+        "--use-distributed-optimizer",
     ):
         assert name in flags
     for section in attrs.fields(RunConfig):

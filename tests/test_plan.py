@@ -36,8 +36,10 @@ def _config(data: dict[str, Any]) -> RunConfig:
 def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
     config = _config(data)
     result = plan(config)
+    precision = "bfloat16" if config.model.bf16 else "float32"
     if config.rollout.num_rollout == 0:
         assert isinstance(result, EvalPlan)
+        assert result.actor.model.precision == precision
         assert not hasattr(result, "critic") and not hasattr(result, "reference")
         assert not hasattr(result, "schedule") and not hasattr(result.actor, "optimizer")
         return
@@ -48,6 +50,13 @@ def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
     )  # Megatron's asserts
     assert (result.critic is not None) == config.algorithm.critic
     assert (result.reference is not None) == config.algorithm.uses_kl
+    # One precision for every model of the run; the optimizer kind follows its flag.
+    for spec in (result.actor, result.critic, result.reference):
+        assert spec is None or spec.model.precision == precision
+    for train in (result.actor, result.critic):
+        assert (
+            train is None or train.optimizer.distributed == config.optim.use_distributed_optimizer
+        )
     if result.critic is not None:
         assert result.critic.model.role == "critic"
     assert (

@@ -264,6 +264,11 @@ class OptimizerConfig:
     weight_decay: float = _opt(0.0, "--weight-decay", "AdamW weight decay")
     adam_beta1: float = _opt(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = _opt(0.999, "--adam-beta2", "AdamW beta2")
+    use_distributed_optimizer: bool = _opt(
+        False,
+        "--use-distributed-optimizer",
+        "shard optimizer state and fp32 main weights over data-parallel ranks (ZeRO-1)",
+    )
 
 
 @attrs.frozen
@@ -289,6 +294,12 @@ class ModelConfig:
     )
     moe_aux_loss_coeff: float = _opt(
         0.0, "--moe-aux-loss-coeff", "MoE router load-balancing loss weight (0 = off)"
+    )
+    bf16: bool = _opt(
+        False,
+        "--bf16",
+        "bf16 weights and activations (fp32 main weights, optimizer state and gradient "
+        "reduction); the rollout engine runs in bf16 too (default: fp32)",
     )
 
 

@@ -141,6 +141,7 @@ def _model(config: RunConfig, role: Role) -> ModelSpec:
         seed=config.seed,
         parallel=parallel,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        precision="bfloat16" if m.bf16 else "float32",
     )
 
 
@@ -234,6 +235,7 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
         weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2,
+        distributed=o.use_distributed_optimizer,
     )
     return TrainSpec(
         model=_model(config, role),

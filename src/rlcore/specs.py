@@ -27,6 +27,7 @@ __all__ = [
     "ModelSpec",
     "OptimizerSpec",
     "ParallelSpec",
+    "Precision",
     "RatioLevel",
     "Role",
     "TrainSpec",
@@ -41,6 +42,9 @@ AdvantageEstimator = Literal[
     "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
 ]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+Precision = Literal["float32", "bfloat16"]
+"""The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when
+the model trains: the optimizer keeps fp32 main weights and state and reduces gradients in fp32."""
 LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 """How per-token losses become one number (verl's ``loss_agg_mode`` names): the mean over
 sequences of each sequence's token mean (GRPO), the mean over every token of the global batch
@@ -144,6 +148,7 @@ class ModelSpec:
     ``hf_checkpoint`` is a Hugging Face folder (``config.json`` + safetensors); a backend builds the
     architecture from it and loads its weights. ``role`` says which head the model has: a policy
     (``actor``, ``reference``) gives token log-probs, a ``critic`` a scalar value per token.
+    ``precision`` is the dtype of the model's weights and activations (see :data:`Precision`).
     """
 
     role: Role
@@ -152,6 +157,7 @@ class ModelSpec:
     parallel: ParallelSpec = ParallelSpec()
     moe_aux_loss_coeff: float = 0.0
     """Weight of a mixture-of-experts router's load-balancing loss in training (0 = none)."""
+    precision: Precision = "float32"
 
 
 @attrs.frozen
@@ -201,7 +207,12 @@ class LRSchedule:
 
 @attrs.frozen
 class OptimizerSpec:
-    """AdamW settings. ``clip_grad`` is the global L2 norm limit (0 disables clipping)."""
+    """AdamW settings. ``clip_grad`` is the global L2 norm limit (0 disables clipping).
+
+    ``distributed`` shards the optimizer state (and, in mixed precision, the fp32 main weights)
+    over the data-parallel ranks instead of replicating it (Megatron's distributed optimizer,
+    ZeRO stage 1).
+    """
 
     schedule: LRSchedule
     clip_grad: float = 1.0
@@ -209,6 +220,7 @@ class OptimizerSpec:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    distributed: bool = False
 
 
 @attrs.frozen

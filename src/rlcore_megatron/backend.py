@@ -18,7 +18,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
-from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, TrainSpec
+from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
 from rlcore_megatron.arch import ModelArch, arch_from_hf_config, read_hf_config
 from rlcore_megatron.hf_weights import load_hf_weights
 from rlcore_megatron.model import build_gpt
@@ -34,13 +34,19 @@ __all__ = [
 ]
 
 
-def optimizer_config(spec: OptimizerSpec) -> OptimizerConfig:
-    """fp32 Adam(W) on this rank's parameters (no distributed optimizer: it is GPU-only).
+def optimizer_config(spec: OptimizerSpec, precision: Precision = "float32") -> OptimizerConfig:
+    """Adam(W) for a model in ``precision``.
 
-    ``min_lr`` is always set: Megatron's default ``None`` breaks the scheduler. ``clip_grad = 0``
-    ("off") becomes an infinite limit, so the grad norm is still computed and reported.
+    In ``bfloat16`` Megatron builds its mixed-precision optimizer
+    (``Float16OptimizerWithFloat16Params``, or the ``DistributedOptimizer`` when
+    ``spec.distributed``): fp32 main weights and Adam state, gradients copied to fp32, bf16 model
+    weights rewritten from the main weights after each step; no loss scaling (bf16 has fp32's
+    range). ``min_lr`` is always set: Megatron's default ``None`` breaks the scheduler.
+    ``clip_grad = 0`` ("off") becomes an infinite limit, so the grad norm is still computed and
+    reported.
     """
     schedule = spec.schedule
+    bf16 = precision == "bfloat16"
     return OptimizerConfig(
         optimizer="adam",
         lr=schedule.lr,
@@ -50,10 +56,10 @@ def optimizer_config(spec: OptimizerSpec) -> OptimizerConfig:
         adam_beta2=spec.adam_beta2,
         adam_eps=spec.adam_eps,
         clip_grad=spec.clip_grad if spec.clip_grad > 0 else float("inf"),
-        bf16=False,
+        bf16=bf16,
         fp16=False,
-        params_dtype=torch.float32,
-        use_distributed_optimizer=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=spec.distributed,
     )
 
 
@@ -151,7 +157,7 @@ class MegatronBackend:
                 "ranks it runs on"
             )
         arch = self._arch(spec)
-        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff)
+        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision)
         if device().type == "cpu":
             share_cpu_parameters(model)
         if spec.hf_checkpoint is not None:
@@ -177,13 +183,15 @@ class MegatronBackend:
             ddp = DistributedDataParallel(
                 config=gpt.config,
                 ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True,
+                    grad_reduce_in_fp32=True,  # bf16 too: gradients accumulate and reduce in fp32
                     overlap_grad_reduce=False,
-                    use_distributed_optimizer=False,
+                    use_distributed_optimizer=spec.optimizer.distributed,
                 ),
                 module=gpt,
             )
-            optimizer = get_megatron_optimizer(optimizer_config(spec.optimizer), [ddp])
+            optimizer = get_megatron_optimizer(
+                optimizer_config(spec.optimizer, spec.model.precision), [ddp]
+            )
             if not torch.cuda.is_available():
                 use_fused_cpu_adam(optimizer)
             scheduler = param_scheduler(

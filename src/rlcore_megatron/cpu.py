@@ -1,21 +1,28 @@
-"""Run megatron-core 0.16 fp32 on the CPU over gloo when CUDA is absent.
+"""Run megatron-core 0.16 on the CPU over gloo when CUDA is absent: fp32 and bf16 mixed precision,
+with or without the distributed optimizer, through Megatron's own code.
 
-Megatron assumes a GPU in a handful of places that our fp32, non-distributed-optimizer path
-reaches. Found on a CPU-only machine with megatron-core 0.16.1:
+Megatron assumes a GPU in a handful of places on that path. Found on a CPU-only machine with
+megatron-core 0.16.1:
 
 - ``torch.cuda.current_device()`` as a tensor device: the attention scratch buffer
   (``utils.GlobalMemoryBuffer.get_tensor``), the RoPE frequencies (moved "to the GPU" on first
   use), the tensor-parallel gathers (``tensor_parallel.mappings``) and the sequence-parallel
   input gather in the linear layers' backward (``tensor_parallel.layers``), the DDP grad buffers
-  (``distributed.param_and_grad_buffer``), the dist-ckpt save finalize
-  (``dist_checkpointing.strategies.*``), the MoE router's weights (moved "to the GPU" on first
-  use, ``transformer.moe.router``);
+  (``distributed.param_and_grad_buffer``), the distributed optimizer's state allocation when it
+  loads a checkpoint before its first step (``optimizer.distrib_optimizer``), the dist-ckpt save
+  finalize (``dist_checkpointing.strategies.*``), the MoE router's weights (moved "to the GPU" on
+  first use, ``transformer.moe.router``);
 - literal ``device="cuda"`` tensors: the default causal mask (``transformer.utils``),
-  ``FP32Optimizer._scale``, the grad-norm code
-  (``optimizer.clip_grads``, ``utils.local_multi_tensor_l2_norm``), the MoE aux-loss tracker
-  (``transformer.moe.moe_utils``);
+  ``FP32Optimizer._scale`` and the mixed-precision optimizer's unit loss scale
+  (``optimizer.optimizer``), the grad-norm code (``optimizer.clip_grads``,
+  ``utils.local_multi_tensor_l2_norm``), the MoE aux-loss tracker (``transformer.moe.moe_utils``);
 - the ``param.grad.type() == 'torch.cuda.FloatTensor'`` assert in
   ``clip_grad_by_total_norm_fp32``;
+- the mixed-precision optimizers sorting the model's parameters by CUDA type name: the
+  constructors of ``Float16OptimizerWithFloat16Params`` (``--bf16``) and ``DistributedOptimizer``
+  (``--use-distributed-optimizer``) compare ``param.type()`` with ``'torch.cuda.BFloat16Tensor'``
+  / ``'torch.cuda.FloatTensor'`` and raise ``TypeError`` for anything else, so a CPU
+  ``torch.BFloat16Tensor`` is refused;
 - ``torch.cuda.synchronize()`` while saving a checkpoint;
 - the CUDA RNG tracker (avoided in :func:`rlcore_megatron.parallel.init_megatron` with
   ``inference_rng_tracker=True``, which needs no CUDA generator);
@@ -23,16 +30,22 @@ reaches. Found on a CPU-only machine with megatron-core 0.16.1:
   all-gather dispatcher, Megatron's default, which has none).
 
 Instead of patching ``torch`` for everyone, :func:`apply` gives exactly those Megatron modules a
-``torch`` that maps CUDA devices to the CPU (``_CpuTorch``) and replaces the one assert-bearing
-function. Everything else in the process keeps the real ``torch``. It is applied only when CUDA
-is absent; bf16 and the distributed optimizer stay GPU-only (they check CUDA tensor types).
+``torch`` that maps CUDA devices to the CPU (``_CpuTorch``), replaces the one assert-bearing
+function, and runs the two optimizer constructors with parameters that report the CUDA type name
+of their dtype (``torch.cuda.BFloat16Tensor`` for a CPU bf16 parameter), only while the
+constructor runs. Everything else in the process keeps the real ``torch``; the optimizers
+themselves (main-weight copies, gradient copies, the step, the distributed optimizer's
+reduce-scatter and all-gather, which gloo implements) are Megatron's code, unchanged, so the CPU
+takes the path a GPU takes. It is applied only when CUDA is absent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -47,6 +60,7 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -57,6 +71,12 @@ CPU_PATCHED_MODULES: Final = (
     "megatron.core.tensor_parallel.layers",
 )
 """The Megatron modules whose global ``torch`` is replaced by :class:`_CpuTorch`."""
+
+CUDA_TYPE_NAME_CONSTRUCTORS: Final = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+)
+"""The Megatron classes whose ``__init__`` sees CUDA type names for CPU parameters."""
 
 _CPU: Final = torch.device("cpu")
 _applied = False
@@ -154,6 +174,35 @@ def _clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.type()`` as a GPU would answer it: ``torch.BFloat16Tensor`` on the CPU reads
+    ``torch.cuda.BFloat16Tensor``. With arguments (a cast) it is the real ``Tensor.type``."""
+    result = torch.Tensor.type(self, *args, **kwargs)
+    if args or kwargs or self.device.type != "cpu":
+        return result
+    return str(result).replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def _parameters_report_cuda_type_names() -> Iterator[None]:
+    # ``Parameter`` inherits ``type`` from ``Tensor`` and defines none itself; setting it on the
+    # class (not on ``Tensor``) and deleting it afterwards leaves every other tensor alone.
+    torch.nn.Parameter.type = _cuda_type_name  # type: ignore[assignment, method-assign]  # scoped
+    try:
+        yield
+    finally:
+        del torch.nn.Parameter.type
+
+
+def _with_cuda_type_names(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def constructor(self: object, *args: Any, **kwargs: Any) -> None:
+        with _parameters_report_cuda_type_names():
+            init(self, *args, **kwargs)
+
+    return constructor
+
+
 def apply() -> None:
     """Redirect Megatron's CUDA-only spots to the CPU. Idempotent; a no-op when CUDA is present."""
     global _applied
@@ -169,4 +218,7 @@ def apply() -> None:
     # The stubs declare neither module attribute: we set them on purpose.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
+    for module_name, class_name in CUDA_TYPE_NAME_CONSTRUCTORS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
     _applied = True

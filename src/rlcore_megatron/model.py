@@ -25,7 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.specs import Role
+from rlcore.specs import Precision, Role
 from rlcore_megatron import moe
 from rlcore_megatron.arch import ModelArch
 
@@ -112,9 +112,14 @@ def uses_sequence_parallel(arch: ModelArch, tp_size: int) -> bool:
 
 
 def transformer_config(
-    arch: ModelArch, tp_size: int, ep_size: int = 1, moe_aux_loss_coeff: float = 0.0
+    arch: ModelArch,
+    tp_size: int,
+    ep_size: int = 1,
+    moe_aux_loss_coeff: float = 0.0,
+    precision: Precision = "float32",
 ) -> TransformerConfig:
-    """fp32, no fusions, no dropout, CPU initialisation (deterministic across TP ranks).
+    """No fusions, no dropout, CPU initialisation (deterministic across TP ranks); parameters in
+    ``precision`` (``bfloat16`` also makes Megatron keep the attention softmax in fp32).
 
     ``ep_size`` ranks share the experts out, and each expert is split over the tensor parallel
     ranks like a dense MLP (``expert_tensor_parallel_size = tp_size``, Megatron's default: with
@@ -123,6 +128,7 @@ def transformer_config(
     ``moe_aux_loss_coeff > 0`` adds Megatron's load-balancing loss (Switch Transformer, Fedus et
     al. 2021) to the training loss.
     """
+    bf16 = precision == "bfloat16"
     experts = arch.moe
     moe_fields: _MoEFields = {}
     if experts is not None:
@@ -166,7 +172,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
         sequence_parallel=uses_sequence_parallel(arch, tp_size),
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=True,
         # DDP sums gradients: the loss is already divided by the global batch size.
         calculate_per_token_loss=True,
@@ -266,13 +273,18 @@ def decoder_spec(arch: ModelArch, config: TransformerConfig) -> TransformerBlock
 
 
 def build_gpt(
-    arch: ModelArch, role: Role, device: torch.device, moe_aux_loss_coeff: float = 0.0
+    arch: ModelArch,
+    role: Role,
+    device: torch.device,
+    moe_aux_loss_coeff: float = 0.0,
+    precision: Precision = "float32",
 ) -> GPTModel:
-    """The Megatron model for ``role`` on this rank (initialised from the CPU generator)."""
+    """The Megatron model for ``role`` on this rank (initialised from the CPU generator), every
+    parameter in ``precision``."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     check_parallel(arch, tp_size, ep_size)
-    config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff)
+    config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff, precision)
     is_critic = role == "critic"
     model = GPTModel(
         config=config,
@@ -287,4 +299,5 @@ def build_gpt(
     _set_rope_frequencies(model, arch)
     if is_critic:
         model.output_layer = ValueHead(arch.hidden_size, config.init_method_std)
-    return model.to(device)
+    # The value head is made in fp32; Megatron's layers already are in params_dtype.
+    return model.to(device=device, dtype=config.params_dtype)

@@ -51,11 +51,20 @@ from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rewards import get_reward_fn
 from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.samples import Prompt
+from rlcore.specs import Precision
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
 from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
 from rlcore_megatron.watchdog import watch_tree
 
-__all__ = ["execute", "load_run_data", "main", "make_engine", "placement_request", "preflight"]
+__all__ = [
+    "engine_dtype",
+    "execute",
+    "load_run_data",
+    "main",
+    "make_engine",
+    "placement_request",
+    "preflight",
+]
 
 log = logging.getLogger("rlcore")
 
@@ -183,6 +192,13 @@ def load_run_data(config: RunConfig, tokenizer: HFTokenizer) -> RunData:
     return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
 
 
+def engine_dtype(config: RunConfig) -> Precision:
+    """The rollout engine's dtype: the trainer's (``bfloat16`` with ``--bf16``, else ``float32``),
+    so that the weights synced after every step arrive unconverted and the engine's log-probs are
+    comparable with the trainer's."""
+    return "bfloat16" if config.model.bf16 else "float32"
+
+
 def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
     """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only)
     and, when the engine runs servers, the rollout GPUs."""
@@ -205,7 +221,7 @@ def make_engine(
     config: RunConfig, tokenizer: HFTokenizer, hosts: Sequence[ProcessHost] = ()
 ) -> RolloutEngine:
     """The rollout engine the config names (``--rollout-engine``), built by its kind from the
-    initial HF weights; its servers, if any, on ``hosts``."""
+    initial HF weights in :func:`engine_dtype`; its servers, if any, on ``hosts``."""
     assert config.model.hf_checkpoint is not None
     kind = load_engine(config.rollout.engine)
     setup = EngineSetup(
@@ -214,6 +230,7 @@ def make_engine(
         seed=config.seed,
         log_dir=config.output_dir / kind.name,
         hosts=tuple(hosts),
+        dtype=engine_dtype(config),
     )
     return kind.build(setup, config.rollout.engine_options)
 

@@ -8,6 +8,10 @@ each micro-batch's loss numerator is divided by the *global* batch's normaliser
 ``token-mean``; every rank computes it from the whole global batch, so no collective is needed) and
 DDP sums the gradients (``calculate_per_token_loss``), so the update is the global aggregate
 whatever the micro-batch and data-parallel split, in every aggregation mode.
+
+Precision: a bf16 model's logits (or values) are upcast to fp32 as they leave it (what Megatron's
+``Float16Module`` does), so log-probs, losses and metrics are computed in fp32 whatever the
+model's precision.
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ def sequence_multiple(arch: ModelArch) -> int:
 def model_output(
     model: torch.nn.Module, tb: TensorBatch, arch: ModelArch, is_critic: bool
 ) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``.
+    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, for ``tb.tokens``, in
+    fp32 whatever the model's precision.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
     context (no attention mask tensor is built); under sequence parallelism more padding makes
@@ -108,7 +113,7 @@ def model_output(
         real = F.pad(real, (0, extra), value=False)
     # The MoE router leaves padding out of its load-balancing loss (True marks padding).
     moe_kwargs = {"padding_mask": ~real} if arch.moe is not None else {}
-    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs)
+    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs).float()
     out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)
@@ -240,6 +245,14 @@ class MegatronTrainingStack:
         """The model inside DDP."""
         return self._gpt
 
+    @property
+    def optimizer_info(self) -> dict[str, object]:
+        """What a checkpoint records about the optimizer, checked when training resumes."""
+        return {
+            "precision": self.spec.precision,
+            "distributed": self.train_spec.optimizer.distributed,
+        }
+
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
             self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
@@ -255,12 +268,20 @@ class MegatronTrainingStack:
 
     def load(self, path: Path) -> int:
         info = model_info(self.arch, self.spec.role)
-        return checkpoint.load_checkpoint(path, self.gpt, info, self._optimizer, self._scheduler)
+        return checkpoint.load_checkpoint(
+            path, self.gpt, info, self._optimizer, self._scheduler, self.optimizer_info
+        )
 
     def save(self, path: Path, rollout_id: int) -> None:
         info = model_info(self.arch, self.spec.role)
         checkpoint.save_checkpoint(
-            path, rollout_id, self.gpt, info, self._optimizer, self._scheduler
+            path,
+            rollout_id,
+            self.gpt,
+            info,
+            self._optimizer,
+            self._scheduler,
+            self.optimizer_info,
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:

@@ -14,7 +14,8 @@ __all__ = ["SGLANG", "build"]
 
 def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
     """Connect to ``options.urls``, or launch one server on each of ``setup.hosts`` (GPU hosts:
-    bf16 on CUDA, tensor parallel over the host's GPUs; CPU hosts: fp32)."""
+    on CUDA, tensor parallel over the host's GPUs), in the trainer's dtype (``setup.dtype``: fp32,
+    or bf16 with ``--bf16``, on GPU and CPU hosts alike)."""
     from rlcore_sglang.client import SGLangEngine
     from rlcore_sglang.launcher import LaunchSettings
     from rlcore_sglang.options import EngineOptions
@@ -36,7 +37,7 @@ def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
     settings = LaunchSettings(
         model_path=setup.model_path,
         device="cuda" if on_gpu else "cpu",
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=setup.dtype,
         random_seed=setup.seed,
         mem_fraction_static=options.mem_fraction_static,
         log_dir=setup.log_dir,

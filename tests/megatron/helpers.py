@@ -19,6 +19,7 @@ from rlcore.specs import (
     LRSchedule,
     ModelSpec,
     OptimizerSpec,
+    Precision,
     Role,
     TrainSpec,
 )
@@ -95,13 +96,16 @@ def train_spec(
     loss: LossSpec | None = None,
     clip_grad: float = 1.0,
     seed: int = 1234,
+    precision: Precision = "float32",
+    distributed_optimizer: bool = False,
 ) -> TrainSpec:
     return TrainSpec(
-        model=ModelSpec(role=role, hf_checkpoint=hf, seed=seed),
+        model=ModelSpec(role=role, hf_checkpoint=hf, seed=seed, precision=precision),
         optimizer=OptimizerSpec(
             schedule=schedule or LRSchedule(lr=1e-3, min_lr=1e-4, warmup_steps=0, decay_steps=10),
             clip_grad=clip_grad,
             weight_decay=0.01,
+            distributed=distributed_optimizer,
         ),
         loss=loss or LossSpec(),
         global_batch_size=global_batch_size,
@@ -113,6 +117,14 @@ def train_spec(
 def weights(named: Any) -> dict[str, torch.Tensor]:
     """Exported weights as detached copies (exports may be views of live parameters)."""
     return {name: t.detach().clone() for name, t in named}
+
+
+def optimizer_parts(optimizer: object) -> list[Any]:
+    """The Megatron optimizers inside the ``ChainedOptimizer`` that ``get_megatron_optimizer``
+    returns (one for a dense model): ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or
+    ``DistributedOptimizer``, each stepping a torch optimizer held as ``.optimizer``."""
+    parts: list[Any] = list(getattr(optimizer, "chained_optimizers"))  # noqa: B009
+    return parts
 
 
 def free_port() -> int:

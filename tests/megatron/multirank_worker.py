@@ -1,7 +1,9 @@
 """What each rank of the two-process Megatron test runs (spawned: must be importable).
 
 Rank r of 2: first tensor parallel 2 (one model split over both ranks), then data parallel 2
-(two replicas). Results go to ``out/<name>.rank<r>.pt`` for the parent test to compare.
+(two replicas), then data parallel 2 in bf16 with the distributed optimizer (each rank holds half
+of the fp32 main weights and Adam state). Results go to ``out/<name>.rank<r>.pt`` for the parent
+test to compare.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
-    from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+    from tests.megatron.helpers import (
+        make_batch,
+        make_samples,
+        optimizer_parts,
+        train_spec,
+        weights,
+    )
 
     folder, results = Path(hf), Path(out)
     backend = MegatronBackend()
@@ -43,6 +51,9 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     save_hf(ev, results / "tp2_hf", ev.arch)  # collective export, rank 0 writes
     log_probs = ev.forward(samples)
+    bf16_log_probs = backend.build_eval_stack(
+        EvalSpec(ModelSpec("actor", folder, parallel=tp2, precision="bfloat16"))
+    ).forward(samples)
     import attrs
 
     spec = train_spec(folder)
@@ -55,6 +66,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
         {
             "exported": exported,
             "log_probs": log_probs,
+            "bf16_log_probs": bf16_log_probs,
             "trained": weights(stack.export_weights()),
             "grad_norm": metrics.grad_norm,
             "loaded": loaded,
@@ -89,6 +101,34 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
         },
         results / f"dp2.rank{rank}.pt",
     )
+    del stack
+
+    # data parallel 2, bf16 with the distributed optimizer: two steps straight, and one step,
+    # save, a fresh stack, load, one step
+    bf16 = attrs.evolve(
+        train_spec(folder, precision="bfloat16", distributed_optimizer=True),
+        model=attrs.evolve(spec.model, parallel=dp2, precision="bfloat16"),
+    )
+    second = make_batch(make_samples(4, seed=23), seed=24)
+    straight = backend.build_training_stack(bf16)
+    first_metrics = straight.train_step(batch)
+    one_step = weights(straight.export_weights())
+    straight.save(results / "dp2_zero1", rollout_id=0)
+    straight.train_step(second)
+    resumed = backend.build_training_stack(bf16)
+    resumed.load(results / "dp2_zero1")
+    resumed.train_step(second)
+    torch.save(
+        {
+            "one_step": one_step,
+            "grad_norm": first_metrics.grad_norm,
+            "straight": weights(straight.export_weights()),
+            "resumed": weights(resumed.export_weights()),
+            "optimizer": [type(part).__name__ for part in optimizer_parts(straight.optimizer)],
+        },
+        results / f"dp2_zero1.rank{rank}.pt",
+    )
+    del straight, resumed
 
     # data parallel 2, token-mean loss with a TIS correction: the normaliser is the global token
     # count, and the metrics are the global batch's

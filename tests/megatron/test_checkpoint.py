@@ -11,11 +11,17 @@ import torch
 
 from rlcore.errors import CheckpointError
 from rlcore.samples import TrainBatch
-from rlcore.specs import EvalSpec, LRSchedule, ModelSpec
+from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.checkpoint import read_rollout_id
 from rlcore_megatron.stacks import MegatronTrainingStack
-from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+from tests.megatron.helpers import (
+    make_batch,
+    make_samples,
+    optimizer_parts,
+    train_spec,
+    weights,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -23,7 +29,9 @@ SCHEDULE = LRSchedule(lr=2e-3, min_lr=1e-4, warmup_steps=2, decay_steps=6, decay
 ROLLOUTS = 4
 
 
-def _stack(hf: Path, role: str = "actor") -> MegatronTrainingStack:
+def _stack(
+    hf: Path, role: str = "actor", precision: Precision = "float32", distributed: bool = False
+) -> MegatronTrainingStack:
     spec = train_spec(
         hf,
         "critic" if role == "critic" else "actor",
@@ -32,8 +40,21 @@ def _stack(hf: Path, role: str = "actor") -> MegatronTrainingStack:
         steps_per_rollout=2,
         schedule=SCHEDULE,
         seed=7,
+        precision=precision,
+        distributed_optimizer=distributed,
     )
     return MegatronBackend().build_training_stack(spec)
+
+
+def _optimizer_tensors(stack: MegatronTrainingStack) -> list[torch.Tensor]:
+    """What the optimizer steps (the fp32 main weights in bf16, or their shards with the
+    distributed optimizer) and its Adam state (moments and step counts)."""
+    out: list[torch.Tensor] = []
+    for group in stack.optimizer.param_groups:
+        for param in group["params"]:
+            out.append(param)
+    state = [s for part in optimizer_parts(stack.optimizer) for s in part.optimizer.state.values()]
+    return out + [s[k] for s in state for k in ("exp_avg", "exp_avg_sq", "step")]
 
 
 def _batches(role: str) -> list[TrainBatch]:
@@ -43,20 +64,27 @@ def _batches(role: str) -> list[TrainBatch]:
     ]
 
 
+@pytest.mark.parametrize(
+    ("precision", "distributed"),
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["fp32", "bf16", "bf16-distributed-optimizer"],
+)
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_resume_ends_with_the_same_weights(tiny_hf: Path, tmp_path: Path, role: str) -> None:
+def test_resume_ends_with_the_same_weights(
+    tiny_hf: Path, tmp_path: Path, role: str, precision: Precision, distributed: bool
+) -> None:
     batches = _batches(role)
-    straight = _stack(tiny_hf, role)
+    straight = _stack(tiny_hf, role, precision, distributed)
     for batch in batches:
         straight.train_step(batch)
 
-    first = _stack(tiny_hf, role)
+    first = _stack(tiny_hf, role, precision, distributed)
     for batch in batches[:2]:
         first.train_step(batch)
     first.save(tmp_path / "ckpt", rollout_id=1)
     del first
 
-    resumed = _stack(tiny_hf, role)
+    resumed = _stack(tiny_hf, role, precision, distributed)
     assert resumed.load(tmp_path / "ckpt") == 1
     assert resumed.scheduler.num_steps == 4  # 2 rollouts x 2 steps
     for batch in batches[2:]:
@@ -66,6 +94,9 @@ def test_resume_ends_with_the_same_weights(tiny_hf: Path, tmp_path: Path, role: 
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert straight.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"]
+    # Bit for bit below the bf16 weights too: the fp32 main weights and the Adam moments.
+    x, y = _optimizer_tensors(straight), _optimizer_tensors(resumed)
+    assert len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y, strict=True))
 
 
 def test_eval_stack_loads_model_weights_from_a_training_checkpoint(

@@ -70,6 +70,15 @@ def test_tensor_parallel_log_probs_match_one_process(two_ranks: Path, tiny_hf: P
             assert x == pytest.approx(y, abs=1e-5)
 
 
+def test_tensor_parallel_bf16_log_probs_match_one_process(two_ranks: Path, tiny_hf: Path) -> None:
+    spec = EvalSpec(ModelSpec("actor", tiny_hf, precision="bfloat16"))
+    expected = MegatronBackend().build_eval_stack(spec).forward(make_samples(4, seed=21))
+    for rank in range(2):
+        got = _load(two_ranks, "tp2", rank)["bf16_log_probs"]
+        for x, y in zip(got, expected, strict=True):
+            assert x == pytest.approx(y, abs=0.02)  # bf16 sums split over two ranks
+
+
 @pytest.mark.parametrize("name", ["tp2", "dp2"])
 def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path, name: str) -> None:
     expected, grad_norm = _single_process_step(tiny_hf)
@@ -116,3 +125,24 @@ def test_ranks_that_load_different_rollout_ids_raise(two_ranks: Path) -> None:
     for rank in range(2):
         message = _load(two_ranks, "dp2", rank)["disagreement"]
         assert "disagree" in message and "dp2_" in message
+
+
+def test_distributed_optimizer_in_bf16_over_two_ranks(two_ranks: Path, tiny_hf: Path) -> None:
+    # One process with the replicated mixed-precision optimizer takes the same step (up to the
+    # order of fp32 gradient sums, which can move a bf16 weight by one rounding step).
+    single = MegatronBackend().build_training_stack(train_spec(tiny_hf, precision="bfloat16"))
+    metrics = single.train_step(make_batch(make_samples(4, seed=21), seed=22))
+    expected = weights(single.export_weights())
+    results = [_load(two_ranks, "dp2_zero1", rank) for rank in range(2)]
+    for result in results:
+        assert result["optimizer"] == ["DistributedOptimizer"]
+        assert result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
+        for key, tensor in result["one_step"].items():
+            assert tensor.dtype == torch.bfloat16
+            torch.testing.assert_close(tensor, expected[key], rtol=1e-2, atol=1e-4, msg=key)
+    # Both ranks hold the same (all-gathered) weights, and resuming from the sharded checkpoint
+    # into fresh stacks is bit-identical to not stopping.
+    for key in results[0]["straight"]:
+        assert torch.equal(results[0]["straight"][key], results[1]["straight"][key]), key
+        for result in results:
+            assert torch.equal(result["resumed"][key], result["straight"][key]), key

@@ -29,6 +29,7 @@ import attrs
 from rlcore.data import Tokenizer
 from rlcore.errors import BackendUnavailableError
 from rlcore.protocols import ProcessHost, RolloutEngine
+from rlcore.specs import Precision
 
 __all__ = ["EMBEDDED", "KNOWN_ENGINES", "EngineKind", "EngineSetup", "NoOptions", "load_engine"]
 
@@ -49,6 +50,9 @@ class EngineSetup:
     hosts: tuple[ProcessHost, ...] = ()
     """One place per server, reserved by the run's placement (``--rollout-num-gpus``); empty
     when the engine runs no servers (or the caller did not place any)."""
+    dtype: Precision = "float32"
+    """The trainer's precision (``--bf16``): the engine holds its weights in it, so that synced
+    weights arrive unconverted and its log-probs compare with the trainer's."""
 
 
 @final
@@ -95,13 +99,19 @@ class EngineKind(Generic[OptionsT]):
 
 def _build_embedded(setup: EngineSetup, options: NoOptions) -> RolloutEngine:
     del options
+    import torch
     from transformers.utils import logging as hf_logging
 
     from rlcore.engines.embedded import EmbeddedEngine
 
     # "Loading weights" bars on every run say nothing a user needs.
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated
-    return EmbeddedEngine.from_pretrained(setup.model_path, setup.tokenizer, seed=setup.seed)
+    return EmbeddedEngine.from_pretrained(
+        setup.model_path,
+        setup.tokenizer,
+        seed=setup.seed,
+        dtype=torch.bfloat16 if setup.dtype == "bfloat16" else torch.float32,
+    )
 
 
 EMBEDDED: EngineKind[NoOptions] = EngineKind(

@@ -7,6 +7,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 class OptimizerConfig:
     min_lr: float | None
+    use_distributed_optimizer: bool
     def __init__(
         self,
         *,
@@ -45,7 +46,10 @@ class MegatronOptimizer(ABC):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
     @abstractmethod
     def sharded_state_dict(
-        self, model_sharded_state_dict: ShardedStateDict, is_loading: bool = False
+        self,
+        model_sharded_state_dict: ShardedStateDict,
+        is_loading: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> ShardedStateDict: ...
 
 def get_megatron_optimizer(

@@ -14,6 +14,8 @@ class ModuleSpec:
 
 class TransformerConfig:
     init_method_std: float
+    bf16: bool
+    params_dtype: torch.dtype
     sequence_parallel: bool
     num_moe_experts: int | None
     def __init__(
@@ -41,6 +43,7 @@ class TransformerConfig:
         apply_rope_fusion: bool = False,
         gradient_accumulation_fusion: bool = False,
         tensor_model_parallel_size: int = 1,
+        bf16: bool = False,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         use_cpu_initialization: bool = False,
