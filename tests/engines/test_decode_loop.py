@@ -381,3 +381,27 @@ def test_a_full_cache_refuses_more_positions() -> None:
         layer.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4))
     with pytest.raises(ValueError, match="capacity 2 is below the prompt length 3"):
         PreallocatedLayer.from_prompt(keys, keys, None, capacity=2)
+
+
+def test_a_bf16_engine_drops_ended_rows_and_keeps_exact_log_probs(
+    tmp_path: Path, tokenizer: HFTokenizer
+) -> None:
+    """In bf16 (``--bf16`` builds the engine in the trainer's dtype) rows still leave the batch as
+    they end, and each answer's log-probs match a bf16 full forward (to bf16's resolution)."""
+    _build(tmp_path, "qwen3")
+    engine = EmbeddedEngine.from_pretrained(tmp_path, tokenizer, seed=0, dtype=torch.bfloat16)
+    batch = encode(tokenizer, TEXTS) * 4
+    counter = RowsPerForward(engine.model)
+    try:
+        gens = engine.generate(batch, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 4, 5)))
+    finally:
+        counter.remove()
+    assert len({len(g.token_ids) for g in gens}) > 1  # some answers ended early
+    assert min(counter.sizes[1:]) < len(batch)  # and left the batch
+    expected = full_forward_log_probs(
+        engine.model, [(p.token_ids, g.token_ids) for p, g in zip(batch, gens, strict=True)]
+    )
+    for prompt, gen in zip(batch, gens, strict=True):
+        assert list(gen.log_probs) == pytest.approx(
+            expected[(prompt.token_ids, gen.token_ids)], abs=3e-2
+        )
