@@ -42,6 +42,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         [],
         ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
     ),
+    "rollout_scaling": (
+        [],
+        ["--lengths", "8", "16", "--rounds", "1", "--variable-max-tokens", "16", "--prompts", "2"],
+    ),
 }
 NEEDS_SGLANG = {"weight_sync"}
 

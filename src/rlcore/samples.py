@@ -62,6 +62,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: TokenIds = ()
+    ignore_eos: bool = False
+    """Generate exactly ``max_new_tokens`` tokens: no token ends a response, neither eos nor
+    ``stop_token_ids`` (SGLang's ``ignore_eos``; fixed lengths, e.g. for benchmarks)."""
 
 
 @attrs.frozen

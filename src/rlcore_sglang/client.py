@@ -367,6 +367,8 @@ def sampling_payload(params: SamplingParams, extra: Mapping[str, object]) -> dic
     }
     if params.stop_token_ids:
         payload["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        payload["ignore_eos"] = True
     payload.update(extra)
     return payload
 

@@ -316,3 +316,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert seen == {0}
     seen = {int(sample_next_tokens(logits, SamplingParams(1, top_k=3), gen)) for _ in range(300)}
     assert seen == {0, 1, 2}
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(assets: tuple[Path, HFTokenizer]) -> None:
+    engine = make_engine(assets)
+    batch = prompts(assets[1], TEXTS)
+    every_token = tuple(range(VOCAB))
+    params = SamplingParams(max_new_tokens=9, stop_token_ids=every_token, ignore_eos=True)
+    gens = engine.generate(batch, params)
+    assert all(len(g.token_ids) == 9 and g.finish_reason == "length" for g in gens)
+    for prompt, gen in zip(batch, gens, strict=True):
+        assert gen.log_probs == pytest.approx(
+            full_forward_log_probs(engine.model, prompt, gen), abs=1e-5
+        )

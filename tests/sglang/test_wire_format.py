@@ -18,6 +18,7 @@ pytestmark = pytest.mark.sglang
         SamplingParams(max_new_tokens=8),
         SamplingParams(max_new_tokens=8, temperature=0.0),
         SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=(2,)),
+        SamplingParams(max_new_tokens=4, ignore_eos=True),
     ],
 )
 def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
@@ -30,6 +31,7 @@ def test_sampling_params_are_accepted_by_sglang(params: SamplingParams) -> None:
     assert theirs.max_new_tokens == params.max_new_tokens
     assert theirs.top_p == params.top_p
     assert set(theirs.stop_token_ids or ()) == set(params.stop_token_ids)
+    assert theirs.ignore_eos == params.ignore_eos
     if params.temperature == 0.0:
         assert theirs.top_k == 1  # SGLang's spelling of greedy
     else:

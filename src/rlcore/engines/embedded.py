@@ -5,9 +5,19 @@ decode loop over ``model(input_ids, cache=..., use_cache=True)`` rather than ``m
 the loop does only what RL rollouts need (temperature / top-k / top-p sampling, stop tokens,
 log-probs of the sampled tokens), and it prefills each *distinct* prompt once and gathers its KV
 cache rows for the repeats, since an RL batch samples every prompt ``n_samples_per_prompt``
-times. On bench-tiny (128 = 16 x 8 sequences, 8 new tokens, 2 threads) that measured about 85 ms
-per batch against about 130 ms for ``model.generate`` (165 ms when it also returns the logits for
-log-probs) and 150 ms for a plain KV-cache sampling loop over all 128 rows.
+times. Keys and values go into a cache preallocated to prompt + ``max_new_tokens`` and written in
+place (:class:`~rlcore.engines.kv_cache.DecodeCache`), and rows whose answer ended leave the batch
+(once they are an eighth of it), so a token's cost grows only with the attention over a longer
+context, and a batch whose answers mostly stop early stops paying for them.
+
+``python -m benchmarks.rollout_scaling`` measures it beside ``model.generate`` with its logits
+(issue #13's 17M Llama, 32 prompts x 4 samples, 17-token prompts, temperature 1). Measured on the
+shared 2-core machine at load 8-25, 1 thread (2 threads at that load made every operator wait for
+its second thread), medians of 2 alternating rounds, tokens per CPU-second (per wall second):
+32 new tokens 1,134 (413) against 879 (326); 512 new tokens 810 (222) against 315 (99), so a
+token at 512 costs 1.40x (1.86x) what it costs at 32 and the engine has 2.6x (2.2x)
+``model.generate``'s throughput there; answers ended by a stop token (16 tokens on average, at
+most 512): 678 (321) against 213 (60). 2048 new tokens was not measured.
 
 Log-probs are those of the sampled tokens under the model's *unscaled* logits (temperature 1),
 whatever temperature, top-k or top-p shaped the sampling distribution: the trainer recomputes
@@ -23,18 +33,40 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast, final
+from typing import final
 
+import attrs
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 
 from rlcore.data import Tokenizer
+from rlcore.engines.kv_cache import DecodeCache
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors
-from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
+from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.weights import InProcess, deliver
 
 __all__ = ["EmbeddedEngine", "EmbeddedWeightSink", "sample_next_tokens"]
+
+_DROP_FRACTION = 1 / 8
+"""Ended rows leave the cache once they are this fraction of the rows in it. Dropping copies the
+live rows' cache, about as much memory traffic as one step's attention; keeping an ended row costs
+its share of every step. Dropping at 1/8 bounds the wasted share of a step to 12.5% and the number
+of copies to about ``log(B) / log(8/7)``."""
+
+
+@attrs.define
+class _Decoded:
+    """The decode loop's output, one row per prompt: ``tokens``, ``log_probs``:
+    ``Tensor[B, max_new_tokens]`` (valid up to ``steps`` columns); ``lengths``: ``Tensor[B]``, the
+    response length of each row; ``stopped``: ``Tensor[B]`` (bool), whether it ended on a stop
+    token."""
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    lengths: torch.Tensor
+    stopped: torch.Tensor
+    steps: int = 0
 
 
 def sample_next_tokens(
@@ -188,7 +220,8 @@ class EmbeddedEngine:
         Prompts of different lengths are left-padded (with matching attention mask and position
         ids). A response ends at the first stop token (``params.stop_token_ids``, default the
         tokenizer's eos), which it includes (``finish_reason="stop"``), or after
-        ``max_new_tokens`` (``"length"``). Decoding stops as soon as every response has ended.
+        ``max_new_tokens`` (``"length"``; always, with ``params.ignore_eos``). Decoding stops as
+        soon as every response has ended.
         """
         model = self.model
         _check_params(params)
@@ -207,10 +240,12 @@ class EmbeddedEngine:
                     f"tokens or a token id outside the model's vocabulary [0, {vocab}); was it "
                     "encoded with this model's tokenizer?"
                 )
-        stops = params.stop_token_ids or (self._tokenizer.eos_token_id,)
+        stops = (
+            () if params.ignore_eos else params.stop_token_ids or (self._tokenizer.eos_token_id,)
+        )
         try:
             with torch.inference_mode():
-                tokens, log_probs = self._decode(model, prompts, params, stops)
+                decoded = self._decode(model, prompts, params, stops)
         except (
             RuntimeError,
             ValueError,
@@ -221,7 +256,7 @@ class EmbeddedEngine:
                 f"(longest {max(len(p.token_ids) for p in prompts)} tokens, max_new_tokens "
                 f"{params.max_new_tokens}): {type(exc).__name__}: {exc}"
             ) from exc
-        return self._to_generations(tokens.tolist(), log_probs.tolist(), set(stops))
+        return self._to_generations(decoded)
 
     def _decode(
         self,
@@ -229,10 +264,14 @@ class EmbeddedEngine:
         prompts: Sequence[Prompt],
         params: SamplingParams,
         stops: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode loop: ``(tokens, log_probs)``, both ``Tensor[B, T]`` with
-        ``T <= max_new_tokens``; positions after a row's stop token hold padding and are cut by the
-        caller."""
+    ) -> _Decoded:
+        """The decode loop over a :class:`~rlcore.engines.kv_cache.DecodeCache`.
+
+        Per step it samples one token for each live row, records it, and runs the model on the live
+        rows only: rows whose response ended are dropped from the cache (in batches, see
+        ``_DROP_FRACTION``), so the step's cost follows the rows still generating, and the cache is
+        written in place, so it does not grow with the answer either.
+        """
         device, batch = self._device, len(prompts)
         # Prefill each distinct prompt once, then copy its KV cache rows to every repeat: RL batches
         # sample each prompt n_samples_per_prompt times, so this removes most of the prefill.
@@ -246,7 +285,7 @@ class EmbeddedEngine:
         for row, ids in enumerate(distinct):
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         input_ids = input_ids.to(device)
-        cache = DynamicCache(config=model.config)
+        prefill = DynamicCache(config=model.config)
         mask: torch.Tensor | None = None
         positions: torch.Tensor | None = None
         if any(n != width for n in lengths):
@@ -257,41 +296,71 @@ class EmbeddedEngine:
                 mask[row, width - n :] = 1  # by length: a prompt may itself contain the pad id
             mask = mask.to(device)
             positions = (mask.cumsum(dim=-1) - 1).clamp_(min=0)
-        logits = self._forward(model, input_ids, cache, mask, positions)
+        logits = self._forward(model, input_ids, prefill, mask, positions)
+        index = None
         if len(distinct) < batch:
             index = torch.tensor(rows, dtype=torch.long, device=device)
-            # reorder_cache is beam search's row gather; its annotation asks for the legacy
-            # LongTensor type.
-            cache.reorder_cache(cast("torch.LongTensor", index))
             logits = logits[index]
-            mask = None if mask is None else mask[index]
-            positions = None if positions is None else positions[index]
+        # The last sampled token is never fed back, so max_new_tokens - 1 positions follow the
+        # prompt.
+        max_new = params.max_new_tokens
+        cache = DecodeCache(prefill, index, capacity=width + max_new - 1)
+        del prefill
+        full_mask: torch.Tensor | None = None  # Tensor[rows, width + max_new - 1], int64
+        next_position: torch.Tensor | None = None  # Tensor[rows, 1]: position of the next token
+        if mask is not None and positions is not None:
+            full_mask = mask.new_ones((len(distinct), width + max_new - 1))
+            full_mask[:, :width] = mask
+            next_position = positions[:, -1:] + 1
+            if index is not None:
+                full_mask, next_position = full_mask[index], next_position[index]
 
         stop_ids = torch.tensor(list(stops), dtype=torch.long, device=device)
-        pad = torch.tensor(self._tokenizer.pad_token_id, dtype=torch.long, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        out_tokens: list[torch.Tensor] = []
-        out_log_probs: list[torch.Tensor] = []
-        for step in range(params.max_new_tokens):
+        out = _Decoded(
+            tokens=torch.full(
+                (batch, max_new), self._tokenizer.pad_token_id, dtype=torch.long, device=device
+            ),
+            log_probs=torch.zeros((batch, max_new), dtype=torch.float32, device=device),
+            lengths=torch.full((batch,), max_new, dtype=torch.long, device=device),
+            stopped=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+        live = torch.arange(batch, device=device)  # the output row of each cache row
+        ended = torch.zeros(batch, dtype=torch.bool, device=device)  # per cache row
+        n_ended = 0
+        for step in range(max_new):
             token = sample_next_tokens(logits, params, self._generator)
             log_prob = torch.log_softmax(logits, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
-            token = torch.where(finished, pad, token)
-            out_tokens.append(token)
-            out_log_probs.append(log_prob)
-            finished |= torch.isin(token, stop_ids)
-            if step + 1 == params.max_new_tokens or bool(finished.all()):
+            # Rows that ended but are still in the cache write past their end: cut by ``lengths``.
+            out.tokens[live, step] = token
+            out.log_probs[live, step] = log_prob
+            if stops:
+                stopping = torch.isin(token, stop_ids) & ~ended
+                n_stopping = int(stopping.sum())  # the loop's one host sync per step
+                if n_stopping:
+                    out.lengths[live[stopping]] = step + 1
+                    out.stopped[live[stopping]] = True
+                    ended |= stopping
+                    n_ended += n_stopping
+            if step + 1 == max_new or n_ended == len(live):
                 break
-            if mask is not None and positions is not None:
-                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-                positions = positions[:, -1:] + 1
-            logits = self._forward(model, token.unsqueeze(-1), cache, mask, positions)
-        return torch.stack(out_tokens, dim=1), torch.stack(out_log_probs, dim=1)
+            if n_ended and n_ended >= _DROP_FRACTION * len(live):
+                keep = (~ended).nonzero().squeeze(-1)
+                cache.keep_rows(keep)
+                live, token, ended, n_ended = live[keep], token[keep], ended[keep], 0
+                if full_mask is not None and next_position is not None:
+                    full_mask, next_position = full_mask[keep], next_position[keep]
+            step_mask = None if full_mask is None else full_mask[:, : width + step + 1]
+            logits = self._forward(model, token.unsqueeze(-1), cache, step_mask, next_position)
+            if next_position is not None:
+                next_position = next_position + 1
+        out.steps = step + 1
+        return out
 
     def _forward(
         self,
         model: PreTrainedModel,
         input_ids: torch.Tensor,
-        cache: DynamicCache,
+        cache: Cache,
         mask: torch.Tensor | None,
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -305,24 +374,25 @@ class EmbeddedEngine:
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits.float()
 
-    def _to_generations(
-        self, tokens: list[list[int]], log_probs: list[list[float]], stops: set[int]
-    ) -> list[Generation]:
+    def _to_generations(self, decoded: _Decoded) -> list[Generation]:
         generations = []
         texts: dict[tuple[int, ...], str] = {}  # RL batches repeat responses; decode each once
-        for row_tokens, row_log_probs in zip(tokens, log_probs, strict=True):
-            end = next((i + 1 for i, t in enumerate(row_tokens) if t in stops), 0)
-            reason: FinishReason = "stop" if end else "length"
-            ids = tuple(row_tokens[:end] if end else row_tokens)
+        steps = decoded.steps
+        tokens = decoded.tokens[:, :steps].tolist()
+        log_probs = decoded.log_probs[:, :steps].tolist()
+        for row_tokens, row_log_probs, length, stopped in zip(
+            tokens, log_probs, decoded.lengths.tolist(), decoded.stopped.tolist(), strict=True
+        ):
+            ids = tuple(row_tokens[:length])
             text = texts.get(ids)
             if text is None:
                 text = texts[ids] = self._tokenizer.decode(ids)
             generations.append(
                 Generation(
                     token_ids=ids,
-                    log_probs=tuple(row_log_probs[: len(ids)]),
+                    log_probs=tuple(row_log_probs[:length]),
                     text=text,
-                    finish_reason=reason,
+                    finish_reason="stop" if stopped else "length",
                     weight_version=self._version,
                 )
             )

@@ -11,6 +11,7 @@ class SamplingParams:
     top_p: float
     top_k: int
     skip_special_tokens: bool
+    ignore_eos: bool
     def __init__(
         self,
         *,
