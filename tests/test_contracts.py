@@ -5,7 +5,7 @@ run had done."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from rlcore.testing import (
     FakeEvalStack,
     FakeTrainingStack,
     RecordingSink,
+    RecordingWeightSink,
     ScriptedEngine,
     label_reward,
 )
@@ -286,3 +287,39 @@ def test_ctrl_c_raises_run_interrupted_with_what_was_done(tmp_path: Path) -> Non
     assert result.built == ("train:actor",)
     assert isinstance(info.value, KeyboardInterrupt)  # `except Exception` does not swallow it
     assert str(info.value) == "interrupted at rollout 2"
+
+
+class InterruptedSync:
+    """Ctrl-C arrives while the weights of rollout 1's update are being received."""
+
+    def __init__(self) -> None:
+        self.inner = ScriptedEngine()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        return self.inner.generate(prompts, params)
+
+    @contextlib.contextmanager
+    def receive_weights(self, version: int) -> Iterator[list[RecordingWeightSink]]:
+        if version == 2:
+            raise KeyboardInterrupt
+        with self.inner.receive_weights(version) as sinks:
+            yield sinks
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rollout_trained_before_ctrl_c_keeps_its_metrics(tmp_path: Path) -> None:
+    sink = RecordingSink()
+    with pytest.raises(RunInterrupted) as info:
+        run(plan(_config(tmp_path)), FakeBackend(), InterruptedSync(), label_reward, DATA, sink)
+    result = info.value.result
+    assert result.trained == (0, 1) and result.interrupted_at == 1
+    trained_rows = [(step, m) for step, m in sink.records if "train/actor/loss" in m]
+    assert [step for step, _ in trained_rows] == [0, 1]
+    # Rollout 1 saved, then was interrupted in its weight sync: no sync time, no new version.
+    assert "perf/save_s" in trained_rows[1][1] and "perf/weight_sync_s" not in trained_rows[1][1]

@@ -601,27 +601,28 @@ def run_training(
             }
         trained.append(rollout_id)
         t3 = time.perf_counter()
-        if should_save(rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None):
-            assert plan.save_dir is not None
-            meta = CheckpointMeta(rollout_id, sampler.consumed, tuple(stacks.training()))
-            write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
-            saved.append(rollout_id)
-        t4 = time.perf_counter()
-        if engine is not None:
-            push_weights(stacks.actor, engine, version=rollout_id + 1)
-        t5 = time.perf_counter()
         metrics.update(
-            {
-                "perf/generate_s": t1 - t0,
-                "perf/advantages_s": t2 - t1,
-                "perf/train_s": t3 - t2,
-                "perf/save_s": t4 - t3,
-                "perf/weight_sync_s": t5 - t4,
-                "rollout/weight_version": float(rollout_id + 1),
-            }
+            {"perf/generate_s": t1 - t0, "perf/advantages_s": t2 - t1, "perf/train_s": t3 - t2}
         )
-        last_train = metrics
-        sink.log(rollout_id, metrics)
+        try:
+            if should_save(
+                rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
+            ):
+                assert plan.save_dir is not None
+                meta = CheckpointMeta(rollout_id, sampler.consumed, tuple(stacks.training()))
+                write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
+                saved.append(rollout_id)
+            t4 = time.perf_counter()
+            metrics["perf/save_s"] = t4 - t3
+            if engine is not None:
+                push_weights(stacks.actor, engine, version=rollout_id + 1)
+            metrics["perf/weight_sync_s"] = time.perf_counter() - t4
+            metrics["rollout/weight_version"] = float(rollout_id + 1)
+        finally:
+            # A trained rollout's metrics are logged even when its save or weight sync is
+            # interrupted (Ctrl-C) or fails: the optimizer step they describe happened.
+            last_train = metrics
+            sink.log(rollout_id, metrics)
         if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             run_eval(rollout_id)
     return RunResult(
