@@ -1,5 +1,5 @@
-"""Watchdogs: the processes a killed process started die with it; a stopped watchdog kills
-nothing."""
+"""Watchdogs: the processes a killed process started die with it, and its shared-memory files
+with them; a stopped watchdog kills nothing."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-# A parent that starts a watchdog, a process in its own session (as a launched server is), and a
-# multiprocessing child with its resource tracker (as Megatron's checkpoint writer does); prints
-# their pids and waits to be killed.
+# A parent that starts a watchdog, a process in its own session (as a launched server is), a
+# multiprocessing child with its resource tracker (as Megatron's checkpoint writer does), and a
+# tensor in shared memory with torch's file_system strategy (as a CPU rank's parameters are, which
+# starts torch_shm_manager); prints the watchdog's and the server's pids and waits to be killed.
 PARENT = """
 import multiprocessing, os, subprocess, sys, time
+import torch, torch.multiprocessing
 from rlcore_megatron.watchdog import watch_group, watch_tree
 
 if __name__ == "__main__":
@@ -27,6 +29,8 @@ if __name__ == "__main__":
     dog = watch_group() if mode == "group" else watch_tree(interval_s=0.2)
     server = subprocess.Popen(["sleep", "600"], start_new_session=(mode == "tree"))
     queue = multiprocessing.get_context("spawn").Manager().Queue()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    weights = torch.ones(1024).share_memory_()
     if sys.argv[2] == "stop":
         dog.stop()
     print(dog.pid, server.pid, flush=True)
@@ -50,6 +54,10 @@ def _start(tmp_path: Path, mode: str, stop: bool) -> tuple[subprocess.Popen[str]
     return parent, children
 
 
+def _shm_files(pid: int) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{pid}_")]
+
+
 def _alive(pids: list[int], within_s: float) -> list[int]:
     deadline = time.monotonic() + within_s
     while True:
@@ -63,14 +71,21 @@ def _alive(pids: list[int], within_s: float) -> list[int]:
 def test_what_a_killed_process_started_dies_with_it(tmp_path: Path, mode: str) -> None:
     parent, children = _start(tmp_path, mode, stop=False)
     try:
-        # watchdog, sleep, resource tracker, manager
-        assert len(children) >= 4, children
+        # watchdog, sleep, resource tracker, manager, torch_shm_manager
+        assert len(children) >= 5, children
+        assert _shm_files(parent.pid), "the parent's tensor is not in /dev/shm"
         # The tree watchdog records descendants every interval_s (0.2 s here): what started less
         # than that before the kill is the documented gap; this test is about the rest.
         time.sleep(0.6)
+        # Ray kills a dead worker's children too, torch_shm_manager (which would remove the
+        # parent's shared-memory files) among them.
+        for child in psutil.Process(parent.pid).children():
+            if child.name().startswith("torch_shm"):
+                child.kill()
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         assert _alive(children, within_s=10) == []
+        assert _shm_files(parent.pid) == []
     finally:
         for pid in _alive(children, within_s=0):
             os.kill(pid, signal.SIGKILL)

@@ -42,6 +42,7 @@ carries the late ranks' Python stacks, read through the actors' second concurren
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -92,6 +93,8 @@ _GRACE_S: Final = 10.0
 """After one rank fails, how long the others get to finish before the group counts as broken."""
 _DIAGNOSTICS: Final = "diagnostics"
 """The actors' second concurrency group: a late rank can still say where it is stuck."""
+_RELEASE_TIMEOUT_S: Final = 10.0
+"""How long :meth:`RankGroup.close` waits for the ranks to free their stacks before killing."""
 
 
 class RankRuntime(Protocol):
@@ -223,6 +226,13 @@ class _RankWorker:
         if self._context is None:
             raise RayGroupError(f"rank {self._rank} has no stack yet: build() did not run")
         return fn(self._context, *args, **kwargs)
+
+    def release(self) -> None:
+        """Drop the stack, so that its storages are freed now: on the CPU, torch then removes the
+        parameters' shared-memory files, which outlive a process killed with its
+        ``torch_shm_manager`` (as Ray kills an actor's children with it)."""
+        self._context = None
+        gc.collect()
 
     @ray.method(concurrency_group=_DIAGNOSTICS)
     def stacks(self) -> str:
@@ -361,6 +371,17 @@ class RankGroup(Generic[S]):
         self._closed = True
         if not ray.is_initialized():  # Ray shut down already took the actors and the group with it
             return
+        # Each rank frees its stack first. Not in a broken group, whose stuck ranks would not
+        # answer: their shared-memory files are left to the watchdogs.
+        if not self._broken:
+            try:
+                ray.wait(
+                    [h.release.remote() for h in self._handles],
+                    num_returns=len(self._handles),
+                    timeout=_RELEASE_TIMEOUT_S,
+                )
+            except RayError:
+                pass  # a dead rank: nothing to release
         for handle in self._handles:
             try:
                 ray.kill(handle, no_restart=True)

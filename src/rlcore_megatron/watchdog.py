@@ -5,16 +5,18 @@ own workers when the driver that started it dies, but not what *they* started (M
 checkpoint writer keeps a ``multiprocessing`` manager, about 300 MB, and its resource tracker),
 and a launched SGLang server runs in its own session. A watchdog is a small separate Python
 process (standard library only, a few MB) that waits for one process to die and then kills what
-it left:
+it left, and removes the shared-memory files torch made for it (``/dev/shm/torch_<pid>_*``: a CPU
+rank's parameters live there for tensor-mode weight sync; torch's own ``torch_shm_manager``, which
+would remove them, is one of the processes killed with the rank):
 
 - :func:`watch_group` (in each rank's actor): waits for the rank's process, without polling
   (``pidfd``), then kills the rank's process group, which its children share.
 - :func:`watch_tree` (in the CLI's driver): records the driver's descendants every
   ``interval_s`` and, when the driver dies, kills the recorded ones still alive and their
-  children. A process started less than ``interval_s`` before the driver is killed may be
-  missed (it was never recorded, and is no longer the driver's descendant once orphaned).
-  :meth:`Watchdog.stop` ends it without killing anything (a run that ends normally
-  closes its pieces itself).
+  children, then removes the recorded ones' shared-memory files. A process started less than
+  ``interval_s`` before the driver is killed may be missed (it was never recorded, and is no
+  longer the driver's descendant once orphaned). :meth:`Watchdog.stop` ends it without killing
+  anything (a run that ends normally closes its pieces itself).
 
 Linux only (``/proc``, process groups); elsewhere both return ``None`` and nothing is watched.
 """
@@ -79,6 +81,19 @@ def wait_for_death(pid, born, interval):
                 return
         yield
 
+def remove_shared_memory(pids):
+    # torch's file_system strategy names its files torch_<creator pid>_...
+    prefixes = tuple(f"torch_{p}_" for p in pids)
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass  # removed meanwhile
+
 mode, pid = sys.argv[1], int(sys.argv[2])
 interval = float(sys.argv[3])
 me = os.getpid()
@@ -105,6 +120,8 @@ for _ in wait_for_death(pid, born, interval):
             recorded = record(recorded)
         except Exception:
             pass  # a process table read mid-change: the next tick reads it again
+
+remove_shared_memory([pid])  # before killpg, which ends this process too in group mode
 if mode == "group":
     os.killpg(pid, signal.SIGKILL)  # the group outlives its leader; this process is in it too
 for _ in range(3):  # again, for children forked while we were killing
@@ -119,6 +136,7 @@ for _ in range(3):  # again, for children forked while we were killing
         except OSError:
             pass
     time.sleep(0.2)
+remove_shared_memory(recorded)  # the killed ones' (a rank's group watchdog may be among them)
 """
 
 

@@ -94,6 +94,12 @@ class WatchedCLI:
                 return alive
             time.sleep(_POLL_S)
 
+    def shared_memory_left(self) -> list[str]:
+        """torch's shared-memory files (``/dev/shm/torch_<pid>_*``) of the recorded processes: a
+        CPU rank's parameters, which outlive a killed rank unless something removes them."""
+        prefixes = tuple(f"torch_{pid}_" for pid in [self.process.pid, *self.seen])
+        return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefixes))
+
     def kill_everything(self) -> None:
         """Clean up after a failed test: what it recorded, then the CLI itself."""
         for pid, created in self.seen.items():

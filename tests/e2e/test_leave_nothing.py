@@ -1,7 +1,8 @@
 """A run stopped half-way leaves nothing behind. `kill -9` of the driver: every process it started
 (Ray, the rank actors and what they started, such as Megatron's checkpoint writer) is gone within
-seconds. Ctrl-C: no traceback, exit 130, a summary saying where the run stopped and which
-checkpoint to resume from, and no processes. The next save removes what an interrupted one left.
+seconds, and so are the ranks' shared-memory files. Ctrl-C: no traceback, exit 130, a summary
+saying where the run stopped and which checkpoint to resume from, and no processes or files. The
+next save removes what an interrupted one left.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def test_kill_9_of_the_driver_leaves_no_process(demo: Path, tmp_path: Path) -> N
         cli.process.send_signal(signal.SIGKILL)
         assert cli.wait(timeout_s=60) == -signal.SIGKILL
         assert cli.survivors(within_s=SURVIVAL_S) == []
+        assert cli.shared_memory_left() == []
     finally:
         cli.kill_everything()
 
@@ -100,6 +102,7 @@ def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(demo: Path, tmp_path: 
         f"checkpoint {latest} (resume with --load {save}); summary in {out / 'summary.json'}"
     ) in err
     assert cli.survivors(within_s=SURVIVAL_S) == []
+    assert cli.shared_memory_left() == []
     # The first save removed the interrupted one's folder and said so.
     assert not debris.exists()
     log = (out / "run.log").read_text()

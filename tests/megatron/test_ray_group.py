@@ -188,6 +188,15 @@ def _wait_for_a_peer_that_never_comes(context: RankContext[EvalStack], rank: int
         time.sleep(600)
 
 
+def _pid(context: RankContext[EvalStack]) -> int:
+    return os.getpid()
+
+
+def _shared_memory_files(pid: int) -> list[str]:
+    """torch's shared-memory files made by process ``pid`` (``file_system`` strategy)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{pid}_")]
+
+
 def _assert_gone(group: RankGroup[Any]) -> None:
     for handle in group.actors:
         with pytest.raises(ray.exceptions.RayActorError):
@@ -424,8 +433,13 @@ def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_pat
     (tmp_path / "ckpt").mkdir()
     stack.save(tmp_path / "ckpt", 3)
     assert stack.load(tmp_path / "ckpt") == 3
+    # The ranks' parameters are in shared memory (for tensor-mode weight sync); closing frees
+    # them before the actors are killed, which would leave the files behind.
+    pids = stack.group.run_on_all_ranks(_pid)
+    assert all(_shared_memory_files(pid) for pid in pids)
     stack.close()
     _assert_gone(stack.group)
+    assert [_shared_memory_files(pid) for pid in pids] == [[], []]
 
 
 @pytest.mark.megatron
