@@ -193,24 +193,33 @@ def _share(bucket: list[_Named], slot: int) -> list[_Named]:
     """The bucket as tensors another process on this machine can map without a further copy.
 
     CUDA tensors and CPU tensors already in shared memory (a Megatron rank's parameters on the
-    CPU, views of them included) go as they are: the server reads the live weights. Other CPU
-    tensors are first copied into shared buffer ``slot``.
+    CPU, views of them included) go as they are: the server reads the live weights. Only the other
+    CPU tensors (those the export made, e.g. q/k/v split out of a fused QKV) are copied, into
+    shared buffer ``slot``: one such tensor must not cost a copy of the whole bucket.
     """
-    if all(t.is_cuda or _in_shared_memory(t) for _, t in bucket):
-        return [(name, t.contiguous() if t.is_cuda else t) for name, t in bucket]
-    offsets, total = _layout(bucket)
-    with _SHARED.lock:
-        buffer = _SHARED.buffers[slot]
-        if buffer is None or buffer.numel() < total:
-            # torch leaves share_memory_ unannotated
-            buffer = torch.empty(total, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]  # see above
-            _SHARED.buffers[slot] = buffer
+    copied = [t for _, t in bucket if not (t.is_cuda or _in_shared_memory(t))]
+    offsets, total = _layout(copied)
+    buffer: torch.Tensor | None = None
+    if copied:
+        with _SHARED.lock:
+            buffer = _SHARED.buffers[slot]
+            if buffer is None or buffer.numel() < total:
+                # torch leaves share_memory_ unannotated
+                buffer = torch.empty(total, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]  # see above
+                _SHARED.buffers[slot] = buffer
+    places = iter(offsets)
     out: list[_Named] = []
-    for (name, tensor), offset in zip(bucket, offsets, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        out.append((name, view))
+    for name, tensor in bucket:
+        if tensor.is_cuda:
+            out.append((name, tensor.contiguous()))
+        elif _in_shared_memory(tensor):
+            out.append((name, tensor))
+        else:
+            assert buffer is not None  # allocated above: ``copied`` holds this tensor
+            offset, nbytes = next(places), tensor.numel() * tensor.element_size()
+            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            out.append((name, view))
     return out
 
 
@@ -225,10 +234,10 @@ def release_shared_buffers() -> None:
         _SHARED.buffers = [None, None]
 
 
-def _layout(bucket: Sequence[_Named]) -> tuple[list[int], int]:
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     offsets: list[int] = []
     total = 0
-    for _, tensor in bucket:
+    for tensor in tensors:
         offsets.append(total)
         nbytes = tensor.numel() * tensor.element_size()
         total += -(-nbytes // _ALIGN) * _ALIGN

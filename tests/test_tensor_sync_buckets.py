@@ -1,0 +1,51 @@
+"""Tensor-mode weight sync on the sending side, without a server: how weights are cut into buckets,
+and which tensors are copied into shared memory before a server on this machine maps them."""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlcore_sglang.weight_sync import _share, iter_buckets, release_shared_buffers
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=40), max_size=12),
+    max_floats=st.integers(min_value=1, max_value=64),
+)
+def test_buckets_keep_order_stay_under_the_limit_and_mark_only_the_last(
+    sizes: list[int], max_floats: int
+) -> None:
+    weights = [(f"w{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = list(iter_buckets(iter(weights), max_floats * 4))
+    assert [name for bucket, _ in buckets for name, _ in bucket] == [n for n, _ in weights]
+    assert [last for _, last in buckets] == [i == len(buckets) - 1 for i in range(len(buckets))]
+    for bucket, _ in buckets:
+        assert bucket
+        # over the limit only as a single tensor larger than a bucket
+        assert len(bucket) == 1 or sum(t.numel() for _, t in bucket) <= max_floats
+
+
+def test_only_tensors_outside_shared_memory_are_copied() -> None:
+    """A rank's parameters (in shared memory) go as themselves; only what the export made (e.g.
+    q/k/v split out of a fused QKV) is copied into the shared buffer, not the whole bucket."""
+    # torch leaves set_sharing_strategy and share_memory_ unannotated
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    release_shared_buffers()
+    try:
+        param = torch.arange(2.0**20).share_memory_()  # type: ignore[no-untyped-call]
+        fused = torch.arange(24.0).reshape(2, 3, 4).share_memory_()  # type: ignore[no-untyped-call]
+        made = fused[:, 1:].reshape(-1, 4)  # a copy: not a view of shared memory
+        bucket = [("param", param), ("view", param[2:6]), ("made", made)]
+        shared = dict(_share(bucket, 0))
+        assert shared["param"].data_ptr() == param.data_ptr()
+        assert shared["view"].data_ptr() == param[2:6].data_ptr()
+        assert shared["made"].data_ptr() != made.data_ptr()
+        assert shared["made"].is_shared()  # type: ignore[no-untyped-call]  # unannotated
+        assert torch.equal(shared["made"], made)
+        # the buffer holds the one copied tensor, not the 4 MiB parameter
+        assert shared["made"].untyped_storage().nbytes() < 2**20
+    finally:
+        release_shared_buffers()
