@@ -3,12 +3,19 @@ and which tensors are copied into shared memory before a server on this machine 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.multiprocessing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlcore.weights import release_sender_resources
 from rlcore_sglang.weight_sync import _share, iter_buckets, release_shared_buffers
+
+
+def _own_shared_memory_files() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{os.getpid()}_")]
 
 
 @given(
@@ -31,7 +38,8 @@ def test_buckets_keep_order_stay_under_the_limit_and_mark_only_the_last(
 def test_only_tensors_outside_shared_memory_are_copied() -> None:
     """A rank's parameters (in shared memory) go as themselves; only what the export made (e.g.
     q/k/v split out of a fused QKV) is copied into the shared buffer, not the whole bucket."""
-    # torch leaves set_sharing_strategy and share_memory_ unannotated
+    # torch leaves its sharing-strategy functions and share_memory_ unannotated
+    strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]
     torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
     release_shared_buffers()
     try:
@@ -46,6 +54,13 @@ def test_only_tensors_outside_shared_memory_are_copied() -> None:
         assert shared["made"].is_shared()  # type: ignore[no-untyped-call]  # unannotated
         assert torch.equal(shared["made"], made)
         # the buffer holds the one copied tensor, not the 4 MiB parameter
-        assert shared["made"].untyped_storage().nbytes() < 2**20
+        buffer = shared["made"].untyped_storage()
+        assert buffer.nbytes() < 2**20
+        files = _own_shared_memory_files()
+        del shared, buffer
+        # What a rank does before it is killed: the buffer's file goes, the parameters' stay.
+        release_sender_resources()
+        assert len(_own_shared_memory_files()) == len(files) - 1
     finally:
         release_shared_buffers()
+        torch.multiprocessing.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]

@@ -13,7 +13,7 @@ to the caller, is what keeps a 15 GB model out of the driver.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, final
 
 import attrs
@@ -21,7 +21,15 @@ import attrs
 if TYPE_CHECKING:
     from rlcore.protocols import NamedTensors, WeightSink
 
-__all__ = ["AnyProcess", "InProcess", "OnHost", "SinkPlacement", "deliver"]
+__all__ = [
+    "AnyProcess",
+    "InProcess",
+    "OnHost",
+    "SinkPlacement",
+    "deliver",
+    "on_release",
+    "release_sender_resources",
+]
 
 
 @final
@@ -63,3 +71,21 @@ def deliver(weights: NamedTensors, sinks: Sequence[WeightSink]) -> None:
     pairs = list(weights)
     for sink in sinks:
         sink.receive(pairs)
+
+
+_RELEASERS: list[Callable[[], None]] = []
+
+
+def on_release(release: Callable[[], None]) -> None:
+    """Have :func:`release_sender_resources` call ``release`` (once, however often registered): for
+    what a sink keeps in the sending process from one update to the next, such as tensor mode's
+    shared-memory buffers."""
+    if release not in _RELEASERS:
+        _RELEASERS.append(release)
+
+
+def release_sender_resources() -> None:
+    """Free what sinks kept in this process between updates. A process whose stack is closed calls
+    it (a Megatron rank, before it is killed: shared memory outlives a killed process)."""
+    for release in _RELEASERS:
+        release()

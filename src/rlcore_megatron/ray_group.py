@@ -59,9 +59,10 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from rlcore.errors import RLCoreError
 from rlcore.protocols import Backend, EvalStack, TrainingStack
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.weights import release_sender_resources
 from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
 from rlcore_megatron.placement import PlacementRequest
-from rlcore_megatron.watchdog import watch_group
+from rlcore_megatron.watchdog import remove_shared_memory, watch_group
 
 __all__ = [
     "GroupOptions",
@@ -171,15 +172,15 @@ class _RankWorker:
         self._tp = 1
         self._context: RankContext[EvalStack] | None = None
 
-    def node(self) -> tuple[str, str, int | None]:
-        """(node id, node IP, the CUDA ordinal of the GPU Ray assigned to this actor, if any)."""
+    def node(self) -> tuple[str, str, int | None, int]:
+        """(node id, node IP, the CUDA ordinal of the GPU Ray gave this actor if any, pid)."""
         context = ray.get_runtime_context()
         gpus = context.get_accelerator_ids().get("GPU", [])
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ordinal = cuda_ordinal(str(gpus[0]), visible) if gpus else None
         # ray leaves get_node_ip_address unannotated
         ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return context.get_node_id(), ip, ordinal
+        return context.get_node_id(), ip, ordinal, os.getpid()
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -228,10 +229,11 @@ class _RankWorker:
         return fn(self._context, *args, **kwargs)
 
     def release(self) -> None:
-        """Drop the stack, so that its storages are freed now: on the CPU, torch then removes the
-        parameters' shared-memory files, which outlive a process killed with its
-        ``torch_shm_manager`` (as Ray kills an actor's children with it)."""
+        """Drop the stack and what weight sinks kept here, so that their storages are freed now:
+        on the CPU, torch then removes their shared-memory files, which outlive a process killed
+        with its ``torch_shm_manager`` (as Ray kills an actor's children with it)."""
         self._context = None
+        release_sender_resources()  # what weight sinks kept here between updates
         gc.collect()
 
     @ray.method(concurrency_group=_DIAGNOSTICS)
@@ -256,11 +258,13 @@ _ACTOR_CLASS: Final[Any] = ray.remote(concurrency_groups={_DIAGNOSTICS: 1})(  # 
 @final
 @attrs.frozen
 class RankNode:
-    """Where Ray put one rank: node, its IP, and the CUDA ordinal of its GPU (``None``: CPU)."""
+    """Where Ray put one rank: node, its IP, the CUDA ordinal of its GPU (``None``: CPU), and
+    the rank's process id there."""
 
     node_id: str
     address: str
     gpu: int | None
+    pid: int
 
 
 @final
@@ -342,11 +346,11 @@ class RankGroup(Generic[S]):
             )
             for rank, slot in enumerate(self._slots)
         )
-        nodes: list[tuple[str, str, int | None]] = self._gather(
+        nodes: list[tuple[str, str, int | None, int]] = self._gather(
             [h.node.remote() for h in self._handles], "starting the rank actors", deadline
         )
         self._nodes = tuple(RankNode(*node) for node in nodes)
-        local_ranks = _local_ranks(nodes, gpu=self._slots[0].gpu)
+        local_ranks = _local_ranks(self._nodes, gpu=self._slots[0].gpu)
         (port,) = self._gather([self._handles[0].free_port.remote()], "picking a port", deadline)
         master_addr = nodes[0][1]
         seed = self._spec.model.seed
@@ -387,6 +391,10 @@ class RankGroup(Generic[S]):
                 ray.kill(handle, no_restart=True)
             except RayError:
                 pass  # already dead
+        # What a rank could not free (a storage something else kept alive, a stuck rank) and
+        # its watchdog, killed with it, did not remove: the ranks on this machine, once gone.
+        here = ray.get_runtime_context().get_node_id()
+        remove_shared_memory([n.pid for n in self._nodes if n.node_id == here], _RELEASE_TIMEOUT_S)
         if self._own is not None:
             self._own.close()
 
@@ -525,15 +533,15 @@ def _name(fn: Callable[..., object]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
 
-def _local_ranks(nodes: Sequence[tuple[str, str, int | None]], *, gpu: bool) -> list[int]:
+def _local_ranks(nodes: Sequence[RankNode], *, gpu: bool) -> list[int]:
     """LOCAL_RANK per rank: its CUDA ordinal on GPUs, else its index among its node's ranks."""
     if gpu:
-        return [ordinal or 0 for _, _, ordinal in nodes]
+        return [node.gpu or 0 for node in nodes]
     seen: dict[str, int] = {}
     out = []
-    for node_id, _, _ in nodes:
-        out.append(seen.get(node_id, 0))
-        seen[node_id] = out[-1] + 1
+    for node in nodes:
+        out.append(seen.get(node.node_id, 0))
+        seen[node.node_id] = out[-1] + 1
     return out
 
 

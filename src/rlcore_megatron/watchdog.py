@@ -26,9 +26,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from typing import Final, final
 
-__all__ = ["Watchdog", "watch_group", "watch_tree"]
+__all__ = ["Watchdog", "remove_shared_memory", "watch_group", "watch_tree"]
 
 # Run as `python -I -S -c _SCRIPT MODE PID [INTERVAL]`: nothing imported but the standard library.
 _SCRIPT: Final = r"""
@@ -195,3 +197,34 @@ def watch_group() -> Watchdog | None:
         return None
     # In the group it will kill, so that it dies with it; it blocks on a pidfd, never polls.
     return _start(["group", str(os.getpid()), "1.0"], new_session=False)
+
+
+def remove_shared_memory(pids: Sequence[int], wait_s: float) -> None:
+    """Remove torch's shared-memory files (``/dev/shm/torch_<pid>_*``) of the processes ``pids``
+    of this machine, once they have exited (waiting up to ``wait_s`` for them; the files of one
+    still running after that are left alone)."""
+    if not pids or not os.path.isdir("/dev/shm"):
+        return
+    deadline = time.monotonic() + wait_s
+    gone = []
+    for pid in pids:
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _running(pid):
+            gone.append(pid)
+    prefixes = tuple(f"torch_{pid}_" for pid in gone)
+    for name in os.listdir("/dev/shm") if prefixes else ():
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass  # removed meanwhile
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z"  # a zombie holds no memory

@@ -52,7 +52,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors
-from rlcore.weights import AnyProcess, OnHost
+from rlcore.weights import AnyProcess, OnHost, on_release
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import (
     CallPolicy,
@@ -207,6 +207,7 @@ def _share(bucket: list[_Named], slot: int) -> list[_Named]:
                 # torch leaves share_memory_ unannotated
                 buffer = torch.empty(total, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]  # see above
                 _SHARED.buffers[slot] = buffer
+                on_release(release_shared_buffers)
     places = iter(offsets)
     out: list[_Named] = []
     for name, tensor in bucket:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ from rlcore_megatron.ray_group import (
     MegatronRuntime,
     RankContext,
     RankGroup,
+    RankNode,
     RayGroupError,
     _local_ranks,
     split_evenly,
@@ -214,9 +216,12 @@ def test_split_evenly_keeps_order_and_sizes() -> None:
 
 
 def test_local_ranks_count_per_node_or_follow_the_gpu() -> None:
-    nodes = [("a", "10.0.0.1", None), ("a", "10.0.0.1", None), ("b", "10.0.0.2", None)]
-    assert _local_ranks(nodes, gpu=False) == [0, 1, 0]
-    assert _local_ranks([("a", "ip", 3), ("a", "ip", 1)], gpu=True) == [3, 1]
+    a1, a2 = RankNode("a", "10.0.0.1", None, 11), RankNode("a", "10.0.0.1", None, 12)
+    assert _local_ranks([a1, a2, RankNode("b", "10.0.0.2", None, 11)], gpu=False) == [0, 1, 0]
+    assert _local_ranks([RankNode("a", "ip", 3, 11), RankNode("a", "ip", 1, 12)], gpu=True) == [
+        3,
+        1,
+    ]
     assert cuda_ordinal("6", "4,6") == 1  # Ray's ids name devices of CUDA_VISIBLE_DEVICES
     assert cuda_ordinal("2", None) == 2
 
@@ -245,6 +250,26 @@ def test_forward_splits_over_data_parallel_ranks(two_cpus_four_slots: tuple[Rank
     group.close()  # twice is fine
     with pytest.raises(RayGroupError, match="closed"):
         load(group, Path("/nowhere"))
+
+
+def _keep_a_shared_tensor(context: RankContext[EvalStack]) -> int:
+    """Share a tensor the way a CPU rank's parameters are, and keep it where releasing the stack
+    does not reach (as Megatron's globals may)."""
+    import torch
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    kept = torch.ones(1024).share_memory_()  # type: ignore[no-untyped-call]  # unannotated
+    sys.modules[__name__].__dict__["_KEPT"] = kept
+    return os.getpid()
+
+
+def test_closing_removes_the_shared_memory_a_rank_could_not_free(ray_cluster: None) -> None:
+    group = _echo_group((1,))
+    (pid,) = group.call_ranks(_keep_a_shared_tensor, {0: ()})
+    assert _shared_memory_files(pid)
+    group.close()
+    assert _shared_memory_files(pid) == []
 
 
 def test_a_group_on_its_own_reserves_and_gives_back_its_slots(ray_cluster: None) -> None:
