@@ -29,10 +29,11 @@ if __name__ == "__main__":
     dog = watch_group() if mode == "group" else watch_tree(interval_s=0.2)
     server = subprocess.Popen(["sleep", "600"], start_new_session=(mode == "tree"))
     queue = multiprocessing.get_context("spawn").Manager().Queue()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    weights = torch.ones(1024).share_memory_()
     if sys.argv[2] == "stop":
         dog.stop()
+    else:  # a stopped watchdog removes nothing either: the test would leave the file behind
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        weights = torch.ones(1024).share_memory_()
     print(dog.pid, server.pid, flush=True)
     time.sleep(600)
 """
