@@ -31,6 +31,9 @@ tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
 
 Lifetime: each rank's actor starts a watchdog (:func:`~rlcore_megatron.watchdog.watch_group`)
 that kills the processes the rank started when the rank dies, however it dies.
+:meth:`RankGroup.close` first asks every rank to free its stack, then kills the actors and
+removes what the ranks on the driver's machine left in ``/dev/shm`` (a CPU rank's parameters are
+in shared memory, whose files outlive a killed process).
 
 Failures: a call fails as soon as one rank fails. Errors a stack raises on purpose (an
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
@@ -294,6 +297,7 @@ class RankGroup(Generic[S]):
         self._options = options
         self._handles: tuple[Any, ...] = ()
         self._nodes: tuple[RankNode, ...] = ()
+        self._driver_node = ray.get_runtime_context().get_node_id()
         self._broken = ""
         self._closed = False
         parallel = spec.model.parallel
@@ -373,10 +377,14 @@ class RankGroup(Generic[S]):
         if self._closed:
             return
         self._closed = True
+        # The ranks on this machine: what they could not free (a storage something else kept
+        # alive, a stuck rank) and their watchdogs, killed with them, did not remove.
+        local = [n.pid for n in self._nodes if n.node_id == self._driver_node]
         if not ray.is_initialized():  # Ray shut down already took the actors and the group with it
+            remove_shared_memory(local, _RELEASE_TIMEOUT_S)
             return
         # Each rank frees its stack first. Not in a broken group, whose stuck ranks would not
-        # answer: their shared-memory files are left to the watchdogs.
+        # answer.
         if not self._broken:
             try:
                 ray.wait(
@@ -391,10 +399,7 @@ class RankGroup(Generic[S]):
                 ray.kill(handle, no_restart=True)
             except RayError:
                 pass  # already dead
-        # What a rank could not free (a storage something else kept alive, a stuck rank) and
-        # its watchdog, killed with it, did not remove: the ranks on this machine, once gone.
-        here = ray.get_runtime_context().get_node_id()
-        remove_shared_memory([n.pid for n in self._nodes if n.node_id == here], _RELEASE_TIMEOUT_S)
+        remove_shared_memory(local, _RELEASE_TIMEOUT_S)
         if self._own is not None:
             self._own.close()
 
