@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,16 +18,6 @@ from rlcore.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "0123456789+= "
 VOCAB = 3 + len(ALPHABET)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The tiny model gains nothing from threads, and on a busy shared host extra OpenMP threads
-    spin-wait for cores; one thread keeps these tests fast and their timing steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

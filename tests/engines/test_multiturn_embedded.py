@@ -4,7 +4,6 @@ go to the engine in one batch per step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,6 @@ from rlcore.samples import Prompt, Sample, SamplingParams, Turn
 from rlcore.tiny import build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "0123456789+= "
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
