@@ -212,16 +212,17 @@ def _restore_torch_adam_steps(optimizer: MegatronOptimizer) -> None:
                     inner.state[param]["step"] = _adam_step(float(group["step"]), param, group)
 
 
-def _check_optimizer_info(
-    path: Path, saved: Mapping[str, object], here: Mapping[str, object]
+def _check_matches(
+    path: Path, saved: Mapping[str, object], here: Mapping[str, object], holds: str, advice: str
 ) -> None:
+    """Refuse a checkpoint whose recorded ``saved`` differs from ``here`` in any key of ``here``:
+    ``checkpoint PATH holds HOLDS: KEY is A there, B here (ADVICE)``."""
     wrong = sorted(k for k in here if saved.get(k) != here[k])
     if wrong:
         raise CheckpointError(
-            f"checkpoint {path} holds the state of a different optimizer: "
+            f"checkpoint {path} holds {holds}: "
             + ", ".join(f"{k} is {saved.get(k)!r} there, {here[k]!r} here" for k in wrong)
-            + " (resume with the --bf16 and --use-distributed-optimizer settings that saved it; "
-            "its model weights load into any precision, e.g. for --num-rollout 0)"
+            + f" ({advice})"
         )
 
 
@@ -242,19 +243,25 @@ def load_checkpoint(
     path = Path(path)
     meta = _read_meta(path)
     rollout_id = int(meta["rollout_id"])
-    saved = meta.get("model", {})
-    wrong = sorted(k for k in model_info if saved.get(k) != model_info[k])
-    if wrong:
-        raise CheckpointError(
-            f"checkpoint {path} holds a different model: "
-            + ", ".join(f"{k} is {saved.get(k)!r} there, {model_info[k]!r} here" for k in wrong)
-            + " (load an actor checkpoint into an actor, a critic's into a critic)"
-        )
+    _check_matches(
+        path,
+        meta.get("model", {}),
+        model_info,
+        "a different model",
+        "load an actor checkpoint into an actor, a critic's into a critic",
+    )
     _agree_on_rollout_id(path, rollout_id)
     if optimizer is not None and not (path / "optimizer").is_dir():
         raise CheckpointError(f"checkpoint {path} has no optimizer state to resume training from")
     if optimizer is not None:
-        _check_optimizer_info(path, meta.get("optimizer", LEGACY_OPTIMIZER_INFO), optimizer_info)
+        _check_matches(
+            path,
+            meta.get("optimizer", LEGACY_OPTIMIZER_INFO),
+            optimizer_info,
+            "the state of a different optimizer",
+            "resume with the --bf16 and --use-distributed-optimizer settings that saved it; its "
+            "model weights load into any precision, e.g. for --num-rollout 0",
+        )
     try:
         model_sd = model.sharded_state_dict()
         if optimizer is not None:

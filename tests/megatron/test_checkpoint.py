@@ -193,3 +193,14 @@ def test_saving_without_psutil_is_a_clear_error(
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(CheckpointError, match="psutil"):  # dist_checkpointing would hang instead
         stack.save(tmp_path / "ckpt", rollout_id=0)
+
+
+def test_an_actor_checkpoint_is_refused_by_a_critic(tiny_hf: Path, tmp_path: Path) -> None:
+    _stack(tiny_hf).save(tmp_path / "actor", rollout_id=1)
+    critic = MegatronBackend().build_eval_stack(EvalSpec(ModelSpec("critic", tiny_hf)))
+    with pytest.raises(CheckpointError) as info:
+        critic.load(tmp_path / "actor")
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'actor'} holds a different model: head is 'lm' there, 'value' "
+        "here (load an actor checkpoint into an actor, a critic's into a critic)"
+    )
