@@ -57,6 +57,7 @@ import torch
 
 from benchmarks.results import Ratio, write_ratios
 from rlcore.data import HFTokenizer
+from rlcore.protocols import RolloutEngine
 from rlcore.samples import Prompt, SamplingParams
 
 THREADS = 2
@@ -111,10 +112,8 @@ def params_for(max_new_tokens: int, variable: bool) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
 
 
-def embedded_runner(model_dir: Path, batch: list[Prompt], tok: HFTokenizer) -> Runner:
-    from rlcore.engines.embedded import EmbeddedEngine
-
-    engine = EmbeddedEngine.from_pretrained(model_dir, tok, seed=0)
+def engine_runner(engine: RolloutEngine, batch: list[Prompt]) -> Runner:
+    """``engine`` generating ``batch``; fixed-length answers are checked to be that long."""
 
     def run(max_new_tokens: int, variable: bool) -> int:
         gens = engine.generate(batch, params_for(max_new_tokens, variable))
@@ -123,6 +122,14 @@ def embedded_runner(model_dir: Path, batch: list[Prompt], tok: HFTokenizer) -> R
         return sum(len(g.token_ids) for g in gens)
 
     return run
+
+
+def embedded_runner(model_dir: Path, batch: list[Prompt], tok: HFTokenizer) -> Runner:
+    from rlcore.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine.from_pretrained(model_dir, tok, seed=0)
+
+    return engine_runner(engine, batch)
 
 
 def generate_runner(model_dir: Path, batch: list[Prompt]) -> Runner:
@@ -192,13 +199,7 @@ def sglang_runner(
     stack.callback(engine.close)
     print(f"sglang server up in {time.perf_counter() - start:.0f} s", flush=True)
 
-    def run(max_new_tokens: int, variable: bool) -> int:
-        gens = engine.generate(batch, params_for(max_new_tokens, variable))
-        if not variable:
-            assert all(len(g.token_ids) == max_new_tokens for g in gens)
-        return sum(len(g.token_ids) for g in gens)
-
-    return run
+    return engine_runner(engine, batch)
 
 
 def load() -> str:
