@@ -24,9 +24,16 @@ from rlcore.preflight import safetensors_problem
 from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.arch import ModelArch, arch_from_hf_config
-from rlcore_megatron.weight_map import EXPERT_KINDS, full_tensors, local_shard, param_map
+from rlcore_megatron.weight_map import (
+    EXPERT_KINDS,
+    full_tensors,
+    local_shard,
+    param_map,
+    reshape,
+)
 
 __all__ = [
+    "ExportBuffers",
     "HFReader",
     "export_hf_weights",
     "hf_config_for_save",
@@ -169,15 +176,51 @@ def _gather(local: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[to
     return shards
 
 
+@final
+class ExportBuffers:
+    """Where a stack's weight export lays out, on the CPU, the tensors it cannot give as views of
+    the parameters (q, k and v split out of a fused QKV): one tensor per HF name, reused export
+    after export, in shared memory.
+
+    Reused, so that no sync allocates and faults in fresh pages; shared, like a CPU rank's
+    parameters (:func:`rlcore_megatron.backend.share_cpu_parameters`), so that a tensor-mode
+    sink hands them to a server on this machine without a copy, and the server, which keeps
+    its mappings (:mod:`rlcore_sglang.server_loader`), finds them mapped already. Costs the
+    size of those tensors for as long as the stack lives. CUDA tensors are made fresh: the
+    caching allocator already reuses their memory, and training needs it in between.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def materialise(self, name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``view``'s elements as a tensor of ``shape`` (see :data:`~.weight_map.Materialise`);
+        on the CPU it is this name's buffer, valid until the next export."""
+        if view.device.type != "cpu":
+            return view.reshape(shape)
+        buffer = self._tensors.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != view.dtype:
+            buffer = torch.empty(shape, dtype=view.dtype)
+            buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+            self._tensors[name] = buffer
+        buffer.view(view.shape).copy_(view)
+        return buffer
+
+
 @torch.no_grad()
 def export_hf_weights(
-    model: torch.nn.Module, arch: ModelArch, role: Role
+    model: torch.nn.Module,
+    arch: ModelArch,
+    role: Role,
+    buffers: ExportBuffers | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under HF names, gathered over TP and EP (every rank must iterate this).
 
     With one rank the tensors are views of the live parameters (no copy): copy them if you keep
-    them past the next ``train_step``.
+    them past the next ``train_step``. The others are fresh tensors, or with ``buffers`` (a
+    stack's, for its weight sinks), that object's buffers, rewritten by the next export.
     """
+    materialise = reshape if buffers is None else buffers.materialise
     params = dict(model.named_parameters())
     _, tp_size = _tp()
     _, etp_size = _etp()
@@ -191,11 +234,11 @@ def export_hf_weights(
     for i, entry in enumerate(maps[ep_rank]):
         local = params[entry.megatron].detach()
         if entry.kind not in EXPERT_KINDS:
-            full = full_tensors(entry, _gather(local, tp_group, tp_size), arch)
+            full = full_tensors(entry, _gather(local, tp_group, tp_size), arch, materialise)
             yield from zip(entry.hf, full, strict=True)
             continue
         # this EP rank's expert, whole; then every EP rank's
-        mine = full_tensors(entry, _gather(local, etp_group, etp_size), arch)
+        mine = full_tensors(entry, _gather(local, etp_group, etp_size), arch, materialise)
         for k, tensor in enumerate(mine):
             for r, full_tensor in enumerate(_gather(tensor, ep_group, ep_size)):
                 yield maps[r][i].hf[k], full_tensor

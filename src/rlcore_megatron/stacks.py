@@ -36,7 +36,7 @@ from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore.weights import deliver
 from rlcore_megatron import checkpoint, moe
 from rlcore_megatron.arch import ModelArch
-from rlcore_megatron.hf_weights import export_hf_weights
+from rlcore_megatron.hf_weights import ExportBuffers, export_hf_weights
 from rlcore_megatron.model import uses_sequence_parallel
 
 if TYPE_CHECKING:
@@ -174,6 +174,7 @@ class MegatronEvalStack:
         self.arch = arch
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+        self._export_buffers = ExportBuffers()
 
     @property
     def spec(self) -> ModelSpec:
@@ -198,7 +199,8 @@ class MegatronEvalStack:
         return export_hf_weights(self.model, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_hf_weights(self.model, self.arch, self.spec.role), sinks)
+        weights = export_hf_weights(self.model, self.arch, self.spec.role, self._export_buffers)
+        send_exported(weights, sinks)
 
 
 @final
@@ -227,6 +229,7 @@ class MegatronTrainingStack:
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
         self._is_critic = spec.model.role == "critic"
+        self._export_buffers = ExportBuffers()
 
     @property
     def spec(self) -> ModelSpec:
@@ -264,7 +267,8 @@ class MegatronTrainingStack:
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_hf_weights(self.gpt, self.arch, self.spec.role), sinks)
+        weights = export_hf_weights(self.gpt, self.arch, self.spec.role, self._export_buffers)
+        send_exported(weights, sinks)
 
     def load(self, path: Path) -> int:
         info = model_info(self.arch, self.spec.role)

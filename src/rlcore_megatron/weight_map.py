@@ -20,6 +20,7 @@ which transformers 5 fuses on load and splits again on ``save_pretrained``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final, Literal, final
 
 import attrs
@@ -28,7 +29,16 @@ import torch
 from rlcore.specs import Role
 from rlcore_megatron.arch import ModelArch
 
-__all__ = ["EXPERT_KINDS", "Kind", "ParamMapping", "full_tensors", "local_shard", "param_map"]
+__all__ = [
+    "EXPERT_KINDS",
+    "Kind",
+    "Materialise",
+    "ParamMapping",
+    "full_tensors",
+    "local_shard",
+    "param_map",
+    "reshape",
+]
 
 Kind = Literal["vocab", "row", "replicated", "qkv", "fc1", "expert_fc1", "expert_row"]
 EXPERT_KINDS: Final = frozenset({"expert_fc1", "expert_row"})
@@ -149,13 +159,28 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch
     return fused if q.dim() == 2 else fused.reshape(-1)
 
 
-def _split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, ...]:
+Materialise = Callable[[str, torch.Tensor, tuple[int, ...]], torch.Tensor]
+"""``(hf_name, view, shape)``: a tensor of ``shape`` holding ``view``'s elements in order, for a
+tensor the export has to lay out anew (q, k and v out of a fused QKV, whose rows interleave)."""
+
+
+def reshape(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The default :data:`Materialise`: ``view.reshape(shape)`` (a fresh tensor)."""
+    return view.reshape(shape)
+
+
+def _split_qkv(
+    qkv: torch.Tensor, arch: ModelArch, names: tuple[str, ...], materialise: Materialise
+) -> list[torch.Tensor]:
     groups, hd = arch.num_kv_heads, arch.head_dim
     per = arch.num_heads // groups
     cols = qkv.shape[1] if qkv.dim() == 2 else 1
     parts = torch.split(qkv.reshape(groups, (per + 2) * hd, cols), [per * hd, hd, hd], dim=1)
-    shape = (-1, cols) if qkv.dim() == 2 else (-1,)
-    return tuple(p.reshape(shape) for p in parts)
+    out = []
+    for name, part in zip(names, parts, strict=True):
+        rows = groups * part.shape[1]
+        out.append(materialise(name, part, (rows, cols) if qkv.dim() == 2 else (rows,)))
+    return out
 
 
 def local_shard(
@@ -182,10 +207,14 @@ def local_shard(
 
 
 def full_tensors(
-    entry: ParamMapping, shards: list[torch.Tensor], arch: ModelArch
+    entry: ParamMapping,
+    shards: list[torch.Tensor],
+    arch: ModelArch,
+    materialise: Materialise = reshape,
 ) -> list[torch.Tensor]:
     """Inverse of :func:`local_shard`: the HF tensors from every (expert) tensor-parallel rank's
-    shard, in rank order."""
+    shard, in rank order. Views of the shards where the layout allows; ``materialise`` makes the
+    others (default: fresh tensors)."""
     if entry.kind == "replicated":
         return [shards[0]]
     if entry.kind in ("row", "expert_row"):
@@ -197,5 +226,5 @@ def full_tensors(
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
     if entry.kind == "qkv":
-        return list(_split_qkv(full, arch))
+        return _split_qkv(full, arch, entry.hf, materialise)
     return [full[: arch.vocab_size]]  # vocab

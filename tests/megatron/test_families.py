@@ -20,6 +20,7 @@ from rlcore.samples import Sample
 from rlcore_megatron.arch import ModelArch, RopeScaling, arch_from_hf_config, read_hf_config
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.hf_weights import (
+    ExportBuffers,
     HFReader,
     export_hf_weights,
     load_hf_weights,
@@ -262,3 +263,31 @@ def test_parallel_sizes_that_do_not_fit_the_model_are_refused() -> None:
     with pytest.raises(ConfigError) as info:
         check_parallel(arch_from_hf_config(tiny_config("qwen3")), 1, 2)
     assert "expert_model_parallel_size" in info.value.paths
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # GQA; qwen2 adds the fused QKV bias
+def test_export_buffers_give_the_same_weights_in_reused_shared_memory(
+    family: Family, family_models: FamilyModels
+) -> None:
+    """What a stack's weight sinks get: the plain export's values, with the tensors the export
+    has to make (q, k, v) in shared buffers that the next export rewrites in place, so that a
+    server on this machine maps them once (a changed parameter shows through the same buffer)."""
+    model, arch = loaded_model(family_models.folder(family))
+    buffers = ExportBuffers()
+    first = dict(export_hf_weights(model, arch, "actor", buffers))
+    plain = weights(export_hf_weights(model, arch, "actor"))
+    assert first.keys() == plain.keys()
+    for name, tensor in plain.items():
+        assert torch.equal(first[name], tensor), name
+    made = [name for name in first if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")]
+    assert len(made) == arch.num_layers * (6 if arch.qkv_bias else 3)
+    assert all(first[name].is_shared() for name in made)  # type: ignore[no-untyped-call]
+    places = {name: first[name].data_ptr() for name in made}
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    second = dict(export_hf_weights(model, arch, "actor", buffers))
+    assert {name: second[name].data_ptr() for name in made} == places
+    for name, tensor in export_hf_weights(model, arch, "actor"):
+        assert torch.equal(second[name], tensor), name
