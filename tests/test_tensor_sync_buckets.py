@@ -11,7 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlcore.weights import release_sender_resources
-from rlcore_sglang.weight_sync import _share, iter_buckets, release_shared_buffers
+from rlcore_sglang.weight_sync import (
+    _held_in_flight,
+    _share,
+    iter_buckets,
+    release_shared_buffers,
+)
 
 
 def _own_shared_memory_files() -> list[str]:
@@ -19,20 +24,33 @@ def _own_shared_memory_files() -> list[str]:
 
 
 @given(
-    sizes=st.lists(st.integers(min_value=1, max_value=40), max_size=12),
+    tensors=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=12),
     max_floats=st.integers(min_value=1, max_value=64),
 )
 def test_buckets_keep_order_stay_under_the_limit_and_mark_only_the_last(
-    sizes: list[int], max_floats: int
+    tensors: list[tuple[int, bool]], max_floats: int
 ) -> None:
-    weights = [(f"w{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
-    buckets = list(iter_buckets(iter(weights), max_floats * 4))
+    """Under the limit in the bytes they hold: a tensor that holds none (one already in shared
+    memory, for the tensor sink) never starts a bucket of its own."""
+    weights = [(f"w{i}", torch.zeros(n)) for i, (n, _) in enumerate(tensors)]
+    free = {f"w{i}" for i, (_, is_free) in enumerate(tensors) if is_free}
+    sizes = {name: 0 if name in free else t.numel() for name, t in weights}
+    by_tensor = {t.data_ptr(): sizes[name] for name, t in weights}
+
+    def held(tensor: torch.Tensor) -> int:
+        return 4 * by_tensor[tensor.data_ptr()]
+
+    buckets = list(iter_buckets(iter(weights), max_floats * 4, held))
     assert [name for bucket, _ in buckets for name, _ in bucket] == [n for n, _ in weights]
     assert [last for _, last in buckets] == [i == len(buckets) - 1 for i in range(len(buckets))]
-    for bucket, _ in buckets:
+    for index, (bucket, _) in enumerate(buckets):
         assert bucket
-        # over the limit only as a single tensor larger than a bucket
-        assert len(bucket) == 1 or sum(t.numel() for _, t in bucket) <= max_floats
+        load = sum(sizes[name] for name, _ in bucket)
+        # over the limit only as a single holding tensor larger than a bucket
+        assert load <= max_floats or sum(sizes[name] > 0 for name, _ in bucket) == 1
+        if index > 0:  # a bucket is only cut by a tensor that would not fit
+            before = buckets[index - 1][0]
+            assert sum(sizes[name] for name, _ in before) + sizes[bucket[0][0]] > max_floats
 
 
 def test_only_tensors_outside_shared_memory_are_copied() -> None:
@@ -47,6 +65,8 @@ def test_only_tensors_outside_shared_memory_are_copied() -> None:
         fused = torch.arange(24.0).reshape(2, 3, 4).share_memory_()  # type: ignore[no-untyped-call]
         made = fused[:, 1:].reshape(-1, 4)  # a copy: not a view of shared memory
         bucket = [("param", param), ("view", param[2:6]), ("made", made)]
+        # what each holds in a tensor-mode bucket: only the copy takes memory
+        assert [_held_in_flight(t) for _, t in bucket] == [0, 0, made.numel() * 4]
         shared = dict(_share(bucket, 0))
         assert shared["param"].data_ptr() == param.data_ptr()
         assert shared["view"].data_ptr() == param[2:6].data_ptr()

@@ -34,6 +34,7 @@ from rlcore.hosts import LocalProcessHost
 from rlcore.protocols import NamedTensors, ProcessHost, WeightSink
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
 from rlcore.weights import deliver
+from rlcore_sglang import server_loader
 from rlcore_sglang.launcher import LaunchSettings, launch_servers
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import (
@@ -76,13 +77,17 @@ class SGLangEngine:
         *,
         tp_sizes: Sequence[int] | None = None,
         hosts: Sequence[str] | None = None,
+        loaders: Sequence[str | None] | None = None,
     ) -> None:
-        """``hosts``: the address of each server's machine (default: the host in its URL)."""
+        """``hosts``: the address of each server's machine (default: the host in its URL).
+        ``loaders``: the custom weight loader each server registered for tensor-mode updates
+        (default: none, SGLang's own loading)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         self.servers: tuple[SGLangServer, ...] = tuple(servers)
         self.options = options
         self._tp_sizes = tuple(tp_sizes) if tp_sizes is not None else (1,) * len(servers)
+        self._loaders = tuple(loaders) if loaders is not None else (None,) * len(servers)
         self._hosts = (
             tuple(hosts) if hosts is not None else tuple(_url_host(s.url) for s in servers)
         )
@@ -104,15 +109,23 @@ class SGLangEngine:
     ) -> SGLangEngine:
         """Use servers that are already running (``--sglang-url URL``, repeatable).
 
-        Waits up to ``options.health_timeout_s`` for each ``/health`` and reads each server's
-        tensor-parallel size from ``/server_info``. Such servers should run with
-        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that log-probs are at temperature 1.
+        Waits up to ``options.health_timeout_s`` for each ``/health`` and reads from each
+        server's ``/server_info`` its tensor-parallel size and whether it registered rlcore's
+        weight loader (:mod:`rlcore_sglang.server_loader`; start servers with
+        ``--custom-weight-loader rlcore_sglang.server_loader.load_weights`` for faster tensor-mode
+        syncs). Such servers should run with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that
+        log-probs are at temperature 1.
         """
         servers = [SGLangServer(url) for url in urls]
         for server in servers:
             server.wait_until_healthy(options.health_timeout_s)
-        tp_sizes = [_server_tp_size(server, options.request_timeout_s) for server in servers]
-        return cls(servers, options, tp_sizes=tp_sizes)
+        infos = [_server_info(server, options.request_timeout_s) for server in servers]
+        return cls(
+            servers,
+            options,
+            tp_sizes=[_tp_size(info) for info in infos],
+            loaders=[_loader(info) for info in infos],
+        )
 
     @classmethod
     def launch(
@@ -137,8 +150,13 @@ class SGLangEngine:
                 for i in range(num_servers)
             ]
         servers = launch_servers(settings, hosts)
-        tp_sizes = [len(h.gpu_ids) or settings.tp_size for h in hosts]
-        return cls(servers, options, tp_sizes=tp_sizes, hosts=[h.address for h in hosts])
+        return cls(
+            servers,
+            options,
+            tp_sizes=[len(h.gpu_ids) or settings.tp_size for h in hosts],
+            hosts=[h.address for h in hosts],
+            loaders=[settings.weight_loader] * len(servers),
+        )
 
     def __enter__(self) -> SGLangEngine:
         return self
@@ -226,7 +244,9 @@ class SGLangEngine:
 
     def _refs(self, indices: Sequence[int] | None = None) -> tuple[ServerRef, ...]:
         chosen = range(len(self.servers)) if indices is None else indices
-        return tuple(ServerRef(self.servers[i].url, self._tp_sizes[i]) for i in chosen)
+        return tuple(
+            ServerRef(self.servers[i].url, self._tp_sizes[i], self._loaders[i]) for i in chosen
+        )
 
     def _sinks(self, version: int) -> list[WeightSink]:
         mode = self.options.weight_sync
@@ -373,10 +393,25 @@ def sampling_payload(params: SamplingParams, extra: Mapping[str, object]) -> dic
     return payload
 
 
-def _server_tp_size(server: SGLangServer, timeout_s: float) -> int:
+def _server_info(server: SGLangServer, timeout_s: float) -> Mapping[str, object]:
+    """The server's ``/server_info`` (empty if it has none that rlcore can read)."""
     try:
         info = json.loads(server.get("/server_info", timeout_s=timeout_s))
     except (RolloutError, json.JSONDecodeError):
-        return 1
-    size = info.get("tp_size", 1) if isinstance(info, dict) else 1
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _tp_size(info: Mapping[str, object]) -> int:
+    size = info.get("tp_size", 1)
     return size if isinstance(size, int) and size >= 1 else 1
+
+
+def _loader(info: Mapping[str, object]) -> str | None:
+    """rlcore's weight loader if the server registered it, else ``None`` (SGLang's own)."""
+    registered = info.get("custom_weight_loader")
+    return (
+        server_loader.NAME
+        if isinstance(registered, list) and server_loader.NAME in registered
+        else None
+    )

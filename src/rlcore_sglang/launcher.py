@@ -20,9 +20,14 @@ import attrs
 
 from rlcore.errors import RolloutError
 from rlcore.protocols import ProcessHost
+from rlcore_sglang import server_loader
 from rlcore_sglang.server import SGLangServer
 
 __all__ = ["LaunchSettings", "launch_servers", "start_server"]
+
+
+def _default_weight_loader(settings: LaunchSettings) -> str | None:
+    return server_loader.NAME if settings.python == sys.executable else None
 
 
 @final
@@ -42,7 +47,12 @@ class LaunchSettings:
     per second idle without it, 0.02 with it). An RL run leaves its servers idle during every
     train step, often on the trainer's machine, where a spinning scheduler takes CPU from it.
     ``tp_size`` applies to hosts without GPU ids; a host with GPUs runs tensor parallel over all
-    of them.
+    of them. ``weight_loader`` is registered as SGLang's ``--custom-weight-loader`` and named by
+    tensor-mode updates: by default rlcore's (:mod:`rlcore_sglang.server_loader`, which keeps the
+    shared-memory mappings between syncs) when ``python`` is this interpreter, which can import
+    it, else ``None`` (SGLang's own loading). Name it only for an interpreter that can import
+    it: SGLang imports a custom loader at the first update, and an import error kills the
+    server then.
     """
 
     model_path: Path
@@ -59,6 +69,9 @@ class LaunchSettings:
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None
     sleep_on_idle: bool = True
+    weight_loader: str | None = attrs.field(
+        default=attrs.Factory(_default_weight_loader, takes_self=True)
+    )
 
     def command(
         self, host: str, port: int, *, base_gpu_id: int = 0, tp_size: int | None = None
@@ -87,6 +100,8 @@ class LaunchSettings:
             cmd += ["--base-gpu-id", str(base_gpu_id)]
         if self.sleep_on_idle:
             cmd.append("--sleep-on-idle")
+        if self.weight_loader is not None:
+            cmd += ["--custom-weight-loader", self.weight_loader]
         return cmd + list(self.extra_args)
 
     def environment(self, cpus: int | None = None) -> dict[str, str]:

@@ -3,10 +3,13 @@
 :class:`TensorSink` (``--weight-sync tensor``)
     ``/update_weights_from_tensor`` with shared-memory handles (CUDA IPC handles for GPU tensors):
     the servers map the sender's memory, nothing is serialised. Runs on the servers' machine
-    (:class:`~rlcore.weights.OnHost`). CPU tensors are copied into two reusable shared-memory
-    buffers taking turns, so that filling bucket ``k + 1`` overlaps the servers loading bucket
-    ``k``. torch is switched to the ``file_system`` sharing strategy first (with file descriptors
-    SGLang's scheduler dies), process-wide.
+    (:class:`~rlcore.weights.OnHost`). CPU tensors already in shared memory (a CPU rank's
+    parameters and export buffers) go as they are and count nothing towards a bucket; the other
+    CPU tensors are copied into two reusable shared-memory buffers taking turns, so that filling
+    bucket ``k + 1`` overlaps the servers loading bucket ``k``. Servers that registered
+    :mod:`rlcore_sglang.server_loader` keep their mappings from one sync to the next. torch is
+    switched to the ``file_system`` sharing strategy first (with file descriptors SGLang's
+    scheduler dies), process-wide.
 :class:`BroadcastSink` (``distributed``)
     The sender is rank 0 of a process group with every server rank (gloo for CPU tensors, NCCL for
     CUDA ones), made once per engine through ``/init_weights_update_group`` and kept in the
@@ -17,7 +20,7 @@
     safetensors shards, one per bucket, and their index in a folder the servers read, then
     ``/update_weights_from_disk``. Runs anywhere that shares the folder with the servers.
 
-Every sink reads the weights once, as they come, in buckets of at most ``bucket_bytes``
+Every sink reads the weights once, as they come, in buckets holding at most ``bucket_bytes``
 (``--update-weight-buffer-size``; a larger tensor goes alone), and puts the new version and a
 cache flush on its last call. A sink is a small frozen value (URLs, options, the version) that
 pickles: a Megatron rank that holds the tensor-parallel-gathered weights runs it, so the weights
@@ -85,10 +88,12 @@ _POLL_S: Final = 0.2
 @final
 @attrs.frozen
 class ServerRef:
-    """A server as a sink knows it: its URL and tensor-parallel size (ranks that receive)."""
+    """A server as a sink knows it: its URL, tensor-parallel size (ranks that receive) and the
+    custom weight loader it registered for tensor-mode updates (``None``: SGLang's own)."""
 
     url: str
     tp_size: int = 1
+    loader: str | None = None
 
     def server(self) -> SGLangServer:
         return SGLangServer(self.url)
@@ -102,15 +107,22 @@ def _post_ok(options: EngineOptions, ref: ServerRef, path: str, payload: dict[st
     post_ok(ref.server(), path, payload, options.weight_sync_timeout_s, _policy(options))
 
 
-def iter_buckets(weights: NamedTensors, max_bytes: int) -> Iterator[tuple[list[_Named], bool]]:
-    """``(bucket, is_last)``: consecutive runs of ``weights`` of at most ``max_bytes`` (a larger
-    tensor alone), read lazily with one bucket of look-ahead (to know which one is last)."""
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def iter_buckets(
+    weights: NamedTensors, max_bytes: int, held: Callable[[torch.Tensor], int] = _nbytes
+) -> Iterator[tuple[list[_Named], bool]]:
+    """``(bucket, is_last)``: consecutive runs of ``weights`` holding at most ``max_bytes`` (a
+    larger tensor alone), read lazily with one bucket of look-ahead (to know which one is last).
+    ``held``: the bytes a tensor holds while its bucket is in flight (default: its size)."""
     pending: list[_Named] | None = None
     bucket: list[_Named] = []
     size = 0
     for name, tensor in weights:
         tensor = tensor.detach()
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = held(tensor)
         if bucket and size + nbytes > max_bytes:
             if pending is not None:
                 yield pending, False
@@ -154,9 +166,8 @@ class TensorSink:
         set_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
         with ThreadPoolExecutor(1, thread_name_prefix="rlcore-weights") as sender:
             in_flight: Future[None] | None = None
-            for index, (bucket, last) in enumerate(
-                iter_buckets(weights, self.options.bucket_bytes)
-            ):
+            buckets = iter_buckets(weights, self.options.bucket_bytes, _held_in_flight)
+            for index, (bucket, last) in enumerate(buckets):
                 # Buffer index % 2 was last read by the call before the one in flight: free.
                 shared = _share(bucket, index % 2)
                 if in_flight is not None:
@@ -172,6 +183,8 @@ class TensorSink:
             # each unpickling releases one, so a payload must be read once.
             payloads = [pickle_b64(shared) for _ in range(ref.tp_size)]
             body = dict(request, serialized_named_tensors=payloads)
+            if ref.loader is not None:
+                body["load_format"] = ref.loader
             _post_ok(self.options, ref, "/update_weights_from_tensor", body)
 
         run_all([partial(one, ref) for ref in self.servers], len(self.servers))
@@ -217,11 +230,19 @@ def _share(bucket: list[_Named], slot: int) -> list[_Named]:
             out.append((name, tensor))
         else:
             assert buffer is not None  # allocated above: ``copied`` holds this tensor
-            offset, nbytes = next(places), tensor.numel() * tensor.element_size()
+            offset, nbytes = next(places), _nbytes(tensor)
             view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             out.append((name, view))
     return out
+
+
+def _held_in_flight(tensor: torch.Tensor) -> int:
+    """The memory a tensor takes while its bucket is in flight: none for a CPU tensor already in
+    shared memory (the servers map it where it is), else its size (the shared buffer's copy, or
+    a CUDA tensor the servers map, which may be a temporary of the export). So a CPU rank whose
+    weights are all shared (its parameters, its export buffers) sends them in one request."""
+    return 0 if not tensor.is_cuda and _in_shared_memory(tensor) else _nbytes(tensor)
 
 
 def _in_shared_memory(tensor: torch.Tensor) -> bool:
@@ -240,8 +261,7 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     total = 0
     for tensor in tensors:
         offsets.append(total)
-        nbytes = tensor.numel() * tensor.element_size()
-        total += -(-nbytes // _ALIGN) * _ALIGN
+        total += -(-_nbytes(tensor) // _ALIGN) * _ALIGN
     return offsets, max(total, _ALIGN)
 
 

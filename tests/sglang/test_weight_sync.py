@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlcore.samples import SamplingParams
+from rlcore_sglang import server_loader
 from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
+from rlcore_sglang.server import SGLangServer
+from rlcore_sglang.weight_sync import release_shared_buffers
 from tests.sglang.conftest import Weights
 from tests.sglang.reference import greedy, hf_model
 from tests.sglang.test_generate import prompts
@@ -99,3 +106,61 @@ def test_generation_after_sync_uses_no_stale_cache(
     after = dp_engine.generate(prompt * 2, GREEDY)
     assert before[0].token_ids != after[0].token_ids
     assert {g.weight_version for g in after} == {33}
+
+
+def _mapped(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
+    """The files under ``prefix`` that the servers' processes (schedulers included) map."""
+    found: set[str] = set()
+    for server in servers:
+        assert server.process is not None
+        root = psutil.Process(server.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                maps = Path(f"/proc/{process.pid}/maps").read_text()
+            except OSError:
+                continue  # a helper process that exited meanwhile
+            found |= {line.split()[-1] for line in maps.splitlines() if prefix in line}
+    return found
+
+
+def test_servers_with_rlcore_loader_keep_their_mappings_between_tensor_syncs(
+    dp_engine: SGLangEngine,
+    dp_urls: list[str],
+    tiny_model: Path,
+    weights_a: Weights,
+    weights_b: Weights,
+) -> None:
+    """Launched servers register rlcore_sglang.server_loader and a connected engine finds it: the
+    shared memory a sync sent stays mapped in the servers and the next sync reuses it (nothing is
+    mapped anew). With SGLang's own loading (an engine that does not name the loader) nothing of
+    a sync stays mapped; both load the right weights."""
+    options = EngineOptions(weight_sync="tensor", max_prompts_per_request=1)
+    ours = (
+        f"/dev/shm/torch_{os.getpid()}_"  # this process's shared buffers, as the servers map them
+    )
+    with (
+        SGLangEngine([SGLangServer(url) for url in dp_urls], options) as plain,
+        SGLangEngine.connect(dp_urls, options) as keeping,
+    ):
+        release_shared_buffers()  # this process's next sync sends new segments
+        before = _mapped(dp_engine.servers, ours)
+        plain.update_weights(weights_b.items(), version=41)
+        assert_serves(plain, tiny_model, weights_b, version=41)
+        assert _mapped(dp_engine.servers, ours) == before
+
+        keeping.update_weights(weights_a.items(), version=42)
+        assert_serves(keeping, tiny_model, weights_a, version=42)
+        kept = _mapped(dp_engine.servers, ours) - before
+        assert kept
+        keeping.update_weights(weights_b.items(), version=43)
+        assert_serves(keeping, tiny_model, weights_b, version=43)
+        assert _mapped(dp_engine.servers, ours) - before == kept
+
+
+def test_only_an_interpreter_known_to_import_it_is_given_rlcore_loader(tiny_model: Path) -> None:
+    """SGLang imports a custom loader at the first update and dies if it cannot: by default the
+    loader is named only for servers run by this interpreter, which imports it."""
+    this = LaunchSettings(tiny_model).command("127.0.0.1", 30000)
+    other = LaunchSettings(tiny_model, python="/opt/other/bin/python").command("127.0.0.1", 30000)
+    assert this[this.index("--custom-weight-loader") + 1] == server_loader.NAME
+    assert "--custom-weight-loader" not in other
