@@ -3,6 +3,7 @@ everything it started; with ``die_with_parent``, the process dies with whoever s
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -93,3 +94,60 @@ def test_a_process_started_to_die_with_its_parent_does(tmp_path: Path) -> None:
         parent.kill()
         parent.wait(timeout=30)
     assert _wait_gone(pid)
+
+
+def test_stop_removes_the_shared_memory_only_the_group_mapped(tmp_path: Path) -> None:
+    """What a killed SGLang server leaves in /dev/shm (files its processes mapped) is removed
+    when it is stopped; a file that another process still maps, or that the group never mapped,
+    stays."""
+    prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
+    script = textwrap.dedent(
+        """
+        import mmap, os, subprocess, sys, time
+
+        def mapped(path):
+            fd = os.open(path, os.O_CREAT | os.O_RDWR)
+            os.ftruncate(fd, 4096)
+            view = mmap.mmap(fd, 4096)
+            os.close(fd)
+            return view
+
+        prefix, role = sys.argv[1], sys.argv[2]
+        if role == "child":
+            kept = [mapped(prefix + "-child")]
+        else:
+            kept = [mapped(prefix + "-own"), mapped(prefix + "-shared")]
+            subprocess.Popen([sys.executable, "-c", sys.argv[3], prefix, "child"])
+        print(role, "ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    shared = _mapped_here(prefix + "-shared")
+    Path(prefix + "-unrelated").write_bytes(b"x")
+    try:
+        process = LocalProcessHost().start(
+            [sys.executable, "-c", script, prefix, "parent", script], {}, tmp_path / "l.log"
+        )
+        deadline = time.monotonic() + 60
+        while len(process.log_tail(5)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(process.log_tail(5)) == ["child ready", "parent ready"]
+        process.stop(5.0)
+        left = {p.name.removeprefix(f"rlcore-test-{os.getpid()}-") for p in _ours(prefix)}
+        assert left == {"shared", "unrelated"}
+    finally:
+        shared.close()
+        for path in _ours(prefix):
+            path.unlink()
+
+
+def _mapped_here(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    os.ftruncate(fd, 4096)
+    view = mmap.mmap(fd, 4096)
+    os.close(fd)
+    return view
+
+
+def _ours(prefix: str) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(Path(prefix).name + "-*"))

@@ -1,5 +1,5 @@
 """This machine as a :class:`~rlcore.protocols.ProcessHost`: start a server process, watch it,
-read its log, stop it and everything it started.
+read its log, stop it and everything it started, and remove the shared-memory files it leaves.
 
 A cluster's hosts (``rlcore_megatron.cluster``) run a :class:`LocalProcessHost` on the node they
 reserved and forward calls to it, so a server started on another node is handled the same way.
@@ -15,7 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, final
 
@@ -35,7 +36,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 @final
 class LocalProcess:
     """A process started by :class:`LocalProcessHost`, in a session (process group) of its own, so
-    that :meth:`stop` ends it and every child it forked (a server's scheduler, its detokenizer)."""
+    that :meth:`stop` ends it and every child it forked (a server's scheduler, its detokenizer).
+
+    Killed processes cannot unlink their shared memory, and a server's group is killed (SGLang
+    kills its own children too): :meth:`stop` removes the ``/dev/shm`` files the group had mapped
+    when asked to stop and that no process maps once it is gone (SGLang leaves a 16 KB
+    ``sglang_loads_*`` file per server otherwise). Files that others still map (a weight
+    sender's) stay. Not covered: a 32-byte ``sem.mp-*`` semaphore per SGLang server, which no
+    process maps by the time the server is stopped.
+    """
 
     def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, log_file: IO[bytes]) -> None:
         self._popen = popen
@@ -59,6 +68,7 @@ class LocalProcess:
             return
         self._stopped = True
         process = self._popen
+        files = _shared_memory_mapped(_group_members(process.pid))
         if process.poll() is None:
             _signal_group(process, signal.SIGTERM)
             try:
@@ -68,6 +78,8 @@ class LocalProcess:
                 process.wait(timeout=timeout_s)
         # Children may outlive the parent: end the group anyway.
         _signal_group(process, signal.SIGKILL)
+        if files and _wait_group_gone(process.pid, min(timeout_s, 5.0)):
+            _remove_unmapped(files)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -150,3 +162,62 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+_SHM_DIR = "/dev/shm/"
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:  # not Linux
+        return []
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that have not exited (zombies excluded)."""
+    members = []
+    for pid in _pids():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]  # after "pid (comm) "
+        if int(group) == pgid and state != "Z":
+            members.append(pid)
+    return members
+
+
+def _shared_memory_mapped(pids: Iterable[int]) -> set[str]:
+    """The ``/dev/shm`` files (still linked) that the processes ``pids`` map."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset device inode path
+            if len(fields) == 6 and fields[5].startswith(_SHM_DIR):
+                if not fields[5].endswith(" (deleted)"):
+                    found.add(fields[5])
+    return found
+
+
+def _wait_group_gone(pgid: int, wait_s: float) -> bool:
+    """Whether every process of group ``pgid`` has exited, waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _remove_unmapped(files: set[str]) -> None:
+    """Remove those of ``files`` that no process maps."""
+    for path in files - _shared_memory_mapped(_pids()):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # removed meanwhile

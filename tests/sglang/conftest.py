@@ -8,9 +8,10 @@ other weight-sync modes connect to the same servers by URL.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -37,6 +38,21 @@ def _peaked_llama(folder: Path, vocab_size: int, seed: int) -> Weights:
         model.lm_head.weight.mul_(40.0)
     model.save_pretrained(str(folder), safe_serialization=True)
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def mapped_files(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
+    """The files under ``prefix`` that the servers' processes (schedulers included) map."""
+    found: set[str] = set()
+    for server in servers:
+        assert server.process is not None
+        root = psutil.Process(server.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                maps = Path(f"/proc/{process.pid}/maps").read_text()
+            except OSError:
+                continue  # a helper process that exited meanwhile
+            found |= {line.split()[-1] for line in maps.splitlines() if prefix in line}
+    return found
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -31,7 +31,7 @@ from tests.families import (
     greedy_reference,
     tiny_config,
 )
-from tests.sglang.conftest import STARTUP_TIMEOUT_S
+from tests.sglang.conftest import STARTUP_TIMEOUT_S, mapped_files
 
 pytestmark = pytest.mark.sglang
 
@@ -107,3 +107,16 @@ def test_sglang_serves_the_saved_folder_and_takes_its_weights(
         reader = HFReader(other)
         engine.update_weights([(name, reader.get(name)) for name in reader.names()], version=2)
         _assert_serves_like_transformers(engine, other, version=2)
+
+
+def test_a_stopped_server_leaves_nothing_in_shared_memory(
+    family_servers: dict[Family, tuple[SGLangServer, Path]],
+) -> None:
+    """After this module's other tests (it stops one of their servers): SGLang's processes are
+    killed, so what they map in /dev/shm (its load-snapshot file, which SGLang never unlinks)
+    is removed by the stop."""
+    server, _ = family_servers[FAMILIES[-1]]
+    files = mapped_files([server], "/dev/shm/")
+    assert any(Path(f).name.startswith("sglang_loads_") for f in files)
+    server.shutdown()
+    assert [f for f in files if Path(f).exists()] == []

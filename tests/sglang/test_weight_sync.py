@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 import pytest
 
 from rlcore.samples import SamplingParams
@@ -16,7 +14,7 @@ from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
 from rlcore_sglang.server import SGLangServer
 from rlcore_sglang.weight_sync import release_shared_buffers
-from tests.sglang.conftest import Weights
+from tests.sglang.conftest import Weights, mapped_files
 from tests.sglang.reference import greedy, hf_model
 from tests.sglang.test_generate import prompts
 
@@ -108,21 +106,6 @@ def test_generation_after_sync_uses_no_stale_cache(
     assert {g.weight_version for g in after} == {33}
 
 
-def _mapped(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
-    """The files under ``prefix`` that the servers' processes (schedulers included) map."""
-    found: set[str] = set()
-    for server in servers:
-        assert server.process is not None
-        root = psutil.Process(server.process.pid)
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                maps = Path(f"/proc/{process.pid}/maps").read_text()
-            except OSError:
-                continue  # a helper process that exited meanwhile
-            found |= {line.split()[-1] for line in maps.splitlines() if prefix in line}
-    return found
-
-
 def test_servers_with_rlcore_loader_keep_their_mappings_between_tensor_syncs(
     dp_engine: SGLangEngine,
     dp_urls: list[str],
@@ -143,18 +126,18 @@ def test_servers_with_rlcore_loader_keep_their_mappings_between_tensor_syncs(
         SGLangEngine.connect(dp_urls, options) as keeping,
     ):
         release_shared_buffers()  # this process's next sync sends new segments
-        before = _mapped(dp_engine.servers, ours)
+        before = mapped_files(dp_engine.servers, ours)
         plain.update_weights(weights_b.items(), version=41)
         assert_serves(plain, tiny_model, weights_b, version=41)
-        assert _mapped(dp_engine.servers, ours) == before
+        assert mapped_files(dp_engine.servers, ours) == before
 
         keeping.update_weights(weights_a.items(), version=42)
         assert_serves(keeping, tiny_model, weights_a, version=42)
-        kept = _mapped(dp_engine.servers, ours) - before
+        kept = mapped_files(dp_engine.servers, ours) - before
         assert kept
         keeping.update_weights(weights_b.items(), version=43)
         assert_serves(keeping, tiny_model, weights_b, version=43)
-        assert _mapped(dp_engine.servers, ours) - before == kept
+        assert mapped_files(dp_engine.servers, ours) - before == kept
 
 
 def test_only_an_interpreter_known_to_import_it_is_given_rlcore_loader(tiny_model: Path) -> None:
