@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -166,7 +167,20 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    # The model (1.6 GB) and the disk mode's shards: removed at the end, whatever happens.
     work = Path(tempfile.mkdtemp(prefix="rlcore-bench-weight-sync-"))
+    try:
+        seconds, growth, nbytes = _measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(seconds, growth, nbytes, args)
+
+
+def _measure(
+    args: argparse.Namespace, work: Path
+) -> tuple[dict[str, list[float]], dict[str, list[int]], int]:
+    """Seconds per sync for the copy and each mode, and each mode's driver RSS growth; and the
+    model's bytes."""
     params, nbytes = build_model(work / "model", args.vocab_size, args.hidden_size, args.layers)
     print(f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**30:.2f} GiB (fp32)")
 
@@ -226,7 +240,16 @@ def main() -> None:
             launcher.close()
         backend.close()
         ray.shutdown()
+    return seconds, growth, nbytes
 
+
+def _report(
+    seconds: dict[str, list[float]],
+    growth: dict[str, list[int]],
+    nbytes: int,
+    args: argparse.Namespace,
+) -> None:
+    engines = list(growth)  # the modes, in the order they ran
     floor = statistics.median(seconds["copy"])
     print(f"\nin-memory copy in the rank: {floor:.3f} s ({nbytes / floor / 2**30:.2f} GiB/s)")
     print(f"{'mode':12s} {'s/sync':>8s} {'x copy':>8s} {'driver peak RSS growth':>26s}")
