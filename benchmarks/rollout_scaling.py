@@ -7,7 +7,11 @@ sampling at temperature 1, 2 threads. Per answer length (default 32, 128, 512 an
 every response is exactly that long (``SamplingParams.ignore_eos``: no stop token), and each of
 these is timed in the same process, alternating order round by round:
 
-- **embedded**: :class:`rlcore.engines.embedded.EmbeddedEngine` (tokens and their log-probs).
+- **embedded**: :class:`rlcore.engines.embedded.EmbeddedEngine` (tokens and their log-probs),
+  decoding with rlcore's CPU attention kernel (:mod:`rlcore.engines.decode_attention`).
+- **sdpa**: the same engine with ``decode_kernel=False``: torch's SDPA reads the cache, as it
+  does wherever the kernel does not apply (GPU, bf16). The two columns side by side are what the
+  kernel is worth.
 - **generate**: Hugging Face ``model.generate`` sampling the same batch with ``output_logits``,
   plus the log-softmax/gather that turns those logits into the sampled tokens' log-probs.
 - **sglang** (only where SGLang is importable, e.g. the ``nox -s sglang`` virtualenv): a CPU SGLang
@@ -124,10 +128,12 @@ def engine_runner(engine: RolloutEngine, batch: list[Prompt]) -> Runner:
     return run
 
 
-def embedded_runner(model_dir: Path, batch: list[Prompt], tok: HFTokenizer) -> Runner:
+def embedded_runner(
+    model_dir: Path, batch: list[Prompt], tok: HFTokenizer, *, decode_kernel: bool
+) -> Runner:
     from rlcore.engines.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine.from_pretrained(model_dir, tok, seed=0)
+    engine = EmbeddedEngine.from_pretrained(model_dir, tok, seed=0, decode_kernel=decode_kernel)
 
     return engine_runner(engine, batch)
 
@@ -245,7 +251,8 @@ def main() -> None:
         tok = build_assets(work, longest)
         batch = make_batch(tok, args.prompts)
         runners: dict[str, Runner] = {
-            "embedded": embedded_runner(work / "model", batch, tok),
+            "embedded": embedded_runner(work / "model", batch, tok, decode_kernel=True),
+            "sdpa": embedded_runner(work / "model", batch, tok, decode_kernel=False),
             "generate": generate_runner(work / "model", batch),
         }
         if not args.no_sglang and importlib.util.find_spec("sglang") is not None:
@@ -336,6 +343,9 @@ def main() -> None:
         return out
 
     ratios = target_ratios("wall")
+    for n in lengths:
+        ratio = tok_s("sdpa", n, False) / tok_s("embedded", n, False)
+        ratios.append(Ratio("rollout", f"embedded vs its SDPA decode time, {n}", ratio, math.inf))
     if "sglang" in runners:
         for n in lengths:
             ratio = tok_s("sglang", n, False) / tok_s("embedded", n, False)

@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from rlcore.data import HFTokenizer
+from rlcore.engines.decode_attention import ATTENTION
 from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
-from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer
+from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer, unblock_keys
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 from tests.families import Family, build_family_model, tiny_config
@@ -79,8 +80,11 @@ def engine_factory(
     folder = tmp_path_factory.mktemp(family)
     _build(folder, family)
 
-    def make(seed: int, sharpen: float = 30.0) -> EmbeddedEngine:
-        engine = EmbeddedEngine.from_pretrained(folder, tokenizer, seed=seed)
+    def make(seed: int, sharpen: float = 30.0, decode_kernel: bool = True) -> EmbeddedEngine:
+        # The kernel by default (and a failure if it cannot run); SDPA where a test asks.
+        engine = EmbeddedEngine.from_pretrained(
+            folder, tokenizer, seed=seed, decode_kernel=decode_kernel
+        )
         # Sharpen the near-uniform fresh model so that next-token distributions depend clearly
         # on the prefix (and, at 30, greedy margins sit far above fp32 noise).
         head = engine.model.state_dict()["lm_head.weight"]
@@ -323,13 +327,17 @@ def _assert_counts_match(observed: Counter[int], expected: torch.Tensor, label: 
     assert statistic <= critical, (label, statistic, critical, observed, expected)
 
 
+@pytest.mark.parametrize("blocked_keys", [False, True], ids=["plain", "blocked"])
 def test_the_cache_reads_only_what_was_written(
-    engine_factory: Callable[..., EmbeddedEngine], tokenizer: HFTokenizer
+    engine_factory: Callable[..., EmbeddedEngine], tokenizer: HFTokenizer, blocked_keys: bool
 ) -> None:
     """Built from a prefill, a DecodeCache preallocates full-attention layers, keeps other kinds,
-    hands attention only the written positions and drops rows on request."""
-    engine = engine_factory(0)
+    hands attention only the written positions and drops rows on request (with keys in either
+    layout: blocked keys go to the decode kernel)."""
+    engine = engine_factory(0, decode_kernel=blocked_keys)
     model = engine.model
+    if blocked_keys:
+        model.set_attn_implementation(ATTENTION)
     prompts = encode(tokenizer, ["12+34=", "99+11="])
     ids = torch.tensor([list(p.token_ids) for p in prompts])
     prefill = DynamicCache(config=model.config)
@@ -339,12 +347,17 @@ def test_the_cache_reads_only_what_was_written(
     kinds = [type(layer).__name__ for layer in prefill.layers]
     before = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.layers]  # type: ignore[union-attr]  # filled by the prefill
     rows = torch.tensor([0, 1, 1, 0])
-    cache = DecodeCache(prefill, rows, capacity=width + 3)
+    cache = DecodeCache(prefill, rows, capacity=width + 3, blocked_keys=blocked_keys)
+
+    def written_keys(layer: PreallocatedLayer) -> torch.Tensor:
+        assert layer.keys is not None
+        return unblock_keys(layer.keys, layer.get_seq_length()) if blocked_keys else layer.keys
+
     for kind, layer, (keys, _) in zip(kinds, cache.layers, before, strict=True):
         if kind == "DynamicLayer":
             assert isinstance(layer, PreallocatedLayer)
             assert layer.get_max_length() == width + 3 and layer.get_seq_length() == width
-            assert layer.keys is not None and torch.equal(layer.keys, keys[rows])
+            assert torch.equal(written_keys(layer), keys[rows])
         else:  # a sliding-window layer stays what transformers built
             assert not isinstance(layer, PreallocatedLayer)
     assert any(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
@@ -354,7 +367,7 @@ def test_the_cache_reads_only_what_was_written(
     cache.keep_rows(torch.tensor([1, 3]))
     for layer in cache.layers:
         if isinstance(layer, PreallocatedLayer):
-            assert layer.keys is not None and layer.keys.shape[0] == 2
+            assert written_keys(layer).shape[0] == 2
             assert layer.get_seq_length() == width + 1
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[9], [9]]), cache=cache, use_cache=True).logits
@@ -364,9 +377,25 @@ def test_the_cache_reads_only_what_was_written(
     assert torch.allclose(logits[:, -1].float(), full, atol=1e-5)
 
 
-def test_a_full_cache_refuses_more_positions() -> None:
+def test_the_kernel_and_sdpa_decode_alike(
+    engine_factory: Callable[..., EmbeddedEngine], tokenizer: HFTokenizer
+) -> None:
+    """The decode kernel and torch's SDPA, on left-padded prompts whose rows end (and leave the
+    batch) at different steps: the same draws, log-probs equal to float rounding."""
+    batch = encode(tokenizer, TEXTS) * 3
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(3, 4, 5))
+    kernel = engine_factory(5, sharpen=5.0).generate(batch, params)
+    sdpa = engine_factory(5, sharpen=5.0, decode_kernel=False).generate(batch, params)
+    assert len({len(g.token_ids) for g in kernel}) > 1  # rows ended at different steps
+    for a, b in zip(kernel, sdpa, strict=True):
+        assert a.token_ids == b.token_ids
+        assert list(a.log_probs) == pytest.approx(b.log_probs, abs=1e-5)
+
+
+@pytest.mark.parametrize("blocked_keys", [False, True], ids=["plain", "blocked"])
+def test_a_full_cache_refuses_more_positions(blocked_keys: bool) -> None:
     keys = torch.zeros(2, 1, 3, 4)
-    layer = PreallocatedLayer.from_prompt(keys, keys, None, capacity=4)
+    layer = PreallocatedLayer.from_prompt(keys, keys, None, capacity=4, blocked_keys=blocked_keys)
     layer.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4))
     with pytest.raises(RuntimeError, match="5 positions do not fit the 4 allocated"):
         layer.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4))

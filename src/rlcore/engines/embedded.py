@@ -8,16 +8,16 @@ cache rows for the repeats, since an RL batch samples every prompt ``n_samples_p
 times. Keys and values go into a cache preallocated to prompt + ``max_new_tokens`` and written in
 place (:class:`~rlcore.engines.kv_cache.DecodeCache`), and rows whose answer ended leave the batch
 (once they are an eighth of it), so a token's cost grows only with the attention over a longer
-context, and a batch whose answers mostly stop early stops paying for them.
+context, and a batch whose answers mostly stop early stops paying for them. On the CPU in fp32 that
+attention runs in rlcore's decode kernel (:mod:`rlcore.engines.decode_attention`), which reads the
+cache at close to the machine's memory bandwidth where torch's SDPA reads it at about half.
 
-``python -m benchmarks.rollout_scaling`` measures it beside ``model.generate`` with its logits
-(issue #13's 17M Llama, 32 prompts x 4 samples, 17-token prompts, temperature 1). Measured on the
-shared 2-core machine at load 8-25, 1 thread (2 threads at that load made every operator wait for
-its second thread), medians of 2 alternating rounds, tokens per CPU-second (per wall second):
-32 new tokens 1,134 (413) against 879 (326); 512 new tokens 810 (222) against 315 (99), so a
-token at 512 costs 1.40x (1.86x) what it costs at 32 and the engine has 2.6x (2.2x)
-``model.generate``'s throughput there; answers ended by a stop token (16 tokens on average, at
-most 512): 678 (321) against 213 (60). 2048 new tokens was not measured.
+``python -m benchmarks.rollout_scaling`` measures it beside ``model.generate`` with its logits and
+beside itself with SDPA (issue #13's 17M Llama, 32 prompts x 4 samples, 17-token prompts,
+temperature 1, 2 threads). Medians of 3 alternating rounds on the 2-core machine, tokens per
+second at 32 / 128 / 512 new tokens: 2,331 / 2,394 / 1,814 (with SDPA 2,461 / 2,032 / 1,405;
+``model.generate`` 1,922 / 1,746 / 562). So a token at 512 costs 1.28x what it costs at 32 (1.75x
+with SDPA), and the engine has 3.2x ``model.generate``'s throughput there.
 
 Log-probs are those of the sampled tokens under the model's *unscaled* logits (temperature 1),
 whatever temperature, top-k or top-p shaped the sampling distribution: the trainer recomputes
@@ -40,6 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 
 from rlcore.data import Tokenizer
+from rlcore.engines.decode_attention import ATTENTION, load_kernel
 from rlcore.engines.kv_cache import DecodeCache
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors
@@ -148,6 +149,13 @@ class EmbeddedEngine:
     not copied: :meth:`update_weights` writes into it); :meth:`from_pretrained` loads one from a
     Hugging Face folder. Sampling draws from one ``torch.Generator`` seeded with ``seed``, so an
     engine built the same way produces the same generations for the same calls.
+
+    ``decode_kernel``: decode attention with rlcore's CPU kernel
+    (:mod:`rlcore.engines.decode_attention`). ``None`` (the default): where it applies (a float32
+    model on the CPU with SDPA attention) and builds; ``False``: never (torch's SDPA); ``True``:
+    always, and :meth:`generate` raises :class:`~rlcore.errors.RolloutError` saying why where it
+    cannot. Using it switches the model to the ``rlcore_decode`` attention implementation, which
+    is SDPA wherever the engine's decode cache is not involved.
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class EmbeddedEngine:
         *,
         seed: int = 0,
         weight_version: int = 0,
+        decode_kernel: bool | None = None,
     ) -> None:
         model.eval()  # type: ignore[no-untyped-call]  # transformers leaves PreTrainedModel.eval unannotated
         self._model: PreTrainedModel | None = model
@@ -165,6 +174,8 @@ class EmbeddedEngine:
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed)
         self._version = weight_version
+        self._decode_kernel = decode_kernel
+        self._kernel_ready: bool | None = None  # decided on the first generate
         # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -178,8 +189,10 @@ class EmbeddedEngine:
         device: str | torch.device = "cpu",
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        decode_kernel: bool | None = None,
     ) -> EmbeddedEngine:
-        """Load the causal LM in the Hugging Face folder ``folder`` onto ``device``.
+        """Load the causal LM in the Hugging Face folder ``folder`` onto ``device``
+        (``decode_kernel``: as for the constructor).
 
         Raises :class:`~rlcore.errors.RolloutError` naming the folder when it cannot be loaded.
         """
@@ -195,7 +208,7 @@ class EmbeddedEngine:
             ) from exc
         # functools.wraps on PreTrainedModel.to hides its real signature from mypy:
         model.to(device)  # type: ignore[arg-type]  # see above
-        return cls(model, tokenizer, seed=seed)
+        return cls(model, tokenizer, seed=seed, decode_kernel=decode_kernel)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -304,7 +317,9 @@ class EmbeddedEngine:
         # The last sampled token is never fed back, so max_new_tokens - 1 positions follow the
         # prompt.
         max_new = params.max_new_tokens
-        cache = DecodeCache(prefill, index, capacity=width + max_new - 1)
+        cache = DecodeCache(
+            prefill, index, capacity=width + max_new - 1, blocked_keys=self._use_kernel(model)
+        )
         del prefill
         full_mask: torch.Tensor | None = None  # Tensor[rows, width + max_new - 1], int64
         next_position: torch.Tensor | None = None  # Tensor[rows, 1]: position of the next token
@@ -355,6 +370,37 @@ class EmbeddedEngine:
                 next_position = next_position + 1
         out.steps = step + 1
         return out
+
+    def _use_kernel(self, model: PreTrainedModel) -> bool:
+        """Whether decode steps run the CPU kernel; decided (and the model switched to its
+        attention implementation) on the first call."""
+        if self._kernel_ready is None:
+            self._kernel_ready = self._enable_kernel(model)
+        return self._kernel_ready
+
+    def _enable_kernel(self, model: PreTrainedModel) -> bool:
+        if self._decode_kernel is False:
+            return False
+        reasons = []
+        if self._device.type != "cpu":
+            reasons.append(f"the model is on {self._device}, the kernel runs on the CPU")
+        dtypes = {p.dtype for p in model.parameters()}
+        if dtypes != {torch.float32}:
+            reasons.append(f"the model's weights are {sorted(map(str, dtypes))}, not float32")
+        implementation = model.config._attn_implementation
+        if implementation not in ("sdpa", ATTENTION):
+            reasons.append(f"the model uses {implementation!r} attention, not 'sdpa'")
+        if not reasons and load_kernel() is None:
+            reasons.append("the kernel could not be built (the warning logged above says why)")
+        if not reasons:
+            model.set_attn_implementation(ATTENTION)
+            if model.config._attn_implementation != ATTENTION:  # transformers logged why
+                reasons.append(f"{type(model).__name__}'s attention cannot be switched")
+        if reasons:
+            if self._decode_kernel:
+                raise RolloutError("EmbeddedEngine(decode_kernel=True): " + "; ".join(reasons))
+            return False
+        return True
 
     def _forward(
         self,
