@@ -54,7 +54,7 @@ Kernel = Callable[
 D]``, ``values: Tensor[B, KVH, L, D]``, ``mask: Tensor[B, L]`` (bool, True = attend) or ``None``."""
 
 
-def build_kernel(build_directory: Path | None = None) -> Kernel:
+def build_kernel() -> Kernel:
     """Compile (or load the cached build of) the kernel and return it. Raises what the build
     raises (``RuntimeError`` with the compiler's output, ``OSError`` without a compiler)."""
     from torch.utils.cpp_extension import load
@@ -68,7 +68,6 @@ def build_kernel(build_directory: Path | None = None) -> Kernel:
         extra_cflags=["-O3", "-fopenmp", "-Wno-psabi"],
         # torch's own OpenMP runtime (libgomp.so.1, already loaded) runs the kernel's threads.
         extra_ldflags=["-fopenmp"],
-        build_directory=None if build_directory is None else str(build_directory),
         is_python_module=False,
     )
     kernel: Kernel = torch.ops.rlcore.decode_attention
