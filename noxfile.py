@@ -1,4 +1,5 @@
-"""Sessions: ``lint`` (ruff check + ruff format --check), ``tests`` (pytest: core, properties,
+"""Sessions: ``lint`` (ruff check + ruff format --check, and the import contracts of
+pyproject.toml's ``[tool.importlinter]``), ``tests`` (pytest: core, properties,
 Megatron on the CPU, Ray), ``typecheck`` (``mypy --strict`` over the whole tree, and stubtest of
 stubs/megatron against the installed megatron-core), ``sglang`` (tests against real SGLang servers
 on the CPU, and stubtest of stubs/sglang) and ``bench`` (every benchmark, one table of ratios; not
@@ -51,10 +52,13 @@ def _stubtest(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff, with the settings in pyproject.toml: lint, then check the formatting."""
+    """ruff, with the settings in pyproject.toml: lint, then check the formatting; then
+    import-linter's contracts (the layers of rlcore's rooms, no circle anywhere), read from the
+    source tree without installing it."""
     session.install(*CONSTRAINTS, *_groups("lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
 @nox.session(python=PYTHON)

@@ -158,9 +158,9 @@ def rlcore_steps(
     model_dir: Path, prompts: Path, steps: int, offset: int, out: Path, bf16: bool = False
 ) -> tuple[list[float], list[dict[str, float]]]:
     from benchmarks.bench_tiny import prefix_partial
-    from rlcore.flags import load_config
+    from rlcore.config.flags import load_config
     from rlcore.loop import run
-    from rlcore.plan import plan
+    from rlcore.loop.plan import plan
     from rlcore_megatron.ray_stacks import RayMegatronBackend
     from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
 

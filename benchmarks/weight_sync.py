@@ -45,7 +45,7 @@ from rlcore.loop import push_weights
 from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore.weights import AnyProcess
 from rlcore_megatron.ray_group import RankContext
 from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import attrs
 
-from rlcore.multiturn import GenerateContext
+from rlcore.rollout.multiturn import GenerateContext
+from rlcore.rollout.tools import ToolCall, parse_tool_calls
 from rlcore.samples import Generation, Prompt, Turn
-from rlcore.tools import ToolCall, parse_tool_calls
 
 
 def _calculate(call: ToolCall) -> str:

@@ -264,7 +264,7 @@ def build_family_model(
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     if alphabet is not None:
-        from rlcore.tiny import build_char_tokenizer
+        from rlcore.testing.tiny import build_char_tokenizer
 
         build_char_tokenizer(folder, alphabet)
     return folder

@@ -181,7 +181,7 @@ def test_load_eval_sets(tmp_path: Path) -> None:
 def test_hf_tokenizer_adapter(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from rlcore.tiny import build_char_tokenizer
+    from rlcore.testing.tiny import build_char_tokenizer
 
     build_char_tokenizer(tmp_path, ALPHABET)
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -278,7 +278,7 @@ def test_every_epoch_shows_each_prompt_once(n: int, batch_size: int, seed: int) 
 
 
 def test_labels_become_sft_targets_in_context(tmp_path: Path) -> None:
-    from rlcore.tiny import build_char_tokenizer
+    from rlcore.testing.tiny import build_char_tokenizer
 
     hf = build_char_tokenizer(tmp_path / "tok", "0123456789>")
     from rlcore.data import HFTokenizer

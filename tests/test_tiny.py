@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from rlcore.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "0123456789+= "
 

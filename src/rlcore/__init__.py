@@ -1,16 +1,28 @@
 """rlcore: RL post-training for LLMs with a typed core.
 
-``import rlcore`` is light (standard library, attrs, cattrs): the torch maths live in
-:mod:`rlcore.algorithms`, the embedded engine in :mod:`rlcore.engines.embedded`, fakes in
-:mod:`rlcore.testing`, and backends (``rlcore_megatron``) and rollout engines (``rlcore_sglang``)
-are imported by name on demand.
+The rooms, from the ground up (a room imports only the rooms below it; ``nox -s lint`` checks
+it):
+
+- shared types: :mod:`rlcore.errors`, :mod:`rlcore.samples` (prompts, generations, samples,
+  batches), :mod:`rlcore.specs` (what a backend is asked to build), :mod:`rlcore.weights` (weights
+  on their way to an engine), :mod:`rlcore.protocols` (stacks, backends, engines, rewards,
+  tokenizers, the rollout seam), :mod:`rlcore.imports` (a user's ``module:function``);
+- the middle: :mod:`rlcore.data` (prompt files, tokenizers, the prompt stream),
+  :mod:`rlcore.rollout` (the default rollout, rewards, multi-turn episodes, tools, replay),
+  :mod:`rlcore.engines` (rollout engines by name, the embedded engine), :mod:`rlcore.algorithms`
+  (the torch maths: advantages, losses, KL);
+- :mod:`rlcore.config`: the run configuration, flags and TOML;
+- :mod:`rlcore.loop`: the plan, the stages of a run and their schedule, checkpoints, metrics;
+- beside the loop, :mod:`rlcore.testing`: fakes and tiny local models for tests.
+
+``import rlcore`` is light (standard library, attrs, cattrs): the torch maths and the embedded
+engine import torch on demand, and backends (``rlcore_megatron``) and rollout engines
+(``rlcore_sglang``) are imported by name.
 """
 
 from __future__ import annotations
 
-from rlcore.backends import load_backend
-from rlcore.config import RunConfig
-from rlcore.environments import Environment, EnvironmentFactory, StepResult
+from rlcore.config import RunConfig, load_config
 from rlcore.errors import (
     BackendError,
     BackendUnavailableError,
@@ -23,36 +35,34 @@ from rlcore.errors import (
     RLCoreError,
     RolloutError,
 )
-from rlcore.flags import load_config
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
-from rlcore.multiturn import EpisodeEngine, GenerateContext
-from rlcore.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan, plan
+from rlcore.loop.backends import load_backend
+from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, RolloutSpec, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
+    DynamicSampling,
     EvalStack,
+    Group,
     GroupFilter,
     MetricsSink,
     NamedTensors,
     Optimizer,
     PromptSource,
     RewardFn,
+    RolloutContext,
     RolloutEngine,
     RolloutFn,
+    RolloutOutput,
     Scheduler,
     TrainingStack,
     WeightSink,
     WeightSource,
 )
-from rlcore.replay import load_rollout_data, save_rollout_data
-from rlcore.rollout import (
-    DynamicSampling,
-    Group,
-    RolloutContext,
-    RolloutOutput,
-    RolloutSpec,
-    check_reward_nonzero_std,
-    default_rollout,
-)
+from rlcore.rollout import check_reward_nonzero_std, default_rollout
+from rlcore.rollout.environments import Environment, EnvironmentFactory, StepResult
+from rlcore.rollout.multiturn import EpisodeEngine, GenerateContext
+from rlcore.rollout.replay import load_rollout_data, save_rollout_data
+from rlcore.rollout.tools import Tool, ToolEnvironment
 from rlcore.samples import (
     EvalSet,
     Generation,
@@ -74,7 +84,6 @@ from rlcore.specs import (
     ParallelSpec,
     TrainSpec,
 )
-from rlcore.tools import Tool, ToolEnvironment
 
 __version__ = "0.1.0"
 

@@ -5,8 +5,9 @@ Files are JSON lines (``.jsonl``) or Parquet (``.parquet``, needs ``pyarrow``: `
 answer under ``label_key``. Anything malformed raises :class:`~rlcore.errors.DataError` naming the
 file, the 1-based line (or row) and what to do, before a single rollout runs.
 
-The tokenizer comes in through the small :class:`Tokenizer` protocol, so this module imports
-neither transformers nor torch; :class:`HFTokenizer` adapts a Hugging Face tokenizer to it.
+The tokenizer comes in through the small :class:`~rlcore.protocols.Tokenizer` protocol (re-exported
+here), so this module imports neither transformers nor torch; :class:`HFTokenizer` adapts a Hugging
+Face tokenizer to it.
 
 :class:`PromptSampler` keeps its whole position in one integer, ``consumed``, so a checkpoint that
 records it resumes the prompt stream exactly where it stopped.
@@ -17,11 +18,12 @@ from __future__ import annotations
 import importlib
 import json
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal, Protocol, cast, final, overload, runtime_checkable
+from typing import Literal, Protocol, cast, final, overload
 
 from rlcore.errors import DataError
+from rlcore.protocols import ChatTokenizer, Message, Tokenizer
 from rlcore.samples import EvalSet, Prompt
 
 __all__ = [
@@ -33,48 +35,7 @@ __all__ = [
     "load_prompts",
 ]
 
-Message = Mapping[str, str]
-"""One chat message: ``{"role": "user", "content": "..."}``."""
-
 _EXCERPT = 80
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-    """What rlcore needs from a tokenizer."""
-
-    @property
-    def pad_token_id(self) -> int:
-        """The id used to left-pad prompts in a batch."""
-        ...
-
-    @property
-    def eos_token_id(self) -> int:
-        """The end-of-sequence id: the rollout engine's default stop token."""
-        ...
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` including the tokenizer's special prefix (``<bos>``), if any."""
-        ...
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """The text of ``token_ids`` with special tokens (pad, bos, eos) left out."""
-        ...
-
-
-@runtime_checkable
-class ChatTokenizer(Tokenizer, Protocol):
-    """A tokenizer with a chat template (needed for ``apply_chat_template=True``)."""
-
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        """The conversation as prompt text, ending where the assistant's reply begins
-        (``add_generation_prompt``). The text already holds any special prefix the template
-        writes."""
-        ...
-
-    def encode_rendered(self, text: str) -> list[int]:
-        """Token ids of rendered chat text, adding no special tokens (the template wrote them)."""
-        ...
 
 
 class _HFTokenizerLike(Protocol):

@@ -16,49 +16,58 @@ weights live. The loop's whole part in it::
 A stack whose weights are in the calling process sends with
 ``rlcore.weights.deliver(its_named_tensors, sinks)``; a group of Ray ranks ships the sinks to the
 ranks that hold the gathered weights (and brings the weights to the caller only for an
-:class:`~rlcore.weights.InProcess` sink, such as the embedded engine's).
+:class:`~rlcore.weights.InProcess` sink, such as the embedded engine's). The weight contract
+itself (:class:`WeightSource`, :class:`WeightSink`) lives in :mod:`rlcore.weights` and is
+re-exported here.
 
-Tensors appear only in weight transfer and only for the type checker: ``import rlcore`` does not
-import torch.
+The rollout seam's values (:class:`RolloutContext`, :class:`RolloutOutput`,
+:class:`DynamicSampling`, :data:`Group`) are here too, beside :class:`RolloutFn`: they are its
+contract, and everything that runs or writes a rollout function shares them.
+
+This module imports only the standard library, attrs and rlcore's other shared types
+(``samples``, ``specs``, ``weights``). Tensors appear only in weight transfer and only for the
+type checker: ``import rlcore`` does not import torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
+
+import attrs
 
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import SinkPlacement
-
-if TYPE_CHECKING:
-    import torch
-
-    from rlcore.rollout import RolloutContext, RolloutOutput
+from rlcore.weights import NamedTensors, WeightSink, WeightSource
 
 __all__ = [
+    "DEFAULT_MAX_ROUNDS",
     "Backend",
+    "ChatTokenizer",
+    "DynamicSampling",
     "EvalStack",
+    "Group",
     "GroupFilter",
     "HostedProcess",
+    "Message",
     "MetricsSink",
     "NamedTensors",
     "Optimizer",
     "ProcessHost",
     "PromptSource",
     "RewardFn",
+    "RolloutContext",
     "RolloutEngine",
     "RolloutFn",
+    "RolloutOutput",
     "Scheduler",
+    "Tokenizer",
     "TrainingStack",
     "WeightSink",
     "WeightSource",
 ]
-
-NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
-"""Weights under Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``)."""
 
 
 @runtime_checkable
@@ -73,32 +82,6 @@ class Scheduler(Protocol):
     """The part of an LR scheduler the core relies on: its state can be saved."""
 
     def state_dict(self) -> Mapping[str, object]: ...
-
-
-class WeightSink(Protocol):
-    """Receives one full set of weights for one update of a rollout engine.
-
-    ``receive`` is called once per update, with every weight under its Hugging Face name, in a
-    process that ``placement`` allows: :class:`~rlcore.weights.InProcess` (the one that opened the
-    update), :class:`~rlcore.weights.AnyProcess` or :class:`~rlcore.weights.OnHost` (the sink is
-    picklable and may be shipped there). A sink may read the iterable once, as it comes, and cut
-    it into buckets. It raises :class:`~rlcore.errors.RolloutError` when the engine refuses.
-    """
-
-    @property
-    def placement(self) -> SinkPlacement: ...
-
-    def receive(self, weights: NamedTensors) -> None: ...
-
-
-class WeightSource(Protocol):
-    """Holds a model's weights and can send them to an engine's sinks from where they live."""
-
-    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        """Give every sink the full (unsharded) weights under Hugging Face names, each from a
-        process its ``placement`` allows. Raises :class:`~rlcore.errors.RLCoreError` when a sink
-        cannot be placed (naming the sink and where the weights are)."""
-        ...
 
 
 @runtime_checkable
@@ -216,10 +199,10 @@ class RolloutFn(Protocol):
     """The rollout seam (slime's rollout function, ``--rollout-function-path``): everything that
     turns prompts into the groups one rollout trains on.
 
-    It receives a :class:`~rlcore.rollout.RolloutContext` (rollout id, prompt source, engine,
+    It receives a :class:`RolloutContext` (rollout id, prompt source, engine,
     reward function, sampling parameters, the groups wanted, dynamic-sampling settings and the
     groups carried over from the previous rollout) and returns a
-    :class:`~rlcore.rollout.RolloutOutput`: exactly ``ctx.batch_size`` groups of
+    :class:`RolloutOutput`: exactly ``ctx.batch_size`` groups of
     ``ctx.n_samples_per_prompt`` scored samples each, metrics, and any surplus groups to carry
     to the next rollout. The default is :func:`rlcore.rollout.default_rollout` (generate, reward,
     filter, top up). The loop checks the counts and raises
@@ -265,7 +248,7 @@ class ProcessHost(Protocol):
 
     An engine that runs servers starts one per host it is given (``rlcore.engines.EngineSetup``);
     the run's placement decides where hosts are and which GPUs they hold, the engine decides what
-    to run there. :class:`rlcore.hosts.LocalProcessHost` is this machine.
+    to run there. :class:`rlcore.engines.hosts.LocalProcessHost` is this machine.
     """
 
     @property
@@ -293,3 +276,100 @@ class ProcessHost(Protocol):
         (a path on the host), in a process group of its own. Does not wait for it to be ready.
         Raises :class:`~rlcore.errors.RolloutError` when the program cannot be started."""
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+
+Message = Mapping[str, str]
+"""One chat message: ``{"role": "user", "content": "..."}``."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What rlcore needs from a tokenizer."""
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id used to left-pad prompts in a batch."""
+        ...
+
+    @property
+    def eos_token_id(self) -> int:
+        """The end-of-sequence id: the rollout engine's default stop token."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` including the tokenizer's special prefix (``<bos>``), if any."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` with special tokens (pad, bos, eos) left out."""
+        ...
+
+
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """A tokenizer with a chat template (needed for ``apply_chat_template=True``)."""
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        """The conversation as prompt text, ending where the assistant's reply begins
+        (``add_generation_prompt``). The text already holds any special prefix the template
+        writes."""
+        ...
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of rendered chat text, adding no special tokens (the template wrote them)."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout seam's values: what a rollout function is given and what it returns
+
+Group = tuple[Sample, ...]
+"""One prompt's scored samples (``n_samples_per_prompt`` of them)."""
+
+DEFAULT_MAX_ROUNDS: Final = 8
+"""Generation rounds one rollout may take (``--dynamic-sampling-max-rounds``)."""
+
+
+@attrs.frozen
+class DynamicSampling:
+    """Dynamic sampling's settings as a rollout function sees them: prompts per round, the round
+    limit, whether surplus groups are kept, and the loaded group filter (``None``: keep all)."""
+
+    over_sampling_batch_size: int
+    max_rounds: int = DEFAULT_MAX_ROUNDS
+    keep_surplus: bool = False
+    group_filter: GroupFilter | None = None
+
+
+@attrs.frozen
+class RolloutContext:
+    """Everything a rollout function is given for rollout ``rollout_id``.
+
+    It should return ``batch_size`` groups of ``n_samples_per_prompt`` samples. ``prompts`` hands
+    out the run's prompt stream (what it takes is consumed: checkpoints record the position);
+    ``carried`` are the surplus groups the previous rollout returned (already scored and
+    filtered; their generations carry the older weight version they were sampled with).
+    """
+
+    rollout_id: int
+    prompts: PromptSource
+    engine: RolloutEngine
+    reward_fn: RewardFn
+    params: SamplingParams
+    n_samples_per_prompt: int
+    batch_size: int
+    sampling: DynamicSampling
+    carried: tuple[Group, ...] = ()
+
+
+@attrs.frozen
+class RolloutOutput:
+    """A rollout function's result: the groups to train on, ``rollout/...`` metrics to log, and
+    surplus groups to hand to the next rollout as ``carried`` (empty to drop them)."""
+
+    groups: tuple[Group, ...]
+    metrics: Mapping[str, float] = attrs.field(factory=dict)
+    surplus: tuple[Group, ...] = ()

@@ -1,8 +1,8 @@
 """What a backend is asked to build: model specs, the LR schedule, loss and optimizer settings.
 
-These are the values a :class:`~rlcore.plan.TrainPlan` or :class:`~rlcore.plan.EvalPlan` holds.
-Each one's invariants hold by construction: an :class:`LRSchedule` with zero decay steps cannot
-exist, so Megatron's scheduler asserts cannot be reached from a plan.
+These are the values a :class:`~rlcore.loop.plan.TrainPlan` or :class:`~rlcore.loop.plan.EvalPlan`
+holds. Each one's invariants hold by construction: an :class:`LRSchedule` with zero decay steps
+cannot exist, so Megatron's scheduler asserts cannot be reached from a plan.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageSpec",
     "DecayStyle",
+    "EnvRewardMode",
     "EvalSpec",
     "ISCorrection",
     "ISLevel",
@@ -29,6 +30,7 @@ __all__ = [
     "ParallelSpec",
     "Precision",
     "RatioLevel",
+    "RewardName",
     "Role",
     "TrainSpec",
     "batch_split_problem",
@@ -54,6 +56,10 @@ RatioLevel = Literal["token", "sequence"]
 """The PPO ratio per token, or one per sequence (GSPO: the geometric mean of the token ratios)."""
 ISMode = Literal["clip", "mask"]
 ISLevel = Literal["token", "geometric"]
+RewardName = Literal["exact_match", "math"]
+"""The built-in rule rewards (``--rm-type``; :data:`rlcore.rollout.rewards.BUILTIN_REWARDS`)."""
+EnvRewardMode = Literal["ignore", "replace", "add"]
+"""How an environment's reward meets the reward function's (``--env-reward``)."""
 
 
 # The rules each spec's constructor enforces, as functions: :func:`rlcore.config.check` applies the

@@ -1,10 +1,11 @@
 """Weights on their way from a training stack to a rollout engine.
 
-The contract is in :mod:`rlcore.protocols`: a :class:`~rlcore.protocols.WeightSource` (a stack,
-or the rank group behind it) sends its weights to the :class:`~rlcore.protocols.WeightSink` s that
-a :class:`~rlcore.protocols.RolloutEngine` opens for one update. This module holds the two small
-things both sides share: where a sink may run (:data:`SinkPlacement`) and how one pass over the
-weights feeds the sinks of one process (:func:`deliver`).
+A :class:`WeightSource` (a stack, or the rank group behind it) sends its weights to the
+:class:`WeightSink` s that a :class:`~rlcore.protocols.RolloutEngine` opens for one update. This
+module holds that contract and the two small things both sides share: where a sink may run
+(:data:`SinkPlacement`) and how one pass over the weights feeds the sinks of one process
+(:func:`deliver`). It imports nothing else of rlcore (torch only for the type checker), so the
+protocols build on it.
 
 A sink says where it may run because the weights may live in other processes than the caller's:
 the ranks of a Megatron group, on other machines. Shipping a sink to them, instead of the weights
@@ -13,19 +14,22 @@ to the caller, is what keeps a 15 GB model out of the driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, final
 
 import attrs
 
 if TYPE_CHECKING:
-    from rlcore.protocols import NamedTensors, WeightSink
+    import torch
 
 __all__ = [
     "AnyProcess",
     "InProcess",
+    "NamedTensors",
     "OnHost",
     "SinkPlacement",
+    "WeightSink",
+    "WeightSource",
     "deliver",
     "on_release",
     "release_sender_resources",
@@ -57,6 +61,35 @@ class OnHost:
 
 
 SinkPlacement = InProcess | AnyProcess | OnHost
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+"""Weights under Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``)."""
+
+
+class WeightSink(Protocol):
+    """Receives one full set of weights for one update of a rollout engine.
+
+    ``receive`` is called once per update, with every weight under its Hugging Face name, in a
+    process that ``placement`` allows: :class:`InProcess` (the one that opened the update),
+    :class:`AnyProcess` or :class:`OnHost` (the sink is picklable and may be shipped there). A sink
+    may read the iterable once, as it comes, and cut it into buckets. It raises
+    :class:`~rlcore.errors.RolloutError` when the engine refuses.
+    """
+
+    @property
+    def placement(self) -> SinkPlacement: ...
+
+    def receive(self, weights: NamedTensors) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Holds a model's weights and can send them to an engine's sinks from where they live."""
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        """Give every sink the full (unsharded) weights under Hugging Face names, each from a
+        process its ``placement`` allows. Raises :class:`~rlcore.errors.RLCoreError` when a sink
+        cannot be placed (naming the sink and where the weights are)."""
+        ...
 
 
 def deliver(weights: NamedTensors, sinks: Sequence[WeightSink]) -> None:

@@ -392,12 +392,12 @@ def _locate(pg: PlacementGroup, layout: Layout, nodes: Sequence[NodeResources]) 
 
 @final
 class _HostActor:
-    """Runs one server process on its node: a :class:`~rlcore.hosts.LocalProcessHost` whose
+    """Runs one server process on its node: a :class:`~rlcore.engines.hosts.LocalProcessHost` whose
     processes die with this actor. Its methods run on the actor's main thread (a plain actor),
     which is what the parent-death signal is tied to."""
 
     def __init__(self, address: str, cpus: int) -> None:
-        from rlcore.hosts import LocalProcessHost
+        from rlcore.engines.hosts import LocalProcessHost
 
         self._host = LocalProcessHost(address, cpus=cpus, die_with_parent=True)
         self._process: Any = None

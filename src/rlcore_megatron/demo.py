@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 
 __all__ = ["ALPHABET", "demo_flags", "prepare_demo"]
 

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcore.errors import CheckpointError
-from rlcore.preflight import safetensors_problem
+from rlcore.loop.preflight import safetensors_problem
 from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
 from rlcore_megatron.arch import ModelArch, arch_from_hf_config

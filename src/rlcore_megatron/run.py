@@ -31,25 +31,25 @@ from typing import Any
 
 import attrs
 
-from rlcore.checkpoints import find_checkpoint
 from rlcore.config import RunConfig, with_flag
+from rlcore.config.flags import build_parser, load_config
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, RLCoreError
-from rlcore.flags import build_parser, load_config
 from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
-from rlcore.metrics import JsonlSink, MultiSink, TensorBoardSink
-from rlcore.multiturn import (
+from rlcore.loop.checkpoints import find_checkpoint
+from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
+from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
+from rlcore.loop.preflight import check_model_folder, prepare_output_folders, remove_folders
+from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
+from rlcore.rollout import load_group_filter, load_rollout_function
+from rlcore.rollout.multiturn import (
     EpisodeEngine,
     load_custom_generate_function,
     load_environment_factory,
     with_env_reward,
 )
-from rlcore.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
-from rlcore.preflight import check_model_folder, prepare_output_folders, remove_folders
-from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
-from rlcore.rewards import get_reward_fn
-from rlcore.rollout import load_group_filter, load_rollout_function
+from rlcore.rollout.rewards import get_reward_fn
 from rlcore.samples import Prompt
 from rlcore.specs import Precision
 from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
@@ -239,8 +239,8 @@ def episodes(
     config: RunConfig, engine: RolloutEngine | None, tokenizer: HFTokenizer
 ) -> RolloutEngine | None:
     """``engine`` wrapped so that every sample is a multi-turn episode (an
-    :class:`~rlcore.multiturn.EpisodeEngine`) when the config gives an environment or a custom
-    generate function; else ``engine`` itself."""
+    :class:`~rlcore.rollout.multiturn.EpisodeEngine`) when the config gives an environment or a
+    custom generate function; else ``engine`` itself."""
     mt = config.multiturn
     if engine is None or not mt.enabled:
         return engine

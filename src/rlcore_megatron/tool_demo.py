@@ -10,8 +10,8 @@ copying the operands into a tool call and copying the tool's result back is not.
     model        100036281<eos>
 
 Calls use the Hermes/Qwen ``<tool_call>{json}</tool_call>`` format (parsed by
-:func:`rlcore.tools.parse_tool_calls`); the tokenizer has no chat template, so results use the
-documented fallback, :class:`rlcore.tools.PlainFormat` with the template
+:func:`rlcore.rollout.tools.parse_tool_calls`); the tokenizer has no chat template, so results use
+the documented fallback, :class:`rlcore.rollout.tools.PlainFormat` with the template
 ``<tool_response>{content}</tool_response>``. The tokenizer is character-level plus a few
 multi-character tokens for the fixed parts of the call, so an episode is about 37 tokens.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Final
 
 from rlcore.data import Tokenizer
+from rlcore.rollout.tools import PlainFormat, ToolEnvironment
 from rlcore.samples import Generation, Prompt
-from rlcore.tools import PlainFormat, ToolEnvironment
 
 __all__ = [
     "DIGITS",
@@ -123,7 +123,7 @@ def _refuse(a: int, b: int) -> int:
 def no_calculator(prompt: Prompt, tokenizer: Tokenizer) -> ToolEnvironment:
     """The same environment whose ``add`` always fails: the model must add by itself."""
     del prompt
-    from rlcore.tools import Tool
+    from rlcore.rollout.tools import Tool
 
     return ToolEnvironment(
         [Tool("add", _refuse)],
@@ -152,7 +152,7 @@ def prepare_tool_demo(
     folder: Path, seed: int = 0, *, train_size: int = 20000, heldout: int = 100
 ) -> None:
     """Tokenizer, tiny Llama and data under ``folder`` (idempotent: kept when present)."""
-    from rlcore.tiny import build_tiny_llama
+    from rlcore.testing.tiny import build_tiny_llama
 
     model = folder / "model"
     if not (model / "config.json").is_file():

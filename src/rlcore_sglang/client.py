@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Final, final
 from urllib.parse import urlsplit
 
+from rlcore.engines.hosts import LocalProcessHost
 from rlcore.errors import RolloutError
-from rlcore.hosts import LocalProcessHost
 from rlcore.protocols import NamedTensors, ProcessHost, WeightSink
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
 from rlcore.weights import deliver

@@ -30,7 +30,7 @@ def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
         return SGLangEngine.connect(options.urls, engine_options)
     hosts = setup.hosts
     if not hosts:
-        from rlcore.hosts import LocalProcessHost
+        from rlcore.engines.hosts import LocalProcessHost
 
         hosts = (LocalProcessHost(),)
     on_gpu = any(host.gpu_ids for host in hosts)

@@ -23,8 +23,8 @@ from typing import Final, TypeVar, final
 
 import attrs
 
+from rlcore.engines.hosts import free_port
 from rlcore.errors import RolloutError
-from rlcore.hosts import free_port
 from rlcore.protocols import HostedProcess
 
 __all__ = [

@@ -20,7 +20,7 @@ from rlcore.algorithms.losses import (
     value_loss,
 )
 from rlcore.config import structure_config
-from rlcore.plan import TrainPlan, plan
+from rlcore.loop.plan import TrainPlan, plan
 from rlcore.specs import ISCorrection, LossAggMode, LossSpec
 from tests.strategies import finite, masked_floats
 

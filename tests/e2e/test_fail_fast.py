@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.checkpoints import CheckpointMeta, write_checkpoint
+from rlcore.loop.checkpoints import CheckpointMeta, write_checkpoint
 from tests.e2e.cli import WatchedCLI, model_hub
 
 

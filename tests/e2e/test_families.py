@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.flags import load_config
-from rlcore.metrics import read_jsonl_metrics
+from rlcore.config.flags import load_config
+from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore_megatron.run import execute, main
 from tests.families import FAMILIES, Family, build_family_model, tiny_config
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.checkpoints import find_checkpoint, read_meta
-from rlcore.metrics import read_jsonl_metrics
+from rlcore.loop.checkpoints import find_checkpoint, read_meta
+from rlcore.loop.metrics import read_jsonl_metrics
 from tests.e2e.cli import WatchedCLI, model_hub
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.checkpoints import find_checkpoint, read_meta
-from rlcore.flags import load_config
-from rlcore.metrics import read_jsonl_metrics
-from rlcore.replay import load_rollout_data
+from rlcore.config.flags import load_config
+from rlcore.loop.checkpoints import find_checkpoint, read_meta
+from rlcore.loop.metrics import read_jsonl_metrics
+from rlcore.rollout.replay import load_rollout_data
 from rlcore_megatron.run import execute, main
 from rlcore_megatron.tool_demo import prepare_tool_demo
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.checkpoints import find_checkpoint, read_meta
+from rlcore.config.flags import load_config
 from rlcore.engines.embedded import EmbeddedEngine
-from rlcore.flags import load_config
-from rlcore.metrics import read_jsonl_metrics
+from rlcore.loop.checkpoints import find_checkpoint, read_meta
+from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore_megatron.run import _tokenizer, execute, main, make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]

@@ -20,7 +20,7 @@ from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.engines.kv_cache import KEY_BLOCK, PreallocatedLayer, unblock_keys
 from rlcore.errors import RolloutError
 from rlcore.samples import Prompt, SamplingParams
-from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from rlcore.engines.decode_attention import ATTENTION
 from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
 from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer, unblock_keys
 from rlcore.samples import Prompt, SamplingParams
-from rlcore.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 from tests.families import Family, build_family_model, tiny_config
 
 ALPHABET = "0123456789+= "
@@ -51,7 +51,9 @@ BUILDS: dict[str, tuple[Family, dict[str, Any]]] = {
 
 
 def _build(folder: Path, family: str) -> None:
-    if family == "llama":  # the library's own tiny Llama (rlcore.tiny), as bench-tiny builds it
+    if (
+        family == "llama"
+    ):  # the library's own tiny Llama (rlcore.testing.tiny), as bench-tiny builds it
         build_tiny_llama(folder, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, seed=7)
         return
     published, overrides = BUILDS[family]

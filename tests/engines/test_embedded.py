@@ -14,7 +14,7 @@ from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
 from rlcore.errors import RolloutError
 from rlcore.protocols import RolloutEngine
 from rlcore.samples import Generation, Prompt, SamplingParams
-from rlcore.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "0123456789+= "
 VOCAB = 3 + len(ALPHABET)

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlcore.algorithms.batching import tensorize_samples, token_log_probs
 from rlcore.data import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine
-from rlcore.environments import StepResult
-from rlcore.multiturn import EpisodeEngine
+from rlcore.rollout.environments import StepResult
+from rlcore.rollout.multiturn import EpisodeEngine
 from rlcore.samples import Prompt, Sample, SamplingParams, Turn
-from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "0123456789+= "
 

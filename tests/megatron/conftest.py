@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.tiny import build_tiny_llama
+from rlcore.testing.tiny import build_tiny_llama
 from tests.families import FamilyModels
 from tests.megatron.helpers import TINY
 

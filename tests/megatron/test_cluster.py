@@ -188,7 +188,7 @@ def test_ranks_spread_over_two_cpu_nodes_train_end_to_end(
 ) -> None:
     """Two nodes of one CPU each: the actor's two ranks cannot share a node, so data parallelism
     runs across nodes (gloo between raylets), driven by the CLI's own code path."""
-    from rlcore.flags import load_config
+    from rlcore.config.flags import load_config
     from rlcore_megatron.demo import prepare_demo
     from rlcore_megatron.run import execute
 

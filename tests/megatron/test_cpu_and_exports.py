@@ -66,7 +66,7 @@ def test_import_rlcore_megatron_is_light() -> None:
 
 
 def test_backend_is_found_by_name() -> None:
-    from rlcore.backends import load_backend
+    from rlcore.loop.backends import load_backend
     from rlcore_megatron.backend import MegatronBackend
 
     assert load_backend("megatron") is MegatronBackend

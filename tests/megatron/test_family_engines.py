@@ -16,7 +16,7 @@ from rlcore.data import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore.tiny import EOS_ID
+from rlcore.testing.tiny import EOS_ID
 from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.hf_weights import save_hf

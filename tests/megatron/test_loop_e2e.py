@@ -14,12 +14,12 @@ import torch
 
 from rlcore.config import structure_config
 from rlcore.loop import RunData, run
-from rlcore.plan import plan
+from rlcore.loop.plan import plan
 from rlcore.protocols import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import ScriptedEngine, label_reward
-from rlcore.tiny import build_tiny_llama
+from rlcore.testing.tiny import build_tiny_llama
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron.helpers import TINY, sent_weights
 

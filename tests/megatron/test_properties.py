@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from rlcore.config import structure_config
-from rlcore.plan import EvalPlan, TrainPlan, plan
+from rlcore.loop.plan import EvalPlan, TrainPlan, plan
 from rlcore.protocols import EvalStack, TrainingStack
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron.helpers import make_batch, make_samples

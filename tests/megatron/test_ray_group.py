@@ -315,7 +315,7 @@ def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlcore.tiny import build_tiny_llama
+    from rlcore.testing.tiny import build_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     build_tiny_llama(

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from rlcore.hosts import LocalProcessHost
-from rlcore.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.engines.hosts import LocalProcessHost
+from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings, start_server
 from rlcore_sglang.options import EngineOptions

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlcore.hosts import LocalProcessHost
+from rlcore.engines.hosts import LocalProcessHost
 from rlcore.samples import Prompt, SamplingParams
 from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.hf_weights import HFReader, save_hf

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.engines.hosts import LocalProcessHost
 from rlcore.errors import RolloutError
-from rlcore.hosts import LocalProcessHost
 from rlcore.samples import Prompt, SamplingParams
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings, start_server

@@ -32,8 +32,8 @@ from rlcore.protocols import (
     WeightSink,
     WeightSource,
 )
-from rlcore.rewards import AsyncRewardFn
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
+from rlcore.rollout.rewards import AsyncRewardFn
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.testing import (
     FakeBackend,

@@ -11,7 +11,7 @@ dependencies and a missing package is a clear error with an install hint.
 Why the options live with the engine and not in :class:`~rlcore.config.RunConfig`: the core cannot
 name the fields of engines it does not know, and each engine checks its own settings. The config
 holds the chosen engine's options as an opaque value (``RolloutConfig.engine_options``) that
-:func:`rlcore.flags.load_config` builds from the flags or the section, and that the engine's
+:func:`rlcore.config.flags.load_config` builds from the flags or the section, and that the engine's
 kind type-checks when it builds the engine.
 
 The embedded engine (``embedded``, the default) runs in the calling process and has no options.
@@ -26,9 +26,8 @@ from typing import Any, Generic, TypeVar, final
 
 import attrs
 
-from rlcore.data import Tokenizer
 from rlcore.errors import BackendUnavailableError
-from rlcore.protocols import ProcessHost, RolloutEngine
+from rlcore.protocols import ProcessHost, RolloutEngine, Tokenizer
 from rlcore.specs import Precision
 
 __all__ = ["EMBEDDED", "KNOWN_ENGINES", "EngineKind", "EngineSetup", "NoOptions", "load_engine"]

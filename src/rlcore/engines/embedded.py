@@ -39,11 +39,10 @@ import attrs
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 
-from rlcore.data import Tokenizer
 from rlcore.engines.decode_attention import ATTENTION, load_kernel
 from rlcore.engines.kv_cache import DecodeCache
 from rlcore.errors import RolloutError
-from rlcore.protocols import NamedTensors
+from rlcore.protocols import NamedTensors, Tokenizer
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.weights import InProcess, deliver
 

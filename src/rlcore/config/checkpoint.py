@@ -1,0 +1,129 @@
+"""The ``[checkpoint]`` and ``[debug]`` sections: saving and resuming; saving and replaying
+rollouts, and running one half of the loop (slime's debug flags); with their invariants
+(:func:`checkpoint_problems`, :func:`debug_problems`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from rlcore.config.fields import option, problem
+from rlcore.errors import ConfigProblem
+
+__all__ = ["CheckpointConfig", "DebugConfig", "checkpoint_problems", "debug_problems"]
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: Path | None = option(None, "--save", "checkpoint folder")
+    save_interval: int | None = option(
+        None, "--save-interval", "save every N rollouts (and always after the last)"
+    )
+    load: Path | None = option(
+        None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
+    )
+    start_rollout_id: int | None = option(
+        None, "--start-rollout-id", "first rollout id (default: loaded checkpoint's id + 1, else 0)"
+    )
+
+
+@attrs.frozen
+class DebugConfig:
+    """Saving and replaying rollouts, and running one half of the loop (slime's debug flags)."""
+
+    save_debug_rollout_data: str | None = option(
+        None,
+        "--save-debug-rollout-data",
+        "write each rollout's samples to PATH, '{rollout_id}' replaced by the id "
+        "(without it, PATH is a folder of rollout_NNNNNN.json files)",
+    )
+    load_debug_rollout_data: str | None = option(
+        None,
+        "--load-debug-rollout-data",
+        "train on rollouts saved by --save-debug-rollout-data; no rollout engine is built",
+    )
+    debug_rollout_only: bool = option(
+        False,
+        "--debug-rollout-only",
+        "generate (and save) rollouts without building any training stack",
+    )
+    debug_train_only: bool = option(
+        False,
+        "--debug-train-only",
+        "train only, on --load-debug-rollout-data: no rollout engine, no eval",
+    )
+
+    @property
+    def replays(self) -> bool:
+        """Whether training reads saved rollouts instead of generating (no engine)."""
+        return self.load_debug_rollout_data is not None or self.debug_train_only
+
+
+def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[ConfigProblem]:
+    """Ranges, a save folder for a save interval, and a start that leaves rollouts to train."""
+    problems: list[ConfigProblem] = []
+
+    def add(name: str, message: str, hint: str = "") -> None:
+        problems.append(problem(CheckpointConfig, "checkpoint", name, message, hint))
+
+    if c.save_interval is not None and c.save_interval < 1:
+        add("save_interval", f"must be >= 1, got {c.save_interval}")
+    if c.start_rollout_id is not None and c.start_rollout_id < 0:
+        add("start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
+    if c.save_interval is not None and c.save is None:
+        add("save", "--save-interval is set but there is no save folder", "add --save DIR")
+    if c.start_rollout_id is not None and num_rollout is not None:
+        if c.start_rollout_id >= num_rollout > 0:
+            add(
+                "start_rollout_id",
+                f"{c.start_rollout_id} leaves nothing to train out of {num_rollout} rollouts",
+                "lower --start-rollout-id or raise --num-rollout",
+            )
+    return problems
+
+
+def debug_problems(
+    d: DebugConfig, eval_interval: int | None, eval_only: bool
+) -> list[ConfigProblem]:
+    """The debug flags: which combinations mean something (with the eval interval, and whether
+    the run only evaluates)."""
+    problems: list[ConfigProblem] = []
+
+    def add(name: str, message: str, hint: str = "") -> None:
+        problems.append(problem(DebugConfig, "debug", name, message, hint))
+
+    if d.debug_rollout_only and d.replays:
+        add(
+            "debug_rollout_only",
+            "cannot be combined with --debug-train-only or --load-debug-rollout-data",
+            "generate with --debug-rollout-only, replay in another run",
+        )
+    if d.debug_train_only and d.load_debug_rollout_data is None:
+        add(
+            "debug_train_only",
+            "trains on saved rollouts, but --load-debug-rollout-data is not given",
+            "add --load-debug-rollout-data PATH (written by --save-debug-rollout-data)",
+        )
+    if d.load_debug_rollout_data is not None and d.save_debug_rollout_data is not None:
+        add(
+            "save_debug_rollout_data",
+            "a run that replays saved rollouts generates none to save",
+            "drop --save-debug-rollout-data",
+        )
+    if (d.debug_rollout_only or d.replays) and eval_only:
+        add(
+            "debug_rollout_only" if d.debug_rollout_only else "load_debug_rollout_data",
+            "--num-rollout 0 evaluates only; the debug flags need rollouts",
+            "set --num-rollout N > 0",
+        )
+    if d.replays and eval_interval is not None:
+        add(
+            "load_debug_rollout_data",
+            "a replaying run builds no rollout engine, so it cannot evaluate (--eval-interval)",
+            "drop --eval-interval",
+        )
+    return problems

@@ -1,0 +1,283 @@
+"""Command-line flags and TOML files -> :class:`~rlcore.config.RunConfig`.
+
+The parser is generated from the config classes' field metadata, one argument group per section,
+so a flag cannot exist without a field (or the other way round). Values are handed to the cattrs
+converter as given, so a bad value is reported like a bad TOML value: with its field path.
+
+Each rollout engine with options of its own (:mod:`rlcore.engines`) gets a group and a TOML
+section under its name (``[sglang]``); its values become ``RolloutConfig.engine_options`` when it
+is the chosen engine, and are refused when it is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from rlcore.config.convert import converter, problems_from, structure_config
+from rlcore.config.run_config import RunConfig
+from rlcore.engines import KNOWN_ENGINES, load_engine
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
+
+__all__ = ["build_parser", "load_config", "read_toml"]
+
+USAGE = "%(prog)s [--config FILE.toml] [--FLAG VALUE ...]"
+
+_SECTIONS: dict[str, str] = {
+    "rollout": "rollout",
+    "algorithm": "algorithm (advantages, loss, KL)",
+    "optim": "optimizer and LR schedule",
+    "train": "training batches",
+    "model": "model and parallelism",
+    "cluster": "placement on nodes and GPUs",
+    "data": "data and reward",
+    "eval": "evaluation",
+    "checkpoint": "checkpoints",
+    "debug": "debug (saving and replaying rollouts)",
+    "multiturn": "multi-turn and tools",
+}
+
+
+_Flagged = tuple[str | None, type[Any], "attrs.Attribute[Any]"]
+
+
+def _engine_sections() -> dict[str, type[Any]]:
+    """Engine name -> its options class, for the installed engines whose options have flags."""
+    out: dict[str, type[Any]] = {}
+    for name in KNOWN_ENGINES:
+        try:
+            options_type = load_engine(name).options_type
+        except BackendUnavailableError:
+            continue
+        if any("flag" in f.metadata for f in attrs.fields(options_type)):
+            out[name] = options_type
+    return out
+
+
+def _fields_with_flags() -> list[_Flagged]:
+    """(section or None for top-level, its class, field) for every field that has a flag: the
+    run config's sections, then each engine's options."""
+    out: list[_Flagged] = []
+    hints = typing.get_type_hints(RunConfig)
+    for field in attrs.fields(RunConfig):
+        section_type = hints[field.name]
+        if attrs.has(section_type):
+            out += [
+                (field.name, section_type, f)
+                for f in attrs.fields(section_type)
+                if "flag" in f.metadata
+            ]
+        elif "flag" in field.metadata:
+            out.append((None, RunConfig, field))
+    for name, options_type in _engine_sections().items():
+        out += [(name, options_type, f) for f in attrs.fields(options_type) if "flag" in f.metadata]
+    return out
+
+
+def _is_bool(field: attrs.Attribute[Any], owner: type[Any]) -> bool:
+    return typing.get_type_hints(owner)[field.name] is bool
+
+
+def _choices(field: attrs.Attribute[Any], owner: type[Any]) -> tuple[str, ...] | None:
+    if "choices" in field.metadata:
+        return tuple(field.metadata["choices"])
+    hint = typing.get_type_hints(owner)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(hint))
+    if (
+        isinstance(hint, types.UnionType)
+        and len(args) == 1
+        and typing.get_origin(args[0]) is typing.Literal
+    ):
+        return tuple(str(a) for a in typing.get_args(args[0]))
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ConfigError` instead of exiting, so all errors look alike."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError([ConfigProblem("flags", message, "see --help")], "flags")
+
+
+def build_parser(
+    prog: str = "python -m rlcore_megatron.run", description: str = ""
+) -> argparse.ArgumentParser:
+    """The CLI parser: ``--config FILE`` plus one flag per config field, grouped by section.
+
+    Defaults are suppressed so only the flags actually given override the file.
+    """
+    parser = _Parser(
+        prog=prog,
+        # argparse's generated usage lists every flag (60 lines); the groups below describe them.
+        usage=USAGE,
+        description=description,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE.toml",
+        help="TOML file with the run's settings (sections as in [brackets] below); flags "
+        "override it",
+    )
+    groups: dict[str | None, argparse._ArgumentGroup] = {
+        None: parser.add_argument_group("run (top level of the TOML file)")
+    }
+    for name, title in _SECTIONS.items():
+        groups[name] = parser.add_argument_group(f"{title} [{name}]")
+    for name in _engine_sections():
+        groups[name] = parser.add_argument_group(
+            f"rollout engine {name} (with --rollout-engine {name}) [{name}]"
+        )
+    for section, owner, field in _fields_with_flags():
+        meta = field.metadata
+        dest = f"{section}.{field.name}" if section else field.name
+        default = field.default
+        shown = (
+            f" (default: {default})"
+            if default not in (None, (), attrs.NOTHING) and not _is_bool(field, owner)
+            else ""
+        )
+        kwargs: dict[str, Any] = {"dest": dest, "help": meta["help"] + shown}
+        if _is_bool(field, owner):
+            kwargs["action"] = "store_false" if meta.get("invert") else "store_true"
+        elif meta.get("pairs"):
+            kwargs.update(nargs="+", metavar="NAME PATH")
+        elif meta.get("repeat"):
+            kwargs.update(action="append", metavar="VALUE")
+        else:
+            # Choices are shown, not enforced here: the converter reports a bad value with its path.
+            choices = _choices(field, owner)
+            kwargs["metavar"] = (
+                field.name.upper() if choices is None else "{" + ",".join(choices) + "}"
+            )
+        groups[section].add_argument(meta["flag"], **kwargs)
+    return parser
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML config file as nested data; a syntax error names the file, line and column."""
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([ConfigProblem("--config", f"file not found: {path}")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            [ConfigProblem("--config", f"{path}: {exc}", "fix the TOML syntax")], str(path)
+        ) from exc
+
+
+def _overrides(namespace: argparse.Namespace) -> tuple[dict[str, Any], list[ConfigProblem]]:
+    data: dict[str, Any] = {}
+    problems: list[ConfigProblem] = []
+    for dest, value in vars(namespace).items():
+        if dest == "config":
+            continue
+        if dest == "eval.prompt_data":
+            if len(value) % 2:
+                problems.append(
+                    ConfigProblem(
+                        "eval.prompt_data (--eval-prompt-data)",
+                        f"expects NAME PATH pairs, got {len(value)} values: {value}",
+                        "give a name before every path",
+                    )
+                )
+                continue
+            value = [{"name": n, "path": p} for n, p in zip(value[::2], value[1::2], strict=True)]
+        section, _, name = dest.rpartition(".")
+        target = data.setdefault(section, {}) if section else data
+        target[name] = value
+    return data, problems
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> RunConfig:
+    """Flags (and the ``--config`` file they name) -> a valid :class:`RunConfig`.
+
+    Raises :class:`ConfigError` listing every problem: unknown flags (with a suggestion), values of
+    the wrong type, unknown TOML keys, broken invariants.
+    """
+    parser = parser or build_parser()
+    namespace, unknown = parser.parse_known_args(list(argv))
+    problems = _unknown_flag_problems(unknown, parser)
+    overrides, pair_problems = _overrides(namespace)
+    problems += pair_problems
+    config_path: Path | None = getattr(namespace, "config", None)
+    base = read_toml(config_path) if config_path is not None else {}
+    source = str(config_path) if config_path is not None else "flags"
+    data = _merge(base, overrides)
+    engines = {name: data.pop(name) for name in KNOWN_ENGINES if name in data}
+    try:
+        config = structure_config(data, source)
+    except ConfigError as exc:
+        raise ConfigError(problems + list(exc.problems), source) from exc.__cause__
+    problems += [
+        ConfigProblem(
+            f"{name}",
+            f"settings of the {name!r} rollout engine, but the engine is {config.rollout.engine!r}",
+            f"add --rollout-engine {name}, or drop them",
+        )
+        for name in engines
+        if name != config.rollout.engine
+    ]
+    if problems:
+        raise ConfigError(problems, source)
+    return _with_engine_options(config, engines.get(config.rollout.engine, {}), source)
+
+
+def _with_engine_options(config: RunConfig, data: dict[str, Any], source: str) -> RunConfig:
+    """``config`` with the chosen engine's options built from ``data`` (its section)."""
+    name = config.rollout.engine
+    options_type = load_engine(name).options_type  # the config check has imported it already
+    try:
+        options = converter.structure(data, options_type)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source) from None
+    except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+        raise ConfigError(problems_from(exc, name, options_type), source) from exc
+    return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_options=options))
+
+
+def _unknown_flag_problems(
+    unknown: Sequence[str], parser: argparse.ArgumentParser
+) -> list[ConfigProblem]:
+    """One problem per unknown flag, with the closest known flag; the values after it are
+    skipped."""
+    known = [o for a in parser._actions for o in a.option_strings]
+    problems: list[ConfigProblem] = []
+    after_flag = False
+    for token in unknown:
+        if token.startswith("-"):
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            problems.append(
+                ConfigProblem(
+                    flag, "unknown flag", f"did you mean {close[0]}?" if close else "see --help"
+                )
+            )
+            after_flag = True
+        elif not after_flag:
+            problems.append(ConfigProblem(token, "unexpected argument", "see --help"))
+    return problems

@@ -1,0 +1,50 @@
+"""The run: from a config to a plan, and from a plan to built stacks, rollouts, training steps,
+checkpoints and evaluations.
+
+- :mod:`~rlcore.loop.plan`: a :class:`~rlcore.config.RunConfig` becomes a ``TrainPlan``, an
+  ``EvalPlan`` or a ``RolloutOnlyPlan``.
+- :mod:`~rlcore.loop.stages`: the stages of a training run (build, resume, rollout, train, save,
+  sync, eval), each a function.
+- :mod:`~rlcore.loop.training`: the synchronous schedule that arranges them.
+- :mod:`~rlcore.loop.jobs`: :func:`run`, eval-only and rollout-only jobs, the checks made before
+  anything is built.
+- :mod:`~rlcore.loop.records`: :class:`RunData`, :class:`RunResult`, :class:`RunInterrupted`.
+- :mod:`~rlcore.loop.checkpoints` (atomic checkpoint folders), :mod:`~rlcore.loop.contracts`
+  (every call into a backend, stack or engine, checked), :mod:`~rlcore.loop.metrics` (sinks),
+  :mod:`~rlcore.loop.backends` (backends by name), :mod:`~rlcore.loop.preflight` (what the file
+  system must hold before a run starts).
+
+This room may import every other room of rlcore but :mod:`rlcore.testing`, which stands beside it;
+only the package's face (``rlcore/__init__.py``) imports it.
+"""
+
+from __future__ import annotations
+
+from rlcore.loop.jobs import check_inputs, run
+from rlcore.loop.records import RunData, RunInterrupted, RunResult
+from rlcore.loop.stages import (
+    RolloutSource,
+    TrainStacks,
+    evaluate,
+    push_weights,
+    resume_point,
+    rollout_source,
+    should_eval,
+    should_save,
+)
+
+__all__ = [
+    "RolloutSource",
+    "RunData",
+    "RunInterrupted",
+    "RunResult",
+    "TrainStacks",
+    "check_inputs",
+    "evaluate",
+    "push_weights",
+    "resume_point",
+    "rollout_source",
+    "run",
+    "should_eval",
+    "should_save",
+]

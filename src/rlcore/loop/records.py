@@ -1,0 +1,99 @@
+"""What a run takes in and gives back: its data, its result, and Ctrl-C's record of progress.
+
+:class:`RunData` is the prompts, :class:`RunResult` what happened, :class:`RunInterrupted` the
+``KeyboardInterrupt`` that carries a partial result, and :class:`Progress` what a job has done so
+far (kept outside the job's function, so that Ctrl-C can report it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from rlcore.samples import EvalSet, Prompt
+
+__all__ = ["NullSink", "Progress", "RunData", "RunInterrupted", "RunResult"]
+
+
+@attrs.frozen
+class RunData:
+    """The prompts a run uses: training prompts (empty for eval-only) and eval sets."""
+
+    train_prompts: tuple[Prompt, ...] = ()
+    eval_sets: tuple[EvalSet, ...] = ()
+    seed: int = 1234
+
+
+@attrs.frozen
+class RunResult:
+    """What happened, for callers and tests: the rollout ids trained, saved and evaluated after
+    (``-1`` stands for "before training"), and the last metrics of each kind."""
+
+    trained: tuple[int, ...]
+    saved: tuple[int, ...]
+    evaluated: tuple[int, ...]
+    last_eval: Mapping[str, float]
+    last_train: Mapping[str, float]
+    built: tuple[str, ...] = ()
+    """The stacks built, as ``train:ROLE`` / ``eval:ROLE``."""
+    rollouts: tuple[int, ...] = ()
+    """The rollout ids whose groups came through the rollout seam (generated or replayed; not
+    the supervised warm start's)."""
+    interrupted: bool = False
+    """The run was stopped by Ctrl-C (see :class:`RunInterrupted`)."""
+    interrupted_at: int | None = None
+    """When interrupted: the rollout id it was working on (its training, save, weight sync or
+    eval; ``trained`` says whether its training finished); ``None`` before the first rollout."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`run`. A ``KeyboardInterrupt`` (an ``except Exception`` does not
+    catch it) that carries what the run had done by then in :attr:`result`."""
+
+    def __init__(self, result: RunResult) -> None:
+        where = (
+            f"at rollout {result.interrupted_at}"
+            if result.interrupted_at is not None
+            else "before its first rollout"
+        )
+        super().__init__(f"interrupted {where}")
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[RunInterrupted], tuple[RunResult]]:
+        return (type(self), (self.result,))
+
+
+class NullSink:
+    """A :class:`~rlcore.protocols.MetricsSink` that drops everything (no sink given)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        del step, metrics
+
+    def close(self) -> None:
+        pass
+
+
+@attrs.define
+class Progress:
+    """What a run has done so far, kept outside its function so Ctrl-C can report it."""
+
+    trained: list[int] = attrs.field(factory=list)
+    saved: list[int] = attrs.field(factory=list)
+    evaluated: list[int] = attrs.field(factory=list)
+    rollouts: list[int] = attrs.field(factory=list)
+    built: tuple[str, ...] = ()
+    current: int | None = None
+
+    def result(self) -> RunResult:
+        return RunResult(
+            tuple(self.trained),
+            tuple(self.saved),
+            tuple(self.evaluated),
+            {},
+            {},
+            self.built,
+            tuple(self.rollouts),
+            interrupted=True,
+            interrupted_at=self.current,
+        )

@@ -1,0 +1,467 @@
+"""The stages of a run, each a function that can be called (and tested) alone.
+
+A training run is these stages, arranged by a schedule (:mod:`rlcore.loop.training`)::
+
+    build      build_stacks      the planned stacks (actor, critic only when planned, reference
+                                 only when KL needs it)
+    resume     resume            load every training stack from --load; the first rollout id,
+                                 the prompt position and the groups carried into it
+    rollout    rollout_source    the rollout seam: generate (or replay) one rollout's groups
+    train      train_on_rollout  advantages, then critic and actor optimizer steps
+               warm_start        or, for a supervised warm-start rollout, one step on the labels
+    save       save_checkpoint   atomically, on the interval and after the last rollout
+    sync       push_weights      the actor's weights to the rollout engine, as a new version
+    eval       evaluate          every eval set with the engine
+
+The "should we save / eval at rollout k" decisions are small pure functions, property-tested.
+Every call into the backend, its stacks and the engine goes through :mod:`rlcore.loop.contracts`,
+so a component that breaks its contract is named in an rlcore error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from rlcore.errors import CheckpointError, PlanError
+from rlcore.loop.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.loop.contracts import build_eval_stack, build_training_stack
+from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
+from rlcore.protocols import (
+    Backend,
+    DynamicSampling,
+    EvalStack,
+    Group,
+    PromptSource,
+    RewardFn,
+    RolloutContext,
+    RolloutEngine,
+    RolloutFn,
+    RolloutOutput,
+    TrainingStack,
+    WeightSource,
+)
+from rlcore.rollout.default import (
+    check_rollout_output,
+    default_rollout,
+    generate_groups,
+    load_group_filter,
+    load_rollout_function,
+)
+from rlcore.rollout.replay import load_rollout_data, read_groups, save_rollout_data, write_groups
+from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
+
+__all__ = [
+    "CARRIED_FILE",
+    "RolloutSource",
+    "TrainStacks",
+    "build_stacks",
+    "evaluate",
+    "make_train_batch",
+    "push_weights",
+    "read_carried",
+    "resume",
+    "resume_point",
+    "rollout_metrics",
+    "rollout_source",
+    "save_checkpoint",
+    "should_eval",
+    "should_save",
+    "train_on_rollout",
+    "training_samples",
+    "warm_start",
+]
+
+log = logging.getLogger("rlcore")
+
+
+# --------------------------------------------------------------------------------------------
+# Pure decisions
+
+
+def should_save(rollout_id: int, num_rollout: int, save_interval: int | None, saving: bool) -> bool:
+    """Save after rollout ``rollout_id``: on every ``save_interval``-th rollout, and always after
+    the last one, when a save folder is set."""
+    if not saving:
+        return False
+    last = rollout_id == num_rollout - 1
+    return last or (save_interval is not None and (rollout_id + 1) % save_interval == 0)
+
+
+def should_eval(rollout_id: int, num_rollout: int, eval_interval: int | None) -> bool:
+    """Evaluate after rollout ``rollout_id``: on every ``eval_interval``-th rollout and after the
+    last one, when an interval is set."""
+    if eval_interval is None:
+        return False
+    return (rollout_id + 1) % eval_interval == 0 or rollout_id == num_rollout - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Build and resume
+
+
+@attrs.frozen
+class TrainStacks:
+    """The stacks a training run holds: critic and reference exist exactly when planned."""
+
+    actor: TrainingStack
+    critic: TrainingStack | None
+    reference: EvalStack | None
+
+    def built(self) -> tuple[str, ...]:
+        roles = [f"train:{name}" for name in self.training()]
+        return (*roles, "eval:reference") if self.reference is not None else tuple(roles)
+
+    def training(self) -> dict[str, TrainingStack]:
+        stacks = {"actor": self.actor}
+        if self.critic is not None:
+            stacks["critic"] = self.critic
+        return stacks
+
+
+def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
+    return TrainStacks(
+        actor=build_training_stack(backend, plan.actor),
+        critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
+        reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
+    )
+
+
+CARRIED_FILE = "rollout/carried.json"
+"""Where a checkpoint keeps the groups carried to the next rollout (kept dynamic-sampling
+surplus), when there are any."""
+
+
+def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
+    """(first rollout id, prompts already consumed, checkpoint folder or ``None``), read from the
+    checkpoint ``plan.load`` names before any stack is built.
+
+    Raises :class:`~rlcore.errors.CheckpointError` naming the path when there is no checkpoint,
+    and :class:`PlanError` when the checkpoint leaves nothing to train: a training run that
+    trains nothing is a mistaken ``--num-rollout`` more often than a wish to evaluate, which
+    ``--num-rollout 0`` says plainly.
+    """
+    start = plan.start_rollout_id
+    if plan.load is None:
+        first = start or 0
+        return first, first * plan.rollout_batch_size, None
+    folder = find_checkpoint(plan.load)
+    meta = read_meta(folder)
+    first = meta.rollout_id + 1 if start is None else start
+    if first >= plan.num_rollout:
+        raise PlanError(
+            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
+            f"so training would start at rollout {first}, but --num-rollout is "
+            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
+            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
+        )
+    return first, meta.consumed_prompts, folder
+
+
+def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group, ...]]:
+    """(first rollout id, prompts already consumed, groups carried into the first rollout). Loads
+    every training stack from ``plan.load`` (the reference model keeps its initial weights); all
+    must agree on the rollout id."""
+    first, consumed, folder = resume_point(plan)
+    if folder is None:
+        return first, consumed, ()
+    meta = read_meta(folder)
+    ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
+    if any(i != meta.rollout_id for i in ids.values()):
+        raise CheckpointError(
+            f"stacks in {folder} disagree on the rollout id: {ids} "
+            f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
+        )
+    log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
+    return first, consumed, read_carried(folder, meta.rollout_id)
+
+
+def read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
+    """The groups checkpoint ``folder`` (of rollout ``rollout_id``) carries into the next rollout,
+    if any."""
+    path = folder / CARRIED_FILE
+    return read_groups(path, rollout_id) if path.is_file() else ()
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout
+
+RolloutSource = Callable[[int, PromptSource, tuple[Group, ...]], RolloutOutput]
+"""One rollout as the loop calls it: ``(rollout_id, prompts, carried groups) -> output``."""
+
+
+def rollout_source(
+    plan: TrainPlan | RolloutOnlyPlan,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    rollout_fn: RolloutFn | None = None,
+) -> RolloutSource:
+    """The plan's rollouts: replayed from ``plan.replay_rollout_data`` (no engine), or produced by
+    ``rollout_fn`` (default: ``plan.rollout.function_path``, else
+    :func:`~rlcore.rollout.default_rollout`) with the engine; every output is checked against the
+    batch size and, with ``plan.rollout.save_debug_data``, saved.
+
+    User functions (rollout function, group filter) are imported here, so a bad path fails before
+    anything is built. Raises :class:`PlanError` when the plan generates and ``engine`` is None.
+    """
+    size, n = plan.rollout_batch_size, plan.n_samples_per_prompt
+    if isinstance(plan, TrainPlan) and plan.replay_rollout_data is not None:
+        template = plan.replay_rollout_data
+        log.info("replaying the rollouts saved under %s: no rollout engine is used", template)
+
+        def replay(
+            rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]
+        ) -> RolloutOutput:
+            del prompts, carried
+            groups = load_rollout_data(template, rollout_id)
+            return check_rollout_output(RolloutOutput(groups), f"replay of {template}", size, n)
+
+        return replay
+    if engine is None:
+        raise PlanError(
+            "this plan generates rollouts, but no rollout engine was given; pass one, or replay "
+            "saved rollouts (--load-debug-rollout-data)"
+        )
+    spec = plan.rollout
+    if rollout_fn is not None:
+        fn, name = rollout_fn, getattr(rollout_fn, "__qualname__", type(rollout_fn).__qualname__)
+    elif spec.function_path is not None:
+        fn, name = load_rollout_function(spec.function_path), spec.function_path
+    else:
+        fn, name = default_rollout, "rlcore.rollout:default_rollout"
+    sampling = DynamicSampling(
+        over_sampling_batch_size=spec.over_sampling_batch_size or size,
+        max_rounds=spec.max_rounds,
+        keep_surplus=spec.keep_surplus,
+        group_filter=load_group_filter(spec.filter_path) if spec.filter_path else None,
+    )
+    generating_engine = engine
+
+    def produce(
+        rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]
+    ) -> RolloutOutput:
+        ctx = RolloutContext(
+            rollout_id=rollout_id,
+            prompts=prompts,
+            engine=generating_engine,
+            reward_fn=reward_fn,
+            params=plan.rollout_params,
+            n_samples_per_prompt=n,
+            batch_size=size,
+            sampling=sampling,
+            carried=carried,
+        )
+        output = check_rollout_output(fn(ctx), name, size, n)
+        if spec.save_debug_data is not None:
+            save_rollout_data(spec.save_debug_data, rollout_id, output.groups)
+        return output
+
+    return produce
+
+
+# --------------------------------------------------------------------------------------------
+# Train, save, sync, eval
+
+
+def push_weights(source: WeightSource, engine: RolloutEngine, version: int) -> None:
+    """The policy's weights to the engine, straight from where they live (the engine's sinks go
+    to the weights, not the weights to the caller), served from now on as ``version``."""
+    with engine.receive_weights(version) as sinks:
+        source.send_weights(sinks)
+
+
+def evaluate(
+    engine: RolloutEngine,
+    reward_fn: RewardFn,
+    eval_sets: Sequence[EvalSet],
+    params: SamplingParams,
+    n_samples: int,
+) -> dict[str, float]:
+    """Mean reward, pass@n (a prompt passes when any of its ``n`` samples scores >= 1) and mean
+    response length per eval set, as ``eval/NAME/...``."""
+    metrics: dict[str, float] = {}
+    for eval_set in eval_sets:
+        groups = generate_groups(engine, reward_fn, eval_set.prompts, n_samples, params)
+        rewards = [s.reward for g in groups for s in g]
+        prefix = f"eval/{eval_set.name}"
+        metrics[f"{prefix}/reward"] = _mean(rewards)
+        metrics[f"{prefix}/pass@{n_samples}"] = _mean(
+            [float(max(s.reward for s in g) >= 1.0) for g in groups]
+        )
+        metrics[f"{prefix}/response_len"] = _mean(
+            [float(len(s.response.token_ids)) for g in groups for s in g]
+        )
+    return metrics
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else 0.0
+
+
+def make_train_batch(
+    samples: Sequence[Sample], stacks: TrainStacks, plan: TrainPlan, rollout_id: int
+) -> tuple[TrainBatch, dict[str, float]]:
+    """Score the samples with the planned stacks and turn rewards into advantages.
+
+    The actor's own log-probs are recomputed only when needed: for several optimizer steps per
+    rollout (the ratio is no longer 1) or for a KL reward penalty. With
+    ``--use-rollout-logprobs`` the engine's log-probs are the old ones instead (no recompute for the
+    ratio). The reference model runs only when KL is planned; the critic only when it exists. The
+    engine's log-probs always go into the batch (``rollout_log_probs``), for the mismatch metric
+    and its correction.
+    """
+    from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
+
+    engine_log_probs = tuple(s.response.log_probs for s in samples)
+    use_engine = plan.actor.loss.use_rollout_logprobs
+    needs_old = (plan.actor.steps_per_rollout > 1 and not use_engine) or plan.advantage.kl_coef != 0
+    old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
+    ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
+    values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
+    adv = estimate_advantages(
+        samples, plan.advantage, values=values, log_probs=old_log_probs, ref_log_probs=ref_log_probs
+    )
+    if use_engine:
+        ratio_old = engine_log_probs
+    else:
+        ratio_old = old_log_probs if plan.actor.steps_per_rollout > 1 else ()
+    batch = TrainBatch(
+        samples=tuple(samples),
+        advantages=adv.advantages,
+        returns=adv.returns if stacks.critic is not None else (),
+        old_log_probs=ratio_old,
+        ref_log_probs=ref_log_probs if plan.actor.loss.use_kl_loss else (),
+        old_values=values,
+        rollout_id=rollout_id,
+        rollout_log_probs=engine_log_probs,
+    )
+    return batch, {"rollout/kl_penalty": adv.kl}
+
+
+def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
+    """Critic first (it learns from this rollout's returns), then the actor."""
+    metrics: dict[str, float] = {}
+    if stacks.critic is not None:
+        metrics.update(stacks.critic.train_step(batch).as_dict("train/critic"))
+    metrics.update(stacks.actor.train_step(batch).as_dict("train/actor"))
+    return metrics
+
+
+def train_on_rollout(
+    plan: TrainPlan, stacks: TrainStacks, rollout_id: int, output: RolloutOutput
+) -> dict[str, float]:
+    """The train stage of one generated rollout: advantages (scoring the samples with the planned
+    stacks), then the optimizer steps. Returns the rollout's metrics (its samples', the rollout
+    function's, the KL penalty, the stacks' training metrics) and ``perf/advantages_s`` and
+    ``perf/train_s``."""
+    t0 = time.perf_counter()
+    samples = training_samples(output.groups)
+    batch, adv_metrics = make_train_batch(samples, stacks, plan, rollout_id)
+    t1 = time.perf_counter()
+    metrics = {
+        **rollout_metrics(samples, policy_version=rollout_id),
+        **output.metrics,
+        **adv_metrics,
+        **train(stacks, batch),
+    }
+    metrics["perf/advantages_s"] = t1 - t0
+    metrics["perf/train_s"] = time.perf_counter() - t1
+    return metrics
+
+
+def warm_start(
+    prompts: Sequence[Prompt], actor: TrainingStack, plan: TrainPlan, rollout_id: int
+) -> dict[str, float]:
+    """One warm-start rollout: the actor trains on each prompt's reference completion, repeated
+    ``n_samples_per_prompt`` times so batch sizes match the RL rollouts. With advantage 1 and
+    ratio 1 the policy loss's gradient is exactly the SFT (token-mean NLL) gradient."""
+    missing = [p.index for p in prompts if not p.target_token_ids]
+    if missing:
+        raise PlanError(
+            f"--sft-warmup-rollouts needs labelled prompts, but prompts {missing[:5]} have no "
+            "reference completion; give the data a label key (--label-key) or drop the warm start"
+        )
+    samples = tuple(
+        Sample(
+            prompt=p,
+            response=Generation(
+                p.target_token_ids, tuple(0.0 for _ in p.target_token_ids), p.label, "stop"
+            ),
+            reward=1.0,
+            group=i,
+        )
+        for i, p in enumerate(prompts)
+        for _ in range(plan.n_samples_per_prompt)
+    )
+    batch = TrainBatch(
+        samples,
+        advantages=tuple(tuple(1.0 for _ in s.response.token_ids) for s in samples),
+        rollout_id=rollout_id,
+    )
+    # No rollout_log_probs: the labels were not sampled by an engine, nothing to correct.
+    metrics = actor.train_step(batch).as_dict("train/actor")
+    return {**metrics, "rollout/supervised": 1.0}
+
+
+def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str, float]:
+    """Reward, response length, truncation, and how many weight versions the samples' generations
+    lag behind ``policy_version`` (0 on-policy; 1 for groups carried from the previous rollout).
+    With multi-turn episodes also model turns per episode (``rollout/turns``) and the share of
+    response tokens the model generated (``rollout/model_token_frac``)."""
+    metrics = {
+        "rollout/reward": _mean([s.reward for s in samples]),
+        "rollout/response_len": _mean([float(len(s.response.token_ids)) for s in samples]),
+        "rollout/truncated": _mean([float(s.response.finish_reason == "length") for s in samples]),
+        "rollout/weight_version_lag": _mean(
+            [float(policy_version - s.response.weight_version) for s in samples]
+        ),
+    }
+    if any(s.response.turns for s in samples):
+        turns = [
+            sum(t.role == "model" for t in s.response.turns) if s.response.turns else 1
+            for s in samples
+        ]
+        metrics["rollout/turns"] = _mean([float(n) for n in turns])
+        total = sum(len(s.response.token_ids) for s in samples)
+        model = sum(s.response.model_tokens for s in samples)
+        metrics["rollout/model_token_frac"] = model / total if total else 0.0
+    return metrics
+
+
+def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:
+    """The groups' samples in order, each sample's ``group`` set to its group's position (what
+    the grouped advantage estimators read), whatever the rollout function numbered."""
+    return tuple(
+        s if s.group == i else attrs.evolve(s, group=i) for i, g in enumerate(groups) for s in g
+    )
+
+
+def save_checkpoint(
+    plan: TrainPlan, stacks: TrainStacks, rollout_id: int, consumed: int, carried: tuple[Group, ...]
+) -> Path:
+    """The save stage: every training stack, the prompt position ``consumed`` and the groups
+    ``carried`` into the next rollout, as checkpoint ``rollout_id`` in ``plan.save_dir``, written
+    atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its folder."""
+    assert plan.save_dir is not None  # should_save is True only with a save folder
+    meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()))
+    return write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
+
+
+def _savers(
+    stacks: TrainStacks, rollout_id: int, carried: tuple[Group, ...]
+) -> dict[str, Callable[[Path], None]]:
+    def saver(stack: TrainingStack) -> Callable[[Path], None]:
+        return lambda folder: stack.save(folder, rollout_id)
+
+    savers = {name: saver(stack) for name, stack in stacks.training().items()}
+    if carried:  # kept surplus groups: the next rollout starts with them
+        carried_path = Path(CARRIED_FILE)
+        savers[carried_path.parent.name] = lambda folder: write_groups(
+            folder / carried_path.name, rollout_id, carried
+        )
+    return savers

@@ -1,0 +1,127 @@
+"""The synchronous training schedule: the stages of :mod:`rlcore.loop.stages`, one after the other.
+
+::
+
+    build -> resume -> sync -> [eval]
+    -> for each rollout id: rollout (or a warm-start batch) -> train -> save (interval, and
+                            always after the last) -> sync -> eval (interval)
+
+Each stage waits for the one before: the engine is idle while the stacks train and the stacks
+are idle while the engine generates. What a rollout trains on is generated with the weights of
+the rollout before it (version ``rollout_id``), so every sample is on-policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from rlcore.data import PromptSampler
+from rlcore.errors import PlanError
+from rlcore.loop.plan import TrainPlan
+from rlcore.loop.records import Progress, RunData, RunResult
+from rlcore.loop.stages import (
+    build_stacks,
+    evaluate,
+    push_weights,
+    resume,
+    rollout_source,
+    save_checkpoint,
+    should_eval,
+    should_save,
+    train_on_rollout,
+    warm_start,
+)
+from rlcore.protocols import Backend, MetricsSink, RewardFn, RolloutEngine, RolloutFn
+
+__all__ = ["run_training"]
+
+
+def run_training(
+    plan: TrainPlan,
+    backend: Backend,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    data: RunData,
+    sink: MetricsSink,
+    progress: Progress,
+    rollout_fn: RolloutFn | None = None,
+) -> RunResult:
+    """Train ``plan`` to its last rollout with the synchronous schedule (module docstring).
+
+    ``engine`` is ``None`` only when the plan replays saved rollouts and evaluates nothing.
+    What has been done is kept in ``progress`` as it happens, for Ctrl-C to report.
+    """
+    evaluates = bool(data.eval_sets) and (plan.eval_before_train or plan.eval_interval is not None)
+    if engine is None and evaluates:
+        raise PlanError("this plan evaluates, but no rollout engine was given to evaluate with")
+    produce = rollout_source(plan, engine, reward_fn, rollout_fn)
+    stacks = build_stacks(plan, backend)
+    progress.built = stacks.built()
+    start, consumed, carried = resume(plan, stacks)
+    sampler = PromptSampler(
+        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
+    )
+    if engine is not None:
+        push_weights(stacks.actor, engine, version=start)
+
+    def run_eval(after: int) -> Mapping[str, float]:
+        assert engine is not None  # checked above: a plan that evaluates has an engine
+        metrics = evaluate(
+            engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
+        )
+        progress.evaluated.append(after)
+        sink.log(after + 1, metrics)
+        return metrics
+
+    last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
+    last_train: Mapping[str, float] = {}
+    for rollout_id in range(start, plan.num_rollout):
+        progress.current = rollout_id
+        t0 = time.perf_counter()
+        if rollout_id < plan.sft_warmup_rollouts:
+            metrics = warm_start(sampler.next_batch(), stacks.actor, plan, rollout_id)
+            metrics.update(
+                {
+                    "perf/generate_s": 0.0,
+                    "perf/advantages_s": 0.0,
+                    "perf/train_s": time.perf_counter() - t0,
+                }
+            )
+        else:
+            output = produce(rollout_id, sampler, carried)  # the rollout seam
+            carried = output.surplus
+            progress.rollouts.append(rollout_id)
+            generate_s = time.perf_counter() - t0
+            metrics = train_on_rollout(plan, stacks, rollout_id, output)
+            metrics["perf/generate_s"] = generate_s
+        progress.trained.append(rollout_id)
+        try:
+            t1 = time.perf_counter()
+            if should_save(
+                rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
+            ):
+                save_checkpoint(plan, stacks, rollout_id, sampler.consumed, carried)
+                progress.saved.append(rollout_id)
+            t2 = time.perf_counter()
+            metrics["perf/save_s"] = t2 - t1
+            if engine is not None:
+                push_weights(stacks.actor, engine, version=rollout_id + 1)
+            metrics["perf/weight_sync_s"] = time.perf_counter() - t2
+            metrics["rollout/weight_version"] = float(rollout_id + 1)
+        finally:
+            # A trained rollout's metrics are logged even when its save or weight sync is
+            # interrupted (Ctrl-C) or fails: the optimizer step they describe happened.
+            last_train = metrics
+            sink.log(rollout_id, metrics)
+        if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
+            last_eval = run_eval(rollout_id)
+    return RunResult(
+        tuple(progress.trained),
+        tuple(progress.saved),
+        tuple(progress.evaluated),
+        last_eval,
+        last_train,
+        stacks.built(),
+        tuple(progress.rollouts),
+    )

@@ -1,0 +1,272 @@
+"""Typed fakes for tests: stacks, a backend that records what it built, a scripted rollout engine.
+
+They satisfy the protocols structurally, like any backend, so a test that passes with them
+exercises the real loop, planner and checkpoint code. The core's own tests use them; users' tests
+can too. They import nothing heavy.
+
+:mod:`rlcore.testing.tiny` builds tiny, fully local models and tokenizers (it imports torch and
+transformers) for tests, demos and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import final
+
+import attrs
+
+from rlcore.errors import CheckpointError
+from rlcore.samples import (
+    FinishReason,
+    Generation,
+    Prompt,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+    TrainMetrics,
+)
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.weights import InProcess, NamedTensors, WeightSink, deliver
+
+__all__ = [
+    "FakeBackend",
+    "FakeEvalStack",
+    "FakeOptimizer",
+    "FakeScheduler",
+    "FakeTrainingStack",
+    "RecordingSink",
+    "RecordingWeightSink",
+    "ScriptedEngine",
+    "label_reward",
+]
+
+_STATE_FILE = "fake_stack.json"
+
+
+@final
+class FakeOptimizer:
+    """Counts steps; its state is that count."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> Mapping[str, object]:
+        return {"steps": self.steps}
+
+
+@final
+class FakeScheduler:
+    """Follows the spec's :class:`~rlcore.specs.LRSchedule`."""
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self.schedule = spec.optimizer.schedule
+        self.steps = 0
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr_at(self.steps)
+
+    def state_dict(self) -> Mapping[str, object]:
+        return {"steps": self.steps}
+
+
+def _load_state(path: Path) -> dict[str, int]:
+    try:
+        raw = json.loads((path / _STATE_FILE).read_text())
+        return {str(k): int(v) for k, v in raw.items()}
+    except FileNotFoundError:
+        raise CheckpointError(f"no fake-stack checkpoint at {path}") from None
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"corrupt fake-stack checkpoint at {path}: {exc}") from exc
+
+
+def _zeros(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    return [tuple(0.0 for _ in s.response.token_ids) for s in samples]
+
+
+@final
+class FakeEvalStack:
+    """An eval stack: scores are zeros, weights are a version counter. No optimizer attribute."""
+
+    def __init__(self, spec: EvalSpec) -> None:
+        self._spec = spec.model
+        self.loaded_from: Path | None = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        return _zeros(samples)
+
+    def load(self, path: Path) -> int:
+        state = _load_state(path)
+        self.loaded_from = path
+        return state["rollout_id"]
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver([], sinks)
+
+
+@final
+class FakeTrainingStack:
+    """A training stack that counts ``train_step`` calls and saves/loads them as JSON."""
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self.train_spec = spec
+        self._optimizer = FakeOptimizer()
+        self._scheduler = FakeScheduler(spec)
+        self.batches: list[TrainBatch] = []
+        self.saved: list[tuple[Path, int]] = []
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.train_spec.model
+
+    @property
+    def optimizer(self) -> FakeOptimizer:
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> FakeScheduler:
+        return self._scheduler
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        return _zeros(samples)
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        self.batches.append(batch)
+        lr = self._scheduler.lr
+        for _ in range(self.train_spec.steps_per_rollout):
+            self._optimizer.steps += 1
+            self._scheduler.steps += 1
+        tokens = sum(len(s.response.token_ids) for s in batch.samples)
+        return TrainMetrics(loss=0.0, grad_norm=0.0, lr=lr, tokens=tokens)
+
+    def save(self, path: Path, rollout_id: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"rollout_id": rollout_id, "steps": self._optimizer.steps}
+        (path / _STATE_FILE).write_text(json.dumps(state))
+        self.saved.append((path, rollout_id))
+
+    def load(self, path: Path) -> int:
+        state = _load_state(path)
+        self._optimizer.steps = self._scheduler.steps = state["steps"]
+        return state["rollout_id"]
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        deliver([], sinks)
+
+
+@final
+class FakeBackend:
+    """Builds fake stacks and records every spec it was asked for, in order."""
+
+    def __init__(self) -> None:
+        self.training_stacks: list[FakeTrainingStack] = []
+        self.eval_stacks: list[FakeEvalStack] = []
+
+    def build_training_stack(self, spec: TrainSpec) -> FakeTrainingStack:
+        stack = FakeTrainingStack(spec)
+        self.training_stacks.append(stack)
+        return stack
+
+    def build_eval_stack(self, spec: EvalSpec) -> FakeEvalStack:
+        stack = FakeEvalStack(spec)
+        self.eval_stacks.append(stack)
+        return stack
+
+    @property
+    def roles_built(self) -> list[str]:
+        """``train:actor``, ``eval:reference``, ... in build order."""
+        return [f"train:{s.spec.role}" for s in self.training_stacks] + [
+            f"eval:{s.spec.role}" for s in self.eval_stacks
+        ]
+
+
+def _alternate(prompt: Prompt, index: int) -> str:
+    return prompt.label if index % 2 == 0 else prompt.label + "?"
+
+
+@final
+class ScriptedEngine:
+    """A rollout engine whose response text is ``script(prompt, index_in_batch)``.
+
+    Tokens are the characters' code points; log-probs are -1.0 each. The default script answers
+    every other sample correctly, so group rewards vary. Records every call and weight update
+    (``updates``: the versions; ``received``: the weight names each update got).
+    """
+
+    def __init__(self, script: Callable[[Prompt, int], str] = _alternate) -> None:
+        self.script = script
+        self.calls: list[tuple[int, SamplingParams]] = []
+        self.updates: list[int] = []
+        self.received: list[tuple[str, ...]] = []
+        self._version = 0
+        self.closed = False
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        self.calls.append((len(prompts), params))
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = self.script(prompt, i)[: params.max_new_tokens]
+            tokens = tuple(ord(ch) for ch in text)
+            finish: FinishReason = "length" if len(text) == params.max_new_tokens else "stop"
+            out.append(Generation(tokens, tuple(-1.0 for _ in tokens), text, finish, self._version))
+        return out
+
+    @contextmanager
+    def receive_weights(self, version: int) -> Iterator[list[RecordingWeightSink]]:
+        """One in-process sink; the version is recorded only when the update completes."""
+        sink = RecordingWeightSink()
+        yield [sink]
+        self.received.append(sink.names)
+        self._version = version
+        self.updates.append(version)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@final
+class RecordingWeightSink:
+    """An in-process :class:`~rlcore.protocols.WeightSink` that keeps the names it received."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] = ()
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        self.names = tuple(name for name, _ in weights)
+
+
+def label_reward(prompt: Prompt, generation: Generation) -> float:
+    """1.0 when the response text equals the prompt's label, else 0.0."""
+    return float(generation.text.strip() == prompt.label)
+
+
+@attrs.define
+class RecordingSink:
+    """A metrics sink that keeps everything it is given."""
+
+    records: list[tuple[int, dict[str, float]]] = attrs.field(factory=list)
+    closed: bool = False
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def keys(self) -> set[str]:
+        return {k for _, m in self.records for k in m}

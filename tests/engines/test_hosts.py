@@ -1,0 +1,153 @@
+"""This machine as a process host: start, watch, read the log of, and stop a server process and
+everything it started; with ``die_with_parent``, the process dies with whoever started it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rlcore.engines.hosts import LocalProcessHost
+from rlcore.errors import RolloutError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited all the same.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" not in status.read_text()
+
+
+def _wait_gone(pid: int, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_start_watch_log_and_stop_a_process_group(tmp_path: Path) -> None:
+    host = LocalProcessHost(cpus=3)
+    assert (host.address, host.gpu_ids, host.cpus) == ("127.0.0.1", (), 3)
+    script = "import os, subprocess, sys, time\n" + textwrap.dedent(
+        """
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("hello", os.environ["GREETING"], child.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    process = host.start([sys.executable, "-c", script], {"GREETING": "there"}, tmp_path / "l.log")
+    deadline = time.monotonic() + 60
+    while not process.log_tail(5) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (line,) = process.log_tail(5)
+    word, greeting, child = line.split()
+    assert (word, greeting) == ("hello", "there")
+    assert process.poll() is None
+    process.stop(5.0)
+    assert process.poll() is not None
+    assert _wait_gone(int(child))  # the whole group, not only the process it started
+    process.stop(5.0)  # twice is fine
+
+
+def test_a_program_that_cannot_start_is_a_rollout_error(tmp_path: Path) -> None:
+    with pytest.raises(RolloutError, match="could not start '/no/such/program'"):
+        LocalProcessHost().start(["/no/such/program"], {}, tmp_path / "l.log")
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from rlcore.engines.hosts import LocalProcessHost
+
+host = LocalProcessHost(die_with_parent=True)
+process = host.start([sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
+print(process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_started_to_die_with_its_parent_does(tmp_path: Path) -> None:
+    """What a cluster's rollout host relies on: when the host actor is killed outright, the
+    server it started goes too (it runs in its own session, so nothing else would stop it).
+    Linux's parent-death signal, which is what CI runs on."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "l.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert parent.stdout is not None
+    with parent.stdout:
+        pid = int(parent.stdout.readline())
+        assert _alive(pid)
+        parent.kill()
+        parent.wait(timeout=30)
+    assert _wait_gone(pid)
+
+
+def test_stop_removes_the_shared_memory_only_the_group_mapped(tmp_path: Path) -> None:
+    """What a killed SGLang server leaves in /dev/shm (files its processes mapped) is removed
+    when it is stopped; a file that another process still maps, or that the group never mapped,
+    stays."""
+    prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
+    script = textwrap.dedent(
+        """
+        import mmap, os, subprocess, sys, time
+
+        def mapped(path):
+            fd = os.open(path, os.O_CREAT | os.O_RDWR)
+            os.ftruncate(fd, 4096)
+            view = mmap.mmap(fd, 4096)
+            os.close(fd)
+            return view
+
+        prefix, role = sys.argv[1], sys.argv[2]
+        if role == "child":
+            kept = [mapped(prefix + "-child")]
+        else:
+            kept = [mapped(prefix + "-own"), mapped(prefix + "-shared")]
+            subprocess.Popen([sys.executable, "-c", sys.argv[3], prefix, "child"])
+        print(role, "ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    shared = _mapped_here(prefix + "-shared")
+    Path(prefix + "-unrelated").write_bytes(b"x")
+    try:
+        process = LocalProcessHost().start(
+            [sys.executable, "-c", script, prefix, "parent", script], {}, tmp_path / "l.log"
+        )
+        deadline = time.monotonic() + 60
+        while len(process.log_tail(5)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(process.log_tail(5)) == ["child ready", "parent ready"]
+        process.stop(5.0)
+        left = {p.name.removeprefix(f"rlcore-test-{os.getpid()}-") for p in _ours(prefix)}
+        assert left == {"shared", "unrelated"}
+    finally:
+        shared.close()
+        for path in _ours(prefix):
+            path.unlink()
+
+
+def _mapped_here(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    os.ftruncate(fd, 4096)
+    view = mmap.mmap(fd, 4096)
+    os.close(fd)
+    return view
+
+
+def _ours(prefix: str) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(Path(prefix).name + "-*"))

@@ -1,0 +1,95 @@
+"""Atomic checkpoints: a failed save never replaces a good one."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rlcore.errors import CheckpointError
+from rlcore.loop.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+
+
+def _writer(text: str) -> Callable[[Path], None]:
+    def save(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+
+    return save
+
+
+def test_save_then_find_latest(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a0")})
+    final = write_checkpoint(tmp_path, CheckpointMeta(1, 8, ("actor",)), {"actor": _writer("a1")})
+    assert find_checkpoint(tmp_path) == final
+    assert read_meta(final) == CheckpointMeta(1, 8, ("actor",))
+    assert find_checkpoint(final) == final
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) -> None:
+    good = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("good")})
+
+    def crash(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "weights").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(CheckpointError, match="rollout_000001.*disk full"):
+        write_checkpoint(
+            tmp_path,
+            CheckpointMeta(1, 8, ("actor", "critic")),
+            {"actor": _writer("x"), "critic": crash},
+        )
+    assert find_checkpoint(tmp_path) == good
+    assert (good / "actor" / "weights").read_text() == "good"
+    assert not (tmp_path / "rollout_000001").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_resaving_a_rollout_replaces_it_whole(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(3, 4, ("actor",)), {"actor": _writer("old")})
+    final = write_checkpoint(tmp_path, CheckpointMeta(3, 4, ("actor",)), {"actor": _writer("new")})
+    assert (final / "actor" / "weights").read_text() == "new"
+
+
+def test_missing_and_corrupt_checkpoints_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        find_checkpoint(tmp_path)
+    final = write_checkpoint(tmp_path, CheckpointMeta(0, 0, ("actor",)), {"actor": _writer("a")})
+    (final / "rlcore.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="rlcore.json is corrupt"):
+        read_meta(final)
+    (tmp_path / "latest").write_text("rollout_000009\n")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        find_checkpoint(tmp_path)
+
+
+def test_the_next_save_removes_what_an_interrupted_save_left_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a0")})
+    # What a save killed half-way leaves: its temporary folder (named after the dead process), the
+    # old folder of a re-save and the temporary pointer.
+    debris = [tmp_path / ".tmp-rollout_000001-4242", tmp_path / ".old-rollout_000000-4242"]
+    for folder in debris:
+        (folder / "actor").mkdir(parents=True)
+        (folder / "actor" / "weights").write_text("half")
+    (tmp_path / ".latest.tmp").write_text("rollout_000001\n")
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        final = write_checkpoint(
+            tmp_path, CheckpointMeta(1, 8, ("actor",)), {"actor": _writer("a1")}
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "rollout_000000",
+        "rollout_000001",
+    ]
+    assert find_checkpoint(tmp_path) == final
+    logged = [r.getMessage() for r in caplog.records]
+    for path in [*debris, tmp_path / ".latest.tmp"]:
+        assert f"checkpoints: removed {path}, left behind by an interrupted save" in logged
