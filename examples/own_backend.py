@@ -1,10 +1,15 @@
 """Bring your own backend: a small but real pure-PyTorch backend driven by rlcore's loop.
 
-The model is a bigram language model (token embedding -> logits over the next token); the actor
-trains it with AdamW and a LambdaLR that follows the plan's LRSchedule, the critic is the same
-model with a scalar value head. Two classes satisfy ``rlcore.TrainingStack`` / ``rlcore.EvalStack``
-structurally, one satisfies ``rlcore.Backend``; the planner, loop, advantages, losses, checkpoints
-and eval come from rlcore. Run it: ``python examples/own_backend.py``.
+The model is a tiny causal language model (embedding -> GRU -> logits over the next token); the
+actor trains it with AdamW and a LambdaLR that follows the plan's LRSchedule, the critic is the
+same model with a scalar value head. Two classes satisfy ``rlcore.TrainingStack`` /
+``rlcore.EvalStack`` structurally, one satisfies ``rlcore.Backend``; the rollout engine is
+``rlcore.engines.torch_engine.TorchEngine`` sampling from a copy of the model being trained; the
+planner, loop, advantages, losses, checkpoints and eval come from rlcore.
+
+The task: after ``c>`` answer the next letter, ``d``. Run it: ``python examples/own_backend.py``
+prints the sampled reward of every rollout (about 1/20 at the start, when the model guesses) and
+the greedy accuracy on the 16 prompts.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import final
+from typing import Final, final
 
 import torch
 from torch import nn
@@ -30,32 +35,53 @@ from rlcore.algorithms import (
     token_log_probs,
     unpad,
 )
+from rlcore.data import load_eval_sets, load_prompts
+from rlcore.engines.torch_engine import TorchEngine
 from rlcore.errors import CheckpointError
 from rlcore.protocols import WeightSink
-from rlcore.samples import EvalSet, Prompt, Sample, TrainBatch, TrainMetrics
+from rlcore.samples import Prompt, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.testing import ScriptedEngine
+from rlcore.testing import RecordingSink
 from rlcore.weights import deliver
 
-VOCAB = 128  # the scripted engine emits characters' code points
-PAD = 0
+LETTERS = "abcdefghijklmnop"
+PAD, BOS, EOS, ARROW = 0, 1, 2, 3
+VOCAB = 4 + len(LETTERS)
 
 
-class Bigram(nn.Module):
-    """logits[b, s] = W · embed(tokens[b, s]); ``value_head`` turns it into a critic."""
+class LetterTokenizer:
+    """``rlcore.protocols.Tokenizer``: ``<pad> <bos> <eos> >`` then one id per letter;
+    ``encode`` prepends ``<bos>``, ``decode`` leaves the special tokens out."""
+
+    pad_token_id = PAD
+    eos_token_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS, *(ARROW if ch == ">" else 4 + LETTERS.index(ch) for ch in text)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(">" if t == ARROW else LETTERS[t - 4] for t in token_ids if t >= ARROW)
+
+
+class TinyLM(nn.Module):
+    """A causal language model: embedding -> GRU -> logits over the next token (or, with
+    ``value_head``, one value per position, for a critic). ``forward(tokens [B, T]) -> [B, T, V]``
+    is all rlcore.engines.TorchEngine needs to sample from it."""
 
     def __init__(self, seed: int, value_head: bool) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, 32)
-        self.head = nn.Linear(32, 1 if value_head else VOCAB)
+        self.rnn = nn.GRU(32, 64, batch_first=True)
+        self.head = nn.Linear(64, 1 if value_head else VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.embed(tokens))
+        hidden, _ = self.rnn(self.embed(tokens))
+        out: torch.Tensor = self.head(hidden)
         return out
 
 
-def _scores(model: Bigram, role: str, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+def _scores(model: TinyLM, role: str, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
     tb = tensorize_samples(samples, PAD)
     with torch.no_grad():
         out = model(tb.tokens)
@@ -65,7 +91,7 @@ def _scores(model: Bigram, role: str, samples: Sequence[Sample]) -> list[tuple[f
     return unpad(per_token, tb)
 
 
-def _load_model(model: Bigram, path: Path) -> tuple[int, dict[str, object]]:
+def _load_model(model: TinyLM, path: Path) -> tuple[int, dict[str, object]]:
     try:
         state = torch.load(path / "state.pt", weights_only=True)
         meta = json.loads((path / "meta.json").read_text())
@@ -79,9 +105,11 @@ def _load_model(model: Bigram, path: Path) -> tuple[int, dict[str, object]]:
 class TorchEvalStack:
     """Model only: no optimizer, no scheduler."""
 
+    kind: Final = "eval"
+
     def __init__(self, spec: EvalSpec) -> None:
         self._spec = spec.model
-        self.model = Bigram(spec.model.seed, value_head=spec.model.role == "critic").eval()
+        self.model = TinyLM(spec.model.seed, value_head=spec.model.role == "critic").eval()
 
     @property
     def spec(self) -> ModelSpec:
@@ -101,9 +129,11 @@ class TorchEvalStack:
 class TorchTrainingStack:
     """Model, AdamW and a LambdaLR following the plan's schedule; one step per global batch."""
 
+    kind: Final = "train"
+
     def __init__(self, spec: TrainSpec) -> None:
         self.train_spec = spec
-        self.model = Bigram(spec.model.seed, value_head=spec.model.role == "critic")
+        self.model = TinyLM(spec.model.seed, value_head=spec.model.role == "critic")
         o = spec.optimizer
         self._optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -165,7 +195,8 @@ class TorchTrainingStack:
         return TrainMetrics(loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=tokens, extra=extra)
 
     def save(self, path: Path, rollout_id: int) -> None:
-        path.mkdir(parents=True)
+        # ``path`` exists and is empty: the loop made it, inside a checkpoint folder it moves
+        # into place only once every stack has saved.
         state = {
             "model": self.model.state_dict(),
             "optimizer": self._optimizer.state_dict(),
@@ -197,89 +228,88 @@ class TorchBackend:
         return TorchEvalStack(spec)
 
 
-def _data() -> rlcore.RunData:
-    prompts = tuple(
-        Prompt(index=i, text=f"{i}+{i}=", token_ids=(1, 2, 3), label=str(2 * i)) for i in range(16)
-    )
+def _write_data(folder: Path) -> tuple[Path, Path]:
+    """Prompts ``c>`` labelled with the next letter, ``d`` (``p>`` -> ``a``): the training set
+    and, for evaluation (greedy), the same 16 prompts."""
+    rows = [
+        {"input": f"{ch}>", "label": LETTERS[(i + 1) % len(LETTERS)]}
+        for i, ch in enumerate(LETTERS)
+    ]
+    train, evaluation = folder / "train.jsonl", folder / "letters.jsonl"
+    for path in (train, evaluation):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return train, evaluation
+
+
+def _data(train: Path, evaluation: Path) -> rlcore.RunData:
+    tokenizer = LetterTokenizer()
     return rlcore.RunData(
-        train_prompts=prompts, eval_sets=(EvalSet("doubles", prompts[:4]),), seed=0
+        train_prompts=load_prompts(train, tokenizer=tokenizer),
+        eval_sets=load_eval_sets([("letters", evaluation)], tokenizer=tokenizer),
+        seed=0,
     )
+
+
+def _engine() -> TorchEngine:
+    """The engine samples from its own TinyLM; the loop sends it the actor's weights before the
+    first rollout and after every step."""
+    return TorchEngine(TinyLM(seed=99, value_head=False), LetterTokenizer(), seed=0)
+
+
+def main(folder: Path) -> tuple[rlcore.RunResult, rlcore.RunResult, list[float]]:
+    """Train 30 PPO rollouts with a critic and save, then evaluate the checkpoint (eval-only).
+    Returns both results and each rollout's mean sampled reward."""
+    train, evaluation = _write_data(folder)
+    save = folder / "ckpt"
+    # fmt: off
+    train_flags = [
+        "--num-rollout", "30", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--rollout-max-response-len", "1", "--global-batch-size", "32",
+        "--micro-batch-size", "32", "--advantage-estimator", "ppo", "--normalize-advantages",
+        "--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+        "--save", str(save), "--eval-interval", "8", "--eval-prompt-data", "letters",
+        str(evaluation), "--prompt-data", str(train),
+    ]
+    # fmt: on
+    sink = RecordingSink()
+    trained = rlcore.run(
+        rlcore.plan(rlcore.load_config(train_flags)),
+        TorchBackend(),
+        _engine(),
+        _reward,
+        _data(train, evaluation),
+        sink,
+    )
+    rewards = [m["rollout/reward"] for _, m in sink.records if "rollout/reward" in m]
+    # Eval-only: the response length, sampling and data settings come from the checkpoint's run.
+    eval_flags = ["--num-rollout", "0", "--load", str(save)]
+    eval_flags += ["--eval-prompt-data", "letters", str(evaluation)]
+    report: list[str] = []
+    eval_config = rlcore.load_config(eval_flags, report=report)
+    print("\n".join(report))
+    evaluated = rlcore.run(
+        rlcore.plan(eval_config),
+        TorchBackend(),
+        _engine(),
+        _reward,
+        _data(train, evaluation),
+    )
+    return trained, evaluated, rewards
 
 
 def _reward(prompt: Prompt, generation: rlcore.Generation) -> float:
     return float(generation.text == prompt.label)
 
 
-def main(folder: Path) -> tuple[rlcore.RunResult, rlcore.RunResult]:
-    """Train 4 PPO rollouts with a critic and save, then evaluate the checkpoint (eval-only)."""
-    save = folder / "ckpt"
-    train_flags = [
-        "--num-rollout",
-        "4",
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "4",
-        "--advantage-estimator",
-        "ppo",
-        "--lr",
-        "1e-3",
-        "--lr-warmup-iters",
-        "2",
-        "--lr-decay-style",
-        "cosine",
-        "--save",
-        str(save),
-        "--eval-interval",
-        "2",
-        "--eval-prompt-data",
-        "doubles",
-        "unused.jsonl",
-    ]
-    trained = rlcore.run(
-        rlcore.plan(rlcore.load_config(train_flags)),
-        TorchBackend(),
-        ScriptedEngine(),
-        _reward,
-        _data(),
-    )
-    eval_flags = [
-        "--num-rollout",
-        "0",
-        "--load",
-        str(save),
-        "--eval-prompt-data",
-        "doubles",
-        "unused.jsonl",
-    ]
-    evaluated = rlcore.run(
-        rlcore.plan(rlcore.load_config(eval_flags)),
-        TorchBackend(),
-        ScriptedEngine(),
-        _reward,
-        _data(),
-    )
-    return trained, evaluated
-
-
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        trained, evaluated = main(Path(tmp))
+        trained, evaluated, rewards = main(Path(tmp))
+    print("sampled reward by rollout:", " ".join(f"{r:.2f}" for r in rewards))
     print(
-        "trained rollouts:",
-        trained.trained,
-        "saved:",
-        trained.saved,
-        "evaluated after:",
-        trained.evaluated,
+        "greedy eval after rollouts",
+        [after + 1 for after in trained.evaluated],
+        "last:",
+        {k: round(v, 3) for k, v in trained.last_eval.items()},
     )
-    print(
-        "last train metrics:",
-        {k: round(v, 4) for k, v in trained.last_train.items() if k.startswith("train/")},
-    )
-    print("eval-only on the checkpoint:", dict(evaluated.last_eval))
+    print("eval-only on the checkpoint:", {k: round(v, 3) for k, v in evaluated.last_eval.items()})
     sys.exit(0)

@@ -6,7 +6,8 @@ it):
 - shared types: :mod:`rlcore.errors`, :mod:`rlcore.samples` (prompts, generations, samples,
   batches), :mod:`rlcore.specs` (what a backend is asked to build), :mod:`rlcore.weights` (weights
   on their way to an engine), :mod:`rlcore.protocols` (stacks, backends, engines, rewards,
-  tokenizers, the rollout seam), :mod:`rlcore.imports` (a user's ``module:function``);
+  tokenizers, the rollout seam), :mod:`rlcore.checkpoint_files` (a checkpoint folder's layout),
+  :mod:`rlcore.imports` (a user's ``module:function``);
 - the middle: :mod:`rlcore.data` (prompt files, tokenizers, the prompt stream),
   :mod:`rlcore.rollout` (the default rollout, rewards, multi-turn episodes, tools, replay),
   :mod:`rlcore.engines` (rollout engines by name, the embedded engine), :mod:`rlcore.algorithms`
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from rlcore.config import RunConfig, load_config
 from rlcore.errors import (
+    BackendContractError,
     BackendError,
     BackendUnavailableError,
     CheckpointError,
@@ -45,6 +47,7 @@ from rlcore.protocols import (
     Group,
     GroupFilter,
     MetricsSink,
+    ModelStack,
     NamedTensors,
     Optimizer,
     PromptSource,
@@ -90,6 +93,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdvantageSpec",
     "Backend",
+    "BackendContractError",
     "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
@@ -113,6 +117,7 @@ __all__ = [
     "LossSpec",
     "MetricsSink",
     "ModelSpec",
+    "ModelStack",
     "NamedTensors",
     "Optimizer",
     "OptimizerSpec",

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "BackendContractError",
     "BackendError",
     "BackendUnavailableError",
     "CheckpointError",
@@ -70,6 +71,12 @@ class PlanError(RLCoreError):
 class BackendError(RLCoreError):
     """A backend or one of its stacks broke its contract (a missing protocol method, the wrong
     number of results) or failed with an error of its own. The message names the component."""
+
+
+class BackendContractError(BackendError):
+    """A backend built something that is not what it was asked for: an eval stack that carries an
+    optimizer, a scheduler or a training step, or a stack of the wrong kind. The message names the
+    backend and what it exposed."""
 
 
 class BackendUnavailableError(RLCoreError):

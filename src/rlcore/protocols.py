@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -53,6 +53,7 @@ __all__ = [
     "HostedProcess",
     "Message",
     "MetricsSink",
+    "ModelStack",
     "NamedTensors",
     "Optimizer",
     "ProcessHost",
@@ -63,6 +64,7 @@ __all__ = [
     "RolloutFn",
     "RolloutOutput",
     "Scheduler",
+    "StackKind",
     "Tokenizer",
     "TrainingStack",
     "WeightSink",
@@ -84,12 +86,21 @@ class Scheduler(Protocol):
     def state_dict(self) -> Mapping[str, object]: ...
 
 
-@runtime_checkable
-class EvalStack(WeightSource, Protocol):
-    """A model that can score token sequences, load a checkpoint and send its weights to an engine.
+StackKind = Literal["eval", "train"]
+"""What a stack is for: ``"eval"`` (a model only) or ``"train"`` (a model that learns)."""
 
-    No optimizer, no scheduler, no gradient buffers.
-    """
+
+@runtime_checkable
+class ModelStack(WeightSource, Protocol):
+    """What every stack has: a model that can score token sequences, load a checkpoint and send
+    its weights to an engine. Code that needs only that (pushing weights, scoring samples) asks
+    for a ``ModelStack``; a run holds each stack as exactly one of its two kinds,
+    :class:`EvalStack` or :class:`TrainingStack`."""
+
+    @property
+    def kind(self) -> StackKind:
+        """``"eval"`` or ``"train"``: which of the two kinds this stack is."""
+        ...
 
     @property
     def spec(self) -> ModelSpec:
@@ -104,16 +115,35 @@ class EvalStack(WeightSource, Protocol):
         ...
 
     def load(self, path: Path) -> int:
-        """Load model weights from a checkpoint folder written by a training stack's ``save``
-        (optimizer state, if any, is ignored). Returns the rollout id recorded there.
-        Raises :class:`~rlcore.errors.CheckpointError` naming the path when it is missing or
-        corrupt."""
+        """Load from a checkpoint folder written by a training stack's ``save``: the model's
+        weights, and for a training stack also its optimizer and scheduler state (an eval stack
+        ignores them). Returns the rollout id recorded there. Raises
+        :class:`~rlcore.errors.CheckpointError` naming the path when it is missing or corrupt."""
         ...
 
 
 @runtime_checkable
-class TrainingStack(EvalStack, Protocol):
-    """An :class:`EvalStack` that can also learn and save."""
+class EvalStack(ModelStack, Protocol):
+    """A model only: no optimizer, no scheduler, no gradient buffers, no ``train_step``.
+
+    Its ``kind`` is ``"eval"``, a training stack's is ``"train"``: the two are siblings, not
+    parent and child, so a :class:`TrainingStack` is *not* an ``EvalStack`` and a backend whose
+    ``build_eval_stack`` returns one does not type-check. (The loop also refuses it at run time,
+    for code that is not type-checked.) Declare it in the class body: ``kind: Final = "eval"``
+    (in an attrs class, ``kind: ClassVar[Literal["eval"]] = "eval"``, which is not a field).
+    """
+
+    @property
+    def kind(self) -> Literal["eval"]: ...
+
+
+@runtime_checkable
+class TrainingStack(ModelStack, Protocol):
+    """A model that learns: a :class:`ModelStack` with an optimizer, a scheduler, a training step
+    and a save. Its ``kind`` is ``"train"`` (``kind: Final = "train"`` in the class body)."""
+
+    @property
+    def kind(self) -> Literal["train"]: ...
 
     @property
     def optimizer(self) -> Optimizer: ...
@@ -128,15 +158,19 @@ class TrainingStack(EvalStack, Protocol):
         ...
 
     def save(self, path: Path, rollout_id: int) -> None:
-        """Write model, optimizer and scheduler state and ``rollout_id`` into the folder ``path``
-        (which the caller creates and later moves into place atomically)."""
+        """Write model, optimizer and scheduler state and ``rollout_id`` into the folder ``path``.
+        The caller has created ``path`` (an empty folder inside a temporary checkpoint folder,
+        which it later moves into place atomically)."""
         ...
 
 
 class Backend(Protocol):
     """Builds stacks. The planner decides what to build; a backend only knows how.
 
-    Contract: ``build_eval_stack`` allocates no optimizer state and no gradient buffers.
+    Contract: ``build_eval_stack`` returns an :class:`EvalStack` (a model only: no optimizer
+    state, no gradient buffers, ``kind == "eval"``), never a training stack; the loop refuses one
+    that exposes an optimizer, a scheduler or a ``train_step`` with a
+    :class:`~rlcore.errors.BackendContractError` naming the backend.
     Both methods raise :class:`~rlcore.errors.RLCoreError` subclasses, never backend internals.
     """
 

@@ -60,7 +60,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from rlcore.errors import RLCoreError
-from rlcore.protocols import Backend, EvalStack, TrainingStack
+from rlcore.protocols import Backend, EvalStack, ModelStack, TrainingStack
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import release_sender_resources
 from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
@@ -77,8 +77,8 @@ __all__ = [
     "split_evenly",
 ]
 
-S = TypeVar("S", bound=EvalStack)
-S_co = TypeVar("S_co", bound=EvalStack, covariant=True)
+S = TypeVar("S", bound=ModelStack)
+S_co = TypeVar("S_co", bound=ModelStack, covariant=True)
 R = TypeVar("R")
 T = TypeVar("T")
 _Call = tuple[Callable[..., Any], tuple[object, ...], dict[str, Any]]
@@ -173,7 +173,7 @@ class _RankWorker:
         self._runtime = runtime
         self._local_rank = 0
         self._tp = 1
-        self._context: RankContext[EvalStack] | None = None
+        self._context: RankContext[ModelStack] | None = None
 
     def node(self) -> tuple[str, str, int | None, int]:
         """(node id, node IP, the CUDA ordinal of the GPU Ray gave this actor if any, pid)."""
@@ -211,7 +211,7 @@ class _RankWorker:
 
     def build(self, spec: TrainSpec | EvalSpec) -> None:
         backend = self._runtime.backend()
-        stack: EvalStack
+        stack: ModelStack
         if isinstance(spec, TrainSpec):
             stack = backend.build_training_stack(spec)
         else:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Final, Literal, TypeVar, final
 import ray
 
 from rlcore.errors import CheckpointError
-from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack, WeightSink
+from rlcore.protocols import Backend, EvalStack, ModelStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
@@ -70,7 +70,7 @@ __all__ = [
 _DEFAULT_OPTIONS: Final = GroupOptions()
 _DEFAULT_RUNTIME: Final = MegatronRuntime()
 _LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
-S = TypeVar("S", bound=EvalStack)
+S = TypeVar("S", bound=ModelStack)
 
 
 # -- what the calls do on a group ----------------------------------------------------------------
@@ -185,7 +185,7 @@ def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
 
 
 def _forward(
-    context: RankContext[EvalStack], samples: tuple[Sample, ...], keep: bool
+    context: RankContext[ModelStack], samples: tuple[Sample, ...], keep: bool
 ) -> list[tuple[float, ...]]:
     rows = context.stack.forward(samples)
     return rows if keep else []
@@ -199,7 +199,7 @@ def _save(context: RankContext[TrainingStack], path: str, rollout_id: int) -> No
     context.stack.save(Path(path), rollout_id)
 
 
-def _load(context: RankContext[EvalStack], path: str) -> int:
+def _load(context: RankContext[ModelStack], path: str) -> int:
     return context.stack.load(Path(path))
 
 
@@ -211,7 +211,7 @@ def _state_dict(
 
 
 def _send_weights(
-    context: RankContext[EvalStack], sinks: tuple[WeightSink, ...], keep: bool
+    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: bool
 ) -> list[tuple[str, torch.Tensor]]:
     """Every rank sends (the export is collective); ``sinks`` receive here, and with ``keep``
     the weights also go back to the driver."""
@@ -263,6 +263,8 @@ class RemoteStateView:
 class RayEvalStack:
     """An :class:`~rlcore.protocols.EvalStack` whose shards live in a group of Ray actors."""
 
+    kind: Final = "eval"
+
     def __init__(self, group: RankGroup[EvalStack]) -> None:
         self._group = group
 
@@ -299,6 +301,8 @@ class RayTrainingStack:
 
     ``optimizer`` and ``scheduler`` are :class:`RemoteStateView` s of rank 0's.
     """
+
+    kind: Final = "train"
 
     def __init__(self, group: RankGroup[TrainingStack]) -> None:
         self._group = group

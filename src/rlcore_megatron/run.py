@@ -31,13 +31,13 @@ from typing import Any
 
 import attrs
 
+from rlcore.checkpoint_files import find_checkpoint
 from rlcore.config import RunConfig, with_flag
 from rlcore.config.flags import build_parser, load_config
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, RLCoreError
 from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
-from rlcore.loop.checkpoints import find_checkpoint
 from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
 from rlcore.loop.preflight import check_model_folder, prepare_output_folders, remove_folders
@@ -382,8 +382,10 @@ def _no_second_interrupt(active: bool) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def execute(config: RunConfig) -> RunResult:
-    """Run one configured job to the end; the pieces are closed whatever happens.
+def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
+    """Run one configured job to the end; the pieces are closed whatever happens. ``notes`` go
+    to the run's log first (what :func:`~rlcore.config.flags.load_config` reported taking from a
+    checkpoint).
 
     Raises :class:`ConfigError` / :class:`PlanError` before anything starts when the paths, data
     or checkpoint cannot make the run (removing the folders it created), the rlcore error of a
@@ -415,6 +417,8 @@ def execute(config: RunConfig) -> RunResult:
         raise
     setup_logging(config.output_dir / "run.log")
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
+    for note in notes:
+        log.info("%s", note)
 
     if config.ray_address is None and "ray" not in sys.modules:
         # Token authentication stays on (Ray's default for a cluster it starts), said explicitly
@@ -515,8 +519,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).",
                 file=sys.stderr,
             )
-        config = load_config(args, parser)
-        result = execute(config)
+        notes: list[str] = []
+        config = load_config(args, parser, report=notes)
+        for note in notes:  # what an eval-only run took from its checkpoint
+            print(note, file=sys.stderr)
+        result = execute(config, notes)
     except (ConfigError, PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

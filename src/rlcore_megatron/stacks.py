@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Final, final
 
 import torch
 import torch.distributed as dist
@@ -166,6 +166,8 @@ def score_samples(
 class MegatronEvalStack:
     """A model in eval mode, without gradients: no DDP buffers, no optimizer, no scheduler."""
 
+    kind: Final = "eval"
+
     def __init__(
         self, spec: EvalSpec, model: GPTModel, arch: ModelArch, device: torch.device
     ) -> None:
@@ -206,6 +208,8 @@ class MegatronEvalStack:
 @final
 class MegatronTrainingStack:
     """A model in Megatron DDP with its optimizer, LR scheduler and loss (actor or critic)."""
+
+    kind: Final = "train"
 
     def __init__(
         self,

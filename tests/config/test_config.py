@@ -100,7 +100,12 @@ def test_precision_and_optimizer_flags_keep_slimes_names() -> None:
     assert changed.model.bf16 and changed.optim.use_distributed_optimizer
 
 
-def test_eval_prompt_data_takes_name_path_pairs() -> None:
+def test_eval_prompt_data_takes_name_path_pairs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.jsonl", "b.jsonl"):
+        Path(name).touch()
     config = load_config([*TRAIN, "--eval-prompt-data", "a", "a.jsonl", "b", "b.jsonl"])
     assert [(d.name, d.path) for d in config.eval.prompt_data] == [
         ("a", Path("a.jsonl")),
@@ -172,8 +177,30 @@ def test_lr_decay_steps_below_one_is_refused_at_load_time() -> None:
     assert any("lr_decay_iters" in p and ">= 1" in p for p in problems)
 
 
-def test_num_rollout_zero_needs_something_to_evaluate() -> None:
+def test_prompt_files_that_do_not_exist_are_named_with_their_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("there.jsonl").touch()
+    Path("folder.jsonl").mkdir()
+    argv = ["--prompt-data", "missing.jsonl", "--eval-prompt-data", "a", "there.jsonl"]
+    argv += ["b", "folder.jsonl", "c", "gone.jsonl"]
+    assert _problems([*TRAIN, *argv]) == [
+        "data.prompt_data (--prompt-data): missing.jsonl does not exist (check the path; a "
+        "relative path is read from the current folder)",
+        "eval.prompt_data (--eval-prompt-data): folder.jsonl is not a file (check the path; a "
+        "relative path is read from the current folder)",
+        "eval.prompt_data (--eval-prompt-data): gone.jsonl does not exist (check the path; a "
+        "relative path is read from the current folder)",
+    ]
+
+
+def test_num_rollout_zero_needs_something_to_evaluate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert any("nothing to evaluate" in p for p in _problems(["--num-rollout", "0"]))
+    monkeypatch.chdir(tmp_path)
+    Path("x.jsonl").touch()
     config = load_config(
         [
             "--num-rollout",

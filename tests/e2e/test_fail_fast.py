@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.loop.checkpoints import CheckpointMeta, write_checkpoint
+from rlcore.checkpoint_files import CheckpointMeta
+from rlcore.loop.checkpoints import write_checkpoint
 from tests.e2e.cli import WatchedCLI, model_hub
 
 
@@ -138,7 +139,7 @@ def test_non_finite_numbers_are_blamed_on_their_own_flags(demo: Path, tmp_path: 
 @pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
 def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    write_checkpoint(ckpt, CheckpointMeta(2, 12, ("actor",)), {"actor": lambda f: f.mkdir()})
+    write_checkpoint(ckpt, CheckpointMeta(2, 12, ("actor",)), {"actor": lambda f: None})
     flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
     err = _refused([*flags, "--load", str(ckpt)], tmp_path)
     assert err == (

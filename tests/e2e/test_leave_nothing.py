@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.loop.metrics import read_jsonl_metrics
 from tests.e2e.cli import WatchedCLI, model_hub
 

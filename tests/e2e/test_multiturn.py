@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.rollout.replay import load_rollout_data
 from rlcore_megatron.run import execute, main

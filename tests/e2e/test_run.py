@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
 from rlcore.engines.embedded import EmbeddedEngine
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore_megatron.run import _tokenizer, execute, main, make_engine
 
@@ -112,7 +112,8 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
         if "rollout/reward" in r
     ] == [3, 4]
 
-    # Eval-only on the saved checkpoint, with critic and KL flags that it must not act on.
+    # Eval-only on the saved checkpoint, with critic and KL flags that it must not act on. The
+    # model folder, the data keys and the response length come from the checkpoint's run.
     code = main(
         [
             "--num-rollout",
@@ -123,12 +124,6 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
             str(ckpt),
             "--use-critic",
             "--use-kl-loss",
-            "--hf-checkpoint",
-            str(demo / "model"),
-            "--input-key",
-            "prompt",
-            "--label-key",
-            "answer",
             "--eval-prompt-data",
             "heldout",
             str(demo / "eval.jsonl"),
@@ -146,8 +141,17 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     assert summary["trained"] == [] and summary["evaluated"] == [4]
     rows = read_jsonl_metrics(tmp_path / "c" / "metrics.jsonl")
     assert {"eval/heldout/reward", "eval/heldout/pass@2"} <= set(rows[0])
+    assert rows[0]["eval/heldout/response_len"] <= 5
     log = (tmp_path / "c" / "run.log").read_text()
     assert "not built: critic" in log and "not built: reference model" in log
+    checkpoint = find_checkpoint(ckpt)
+    for line in (
+        f"model.hf_checkpoint (--hf-checkpoint) = {demo / 'model'}: from the checkpoint",
+        "rollout.max_response_len (--rollout-max-response-len) = 5: from the checkpoint",
+        "data.input_key (--input-key) = 'prompt': from the checkpoint",
+        "eval.temperature (--eval-temperature) = 1.0: given, where the checkpoint's run had 0.0",
+    ):
+        assert f"eval-only run of {checkpoint}: {line}" in log, line
 
 
 def _cli(*flags: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

@@ -17,8 +17,9 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from rlcore.data import HFTokenizer
 from rlcore.engines.decode_attention import ATTENTION
-from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
+from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer, unblock_keys
+from rlcore.engines.sampling import sample_next_tokens
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.testing.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 from tests.families import Family, build_family_model, tiny_config

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from rlcore.data import HFTokenizer
-from rlcore.engines.embedded import EmbeddedEngine, sample_next_tokens
+from rlcore.engines.embedded import EmbeddedEngine
+from rlcore.engines.sampling import sample_next_tokens
 from rlcore.errors import RolloutError
 from rlcore.protocols import RolloutEngine
 from rlcore.samples import Generation, Prompt, SamplingParams

@@ -151,7 +151,8 @@ def test_help_lists_each_engine_under_its_name() -> None:
     assert "placement on nodes and GPUs" in text
 
 
-def test_the_parser_and_the_options_import_no_torch() -> None:
+def test_the_parser_and_the_options_import_no_torch(tmp_path: Path) -> None:
+    (tmp_path / "b").touch()
     code = (
         "import sys, json; from rlcore.config.flags import build_parser, load_config; "
         "build_parser(); "
@@ -160,7 +161,9 @@ def test_the_parser_and_the_options_import_no_torch() -> None:
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'ray', 'megatron', 'transformers'))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert json.loads(out.stdout) == []
 
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint, read_meta
 from rlcore.errors import CheckpointError
-from rlcore.loop.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.loop.checkpoints import write_checkpoint
 
 
 def _writer(text: str) -> Callable[[Path], None]:
     def save(folder: Path) -> None:
-        folder.mkdir()
+        assert folder.is_dir() and not any(folder.iterdir())  # made for the stack, empty
         (folder / "weights").write_text(text)
 
     return save
@@ -33,7 +34,6 @@ def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) 
     good = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("good")})
 
     def crash(folder: Path) -> None:
-        folder.mkdir()
         (folder / "weights").write_text("half")
         raise OSError("disk full")
 

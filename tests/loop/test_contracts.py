@@ -180,8 +180,8 @@ def test_a_stack_missing_a_protocol_method_is_a_backend_error(tmp_path: Path) ->
     with pytest.raises(BackendError) as info:
         run(plan(_config(tmp_path)), HalfBackend(), ScriptedEngine(), label_reward, DATA)  # type: ignore[arg-type]
     assert str(info.value) == (
-        "HalfBackend.build_training_stack(actor) returned a HalfStack, which lacks train_step of "
-        "the TrainingStack protocol (rlcore.protocols); implement them"
+        "HalfBackend.build_training_stack(actor) returned a HalfStack, which lacks kind, "
+        "train_step of the TrainingStack protocol (rlcore.protocols); implement them"
     )
 
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config import RunConfig, structure_config
 from rlcore.errors import CheckpointError, ConfigError, PlanError
 from rlcore.loop import RunData, run, should_eval, should_save
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
 from rlcore.loop.plan import EvalPlan, TrainPlan, plan
 from rlcore.samples import EvalSet, Prompt
 from rlcore.testing import FakeBackend, RecordingSink, ScriptedEngine, label_reward

@@ -10,10 +10,10 @@ from typing import Any
 import attrs
 import pytest
 
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config import RunConfig, structure_config
 from rlcore.errors import PlanError, RolloutError
 from rlcore.loop import RunData, run
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.loop.stages import CARRIED_FILE
 from rlcore.rollout import RolloutContext, RolloutOutput, default_rollout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -72,7 +73,9 @@ def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
     )
 
 
-def test_eval_plan_says_what_it_skipped() -> None:
+def test_eval_plan_says_what_it_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("x.jsonl").touch()
     config = load_config(
         [
             "--num-rollout",

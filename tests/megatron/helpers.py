@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import torch
 
-from rlcore.protocols import EvalStack, NamedTensors
+from rlcore.protocols import ModelStack, NamedTensors
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     ISCorrection,
@@ -165,7 +165,7 @@ class _Keep:
         self.tensors = weights(named)
 
 
-def sent_weights(stack: EvalStack) -> dict[str, torch.Tensor]:
+def sent_weights(stack: ModelStack) -> dict[str, torch.Tensor]:
     """What ``stack`` sends an engine, as detached copies (any stack: through the protocol)."""
     keep = _Keep()
     stack.send_weights([keep])

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import final
+from typing import ClassVar, Literal, final
 
 import attrs
 import pytest
@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 @final
 @attrs.frozen
 class _Stack:
+    kind: ClassVar[Literal["eval"]] = "eval"  # ClassVar: not an attrs field
     model_spec: ModelSpec
 
     @property

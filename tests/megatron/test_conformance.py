@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import attrs
 import pytest
 
-from rlcore.errors import CheckpointError
+import rlcore
+from rlcore.errors import BackendContractError, CheckpointError
+from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.protocols import Backend, EvalStack, TrainingStack
-from rlcore.samples import TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec
-from rlcore.testing import FakeBackend, RecordingWeightSink
+from rlcore.samples import EvalSet, Prompt, TrainMetrics
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.testing import FakeBackend, RecordingWeightSink, ScriptedEngine, label_reward
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron.helpers import make_batch, make_samples, train_spec
 
@@ -71,3 +74,49 @@ def test_missing_checkpoint_raises_naming_the_path(
     stack = backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_hf)))
     with pytest.raises(CheckpointError, match=str(tmp_path / "missing")):
         stack.load(tmp_path / "missing")
+
+
+def test_each_stack_is_of_the_kind_asked_for(backend: Backend, tiny_hf: Path) -> None:
+    """What the loop checks at bring-up, on every backend: an eval stack is tagged ``eval`` and
+    has no training members, a training stack is tagged ``train``."""
+    eval_stack = build_eval_stack(backend, EvalSpec(ModelSpec("actor", tiny_hf)))
+    assert eval_stack.kind == "eval"
+    spec = train_spec(tiny_hf, global_batch_size=2, micro_batch_size=1)
+    assert build_training_stack(backend, spec).kind == "train"
+
+
+class _HandsOutTrainingStacks:
+    """A backend that skips typing and answers ``build_eval_stack`` with a training stack."""
+
+    def __init__(self, inner: Backend, train: TrainSpec) -> None:
+        self.inner = inner
+        self.train = train
+
+    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
+        return self.inner.build_training_stack(spec)
+
+    def build_eval_stack(self, spec: EvalSpec) -> TrainingStack:
+        return self.inner.build_training_stack(attrs.evolve(self.train, model=spec.model))
+
+
+def test_an_eval_only_run_refuses_a_training_stack_before_evaluating(
+    backend: Backend, tiny_hf: Path, tmp_path: Path
+) -> None:
+    cheat = _HandsOutTrainingStacks(backend, train_spec(tiny_hf, global_batch_size=2))
+    (tmp_path / "x.jsonl").touch()
+    flags = ["--num-rollout", "0", "--hf-checkpoint", str(tiny_hf)]
+    config = rlcore.load_config([*flags, "--eval-prompt-data", "x", str(tmp_path / "x.jsonl")])
+    prompts = (Prompt(0, "1+1=", (1, 2), "2"),)
+    engine = ScriptedEngine()
+    with pytest.raises(BackendContractError) as info:
+        rlcore.run(
+            rlcore.plan(config),
+            cheat,  # type: ignore[arg-type]  # the point: a backend that is not type-checked
+            engine,
+            label_reward,
+            rlcore.RunData(eval_sets=(EvalSet("x", prompts),)),
+        )
+    message = str(info.value)
+    assert "_HandsOutTrainingStacks.build_eval_stack(actor)" in message
+    assert "exposes optimizer, scheduler, train_step" in message
+    assert engine.calls == [] and engine.updates == []  # nothing was evaluated or pushed

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 
 import attrs
 import pytest
@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlcore.errors import CheckpointError
-from rlcore.protocols import Backend, EvalStack, NamedTensors, TrainingStack, WeightSink
+from rlcore.protocols import Backend, EvalStack, ModelStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     EvalSpec,
@@ -75,6 +75,7 @@ VOCAB = 32
 class _EchoStack:
     """``forward`` gives each response token its prompt's index; ``load`` a fixed rollout id."""
 
+    kind: ClassVar[Literal["eval"]] = "eval"  # ClassVar: not an attrs field
     model_spec: ModelSpec
     rollout_id: int
     fail_forward: bool
@@ -190,7 +191,7 @@ def _wait_for_a_peer_that_never_comes(context: RankContext[EvalStack], rank: int
         time.sleep(600)
 
 
-def _pid(context: RankContext[EvalStack]) -> int:
+def _pid(context: RankContext[ModelStack]) -> int:
     return os.getpid()
 
 

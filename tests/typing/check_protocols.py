@@ -7,7 +7,7 @@ type-check, the ignore becomes unused and the type check fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import assert_never, assert_type
+from typing import Literal, assert_never, assert_type
 
 from rlcore import (
     EvalPlan,
@@ -25,6 +25,7 @@ from rlcore import (
 from rlcore.protocols import (
     Backend,
     GroupFilter,
+    ModelStack,
     NamedTensors,
     RewardFn,
     RolloutEngine,
@@ -54,6 +55,39 @@ def eval_stack_has_no_optimizer(stack: EvalStack) -> None:
 def training_stack_has_them(stack: TrainingStack) -> None:
     stack.optimizer.state_dict()
     stack.scheduler.state_dict()
+
+
+class BackendThatCheats:
+    """A backend whose ``build_eval_stack`` hands out a training stack. A training stack is not
+    an eval stack (their ``kind`` tags differ), so neither the method nor the class as a
+    :class:`Backend` type-checks: an eval-only run cannot be given an optimizer this way."""
+
+    def __init__(self, stack: FakeTrainingStack) -> None:
+        self.stack = stack
+
+    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
+        return self.stack
+
+    def build_eval_stack(self, spec: EvalSpec) -> FakeTrainingStack:
+        return self.stack
+
+
+def cheating_backend_is_not_a_backend(stack: FakeTrainingStack) -> Backend:
+    return BackendThatCheats(stack)  # type: ignore[return-value]
+
+
+def eval_stack_from_a_training_stack(stack: FakeTrainingStack) -> EvalStack:
+    return stack  # type: ignore[return-value]
+
+
+def a_training_stack_is_not_an_eval_stack(stack: TrainingStack) -> EvalStack:
+    return stack  # type: ignore[return-value]
+
+
+def both_are_model_stacks(e: EvalStack, t: TrainingStack) -> tuple[ModelStack, ModelStack]:
+    assert_type(e.kind, Literal["eval"])
+    assert_type(t.kind, Literal["train"])
+    return e, t
 
 
 def eval_plan_has_no_training_parts(p: EvalPlan) -> None:

@@ -16,7 +16,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from rlcore.config.run_config import RunConfig
 from rlcore.errors import ConfigError, ConfigProblem
 
-__all__ = ["converter", "problems_from", "structure_config", "with_flag"]
+__all__ = ["converter", "problems_from", "settings_data", "structure_config", "with_flag"]
 
 
 def _make_converter() -> cattrs.Converter:
@@ -152,3 +152,15 @@ def structure_config(data: dict[str, Any], source: str = "") -> RunConfig:
         raise ConfigError(exc.problems, source) from None
     except (ClassValidationError, ForbiddenExtraKeysError) as exc:
         raise ConfigError(problems_from(exc, "", RunConfig), source) from exc
+
+
+def settings_data(config: RunConfig) -> dict[str, Any]:
+    """``config`` as plain data shaped like a ``--config`` TOML file: its sections, and the chosen
+    engine's options as a section named after the engine (``[sglang]``). Paths are strings, unset
+    values ``None``. :func:`structure_config` (with the engine's section taken apart again, as
+    :func:`rlcore.config.flags.load_config` does) reads it back."""
+    data: dict[str, Any] = converter.unstructure(config)
+    options = data["rollout"].pop("engine_options")
+    if options is not None:
+        data[config.rollout.engine] = converter.unstructure(options)
+    return data

@@ -23,8 +23,14 @@ from typing import Any
 import attrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
-from rlcore.config.convert import converter, problems_from, structure_config
+from rlcore.config.convert import converter, problems_from, structure_config, with_flag
 from rlcore.config.run_config import RunConfig
+from rlcore.config.saved import (
+    EVAL_ONLY_SETTINGS,
+    describe,
+    read_saved_settings,
+    with_saved_settings,
+)
 from rlcore.engines import KNOWN_ENGINES, load_engine
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
 
@@ -213,11 +219,24 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> RunConfig:
+def load_config(
+    argv: Sequence[str],
+    parser: argparse.ArgumentParser | None = None,
+    *,
+    report: list[str] | None = None,
+) -> RunConfig:
     """Flags (and the ``--config`` file they name) -> a valid :class:`RunConfig`.
 
+    An eval-only run (``--num-rollout 0``) with ``--load`` takes the settings of
+    :data:`~rlcore.config.saved.EVAL_ONLY_SETTINGS` (the model folder, response lengths,
+    sampling, how prompts are read, the reward, the environment) from the checkpoint's run where
+    the flags and the file do not give them; ``report``, when given, receives one line for each
+    setting the checkpoint decided or a flag overrode.
+
     Raises :class:`ConfigError` listing every problem: unknown flags (with a suggestion), values of
-    the wrong type, unknown TOML keys, broken invariants.
+    the wrong type, unknown TOML keys, broken invariants, prompt files that do not exist
+    (``--prompt-data``, ``--eval-prompt-data``: a path is checked here, its contents when the
+    data is read), an eval-only ``--load`` that names no checkpoint.
     """
     parser = parser or build_parser()
     namespace, unknown = parser.parse_known_args(list(argv))
@@ -228,12 +247,27 @@ def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = No
     base = read_toml(config_path) if config_path is not None else {}
     source = str(config_path) if config_path is not None else "flags"
     data = _merge(base, overrides)
+    config = _build(data, source, problems)
+    if config.is_eval_only and config.checkpoint.load is not None:
+        folder, saved = read_saved_settings(config.checkpoint.load)
+        if saved:
+            config = _build(with_saved_settings(data, saved, EVAL_ONLY_SETTINGS), source, problems)
+            if report is not None:
+                lines = describe(data, saved, config, EVAL_ONLY_SETTINGS)
+                report += [f"eval-only run of {folder}: {line}" for line in lines]
+    return config
+
+
+def _build(data: dict[str, Any], source: str, problems: list[ConfigProblem]) -> RunConfig:
+    """The config ``data`` (sections, and engine sections) describes, or :class:`ConfigError`
+    with ``problems`` and every new one."""
+    data = dict(data)
     engines = {name: data.pop(name) for name in KNOWN_ENGINES if name in data}
     try:
         config = structure_config(data, source)
     except ConfigError as exc:
         raise ConfigError(problems + list(exc.problems), source) from exc.__cause__
-    problems += [
+    problems = problems + [
         ConfigProblem(
             f"{name}",
             f"settings of the {name!r} rollout engine, but the engine is {config.rollout.engine!r}",
@@ -242,9 +276,25 @@ def load_config(argv: Sequence[str], parser: argparse.ArgumentParser | None = No
         for name in engines
         if name != config.rollout.engine
     ]
+    problems += missing_data_files(config)
     if problems:
         raise ConfigError(problems, source)
     return _with_engine_options(config, engines.get(config.rollout.engine, {}), source)
+
+
+def missing_data_files(config: RunConfig) -> list[ConfigProblem]:
+    """A problem for each prompt file the config names that is not a file."""
+    files = [(with_flag("data.prompt_data"), config.data.prompt_data)]
+    files += [(with_flag("eval.prompt_data"), entry.path) for entry in config.eval.prompt_data]
+    return [
+        ConfigProblem(
+            where,
+            f"{path} does not exist" if not path.exists() else f"{path} is not a file",
+            "check the path; a relative path is read from the current folder",
+        )
+        for where, path in files
+        if path is not None and not path.is_file()
+    ]
 
 
 def _with_engine_options(config: RunConfig, data: dict[str, Any], source: str) -> RunConfig:

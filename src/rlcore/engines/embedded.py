@@ -41,12 +41,13 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedMo
 
 from rlcore.engines.decode_attention import ATTENTION, load_kernel
 from rlcore.engines.kv_cache import DecodeCache
+from rlcore.engines.sampling import check_params, copy_weights, sample_next_tokens
 from rlcore.errors import RolloutError
 from rlcore.protocols import NamedTensors, Tokenizer
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.weights import InProcess, deliver
 
-__all__ = ["EmbeddedEngine", "EmbeddedWeightSink", "sample_next_tokens"]
+__all__ = ["EmbeddedEngine", "EmbeddedWeightSink"]
 
 _DROP_FRACTION = 1 / 8
 """Ended rows leave the cache once they are this fraction of the rows in it. Dropping copies the
@@ -67,49 +68,6 @@ class _Decoded:
     lengths: torch.Tensor
     stopped: torch.Tensor
     steps: int = 0
-
-
-def sample_next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:
-    """Pick the next token of each row: ``logits: Tensor[B, V] -> Tensor[B]`` (int64).
-
-    ``temperature == 0`` is greedy (argmax). Otherwise the logits are divided by the temperature,
-    restricted to the ``top_k`` largest (``0`` = off; ties at the k-th value are all kept) and then
-    to the smallest set whose probability reaches ``top_p`` (``1.0`` = off; the most likely token
-    is always kept), and one token is drawn with ``generator`` — the order Hugging Face applies
-    them.
-    """
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    scores = logits if params.temperature == 1.0 else logits / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = sorted_scores.softmax(dim=-1)
-        # Drop a token when the tokens before it already reach top_p (keeps at least the first).
-        drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.empty_like(scores).scatter_(-1, order, sorted_scores)
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-
-def _check_params(params: SamplingParams) -> None:
-    problems = []
-    if params.max_new_tokens < 1:
-        problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if not params.temperature >= 0:
-        problems.append(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        problems.append(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
-    if params.top_k < 0:
-        problems.append(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if problems:
-        raise RolloutError("EmbeddedEngine: bad sampling parameters: " + "; ".join(problems))
 
 
 _EXPERT = re.compile(
@@ -236,7 +194,7 @@ class EmbeddedEngine:
         soon as every response has ended.
         """
         model = self.model
-        _check_params(params)
+        check_params(params, "EmbeddedEngine")
         if not prompts:
             return []
         embedding = model.get_input_embeddings().weight
@@ -459,33 +417,16 @@ class EmbeddedEngine:
             deliver(weights, sinks)
 
     def _copy_in(self, weights: NamedTensors, version: int) -> None:
-        """Check every name and shape, then copy. Names are those of the model's published
-        checkpoints (``model.layers.0.mlp.experts.3.gate_proj.weight`` for an expert that
-        transformers holds inside one fused ``experts.gate_up_proj`` tensor)."""
-        model = self.model
-        targets = model.state_dict(keep_vars=True)
-        updates = [(name, tensor, _target(targets, name)) for name, tensor in weights]
-        problems = []
-        for name, tensor, target in updates:
-            if target is None:
-                problems.append(f"unknown weight {name!r}")
-            elif tuple(target.shape) != tuple(tensor.shape):
-                problems.append(
-                    f"{name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model's is {tuple(target.shape)}"
-                )
-        if problems:
-            shown = "; ".join(problems[:10]) + (
-                f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            )
-            raise RolloutError(
-                f"EmbeddedEngine.update_weights (version {version}): {shown}. Send weights under "
-                "the model's Hugging Face names (model.state_dict() keys) with matching shapes"
-            )
-        with torch.no_grad():
-            for _, tensor, target in updates:
-                assert target is not None  # checked above
-                target.copy_(tensor)
+        """Names are those of the model's published checkpoints
+        (``model.layers.0.mlp.experts.3.gate_proj.weight`` for an expert that transformers holds
+        inside one fused ``experts.gate_up_proj`` tensor); see
+        :func:`~rlcore.engines.sampling.copy_weights`."""
+        copy_weights(
+            self.model.state_dict(keep_vars=True),
+            weights,
+            what=f"EmbeddedEngine.update_weights (version {version})",
+            resolve=_target,
+        )
 
 
 @final

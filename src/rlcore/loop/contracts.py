@@ -3,7 +3,10 @@ through here, so a component that breaks its contract is named in an rlcore erro
 surfacing as a raw ``ValueError`` three calls later.
 
 - :func:`build_training_stack` / :func:`build_eval_stack` check that what a backend built has
-  every method of its protocol and wrap it (:class:`CheckedTrainingStack`,
+  every method of its protocol and is of the kind asked for (an eval stack that exposes an
+  optimizer, a scheduler or a ``train_step`` is a :class:`~rlcore.errors.BackendContractError`:
+  an eval-only run cannot build an optimizer even through a backend that is not type-checked),
+  and wrap it (:class:`CheckedTrainingStack`,
   :class:`CheckedEvalStack`): an error that is not an :class:`~rlcore.errors.RLCoreError` becomes
   a :class:`~rlcore.errors.BackendError` naming the stack and the method, and ``forward`` must
   return one row per sample and one value per response token.
@@ -18,12 +21,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import final
+from typing import Final, final
 
-from rlcore.errors import BackendError, RLCoreError, RolloutError
+from rlcore.errors import BackendContractError, BackendError, RLCoreError, RolloutError
 from rlcore.protocols import (
     Backend,
     EvalStack,
+    ModelStack,
     Optimizer,
     RolloutEngine,
     Scheduler,
@@ -81,7 +85,7 @@ def _translated(what: str, error: type[RLCoreError], contract: str) -> Iterator[
 class _Checked:
     """What both checked stacks share: the wrapped stack, its name, and ``forward``'s checks."""
 
-    def __init__(self, stack: EvalStack, what: str) -> None:
+    def __init__(self, stack: ModelStack, what: str) -> None:
         self._stack = stack
         self._what = what
 
@@ -122,6 +126,8 @@ class _Checked:
 class CheckedEvalStack(_Checked):
     """An :class:`~rlcore.protocols.EvalStack` whose calls are checked (see the module)."""
 
+    kind: Final = "eval"
+
     def __init__(self, stack: EvalStack, what: str) -> None:
         super().__init__(stack, what)
 
@@ -129,6 +135,8 @@ class CheckedEvalStack(_Checked):
 @final
 class CheckedTrainingStack(_Checked):
     """A :class:`~rlcore.protocols.TrainingStack` whose calls are checked (see the module)."""
+
+    kind: Final = "train"
 
     def __init__(self, stack: TrainingStack, what: str) -> None:
         super().__init__(stack, what)
@@ -162,6 +170,7 @@ def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingSt
             f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
             "TrainingStack protocol (rlcore.protocols); implement them"
         )
+    _check_kind(stack, "train", what)
     return CheckedTrainingStack(stack, f"{_name(stack)} ({spec.model.role})")
 
 
@@ -170,13 +179,35 @@ def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
     what = f"{_name(backend)}.build_eval_stack({spec.model.role})"
     with _translated(what, BackendError, "Backend"):
         stack = backend.build_eval_stack(spec)
+    trains = [name for name in _TRAINING_MEMBERS if hasattr(stack, name)]
+    if trains:
+        raise BackendContractError(
+            f"{what} returned a {_name(stack)}, which exposes {', '.join(trains)}: an eval stack "
+            f"is a model only (no optimizer, scheduler or train_step), and this run must not "
+            f"build an optimizer. Make {_name(backend)}.build_eval_stack return a model-only "
+            "stack (kind: Final = 'eval'), not a training stack"
+        )
     missing = missing_members(stack, EvalStack)
     if missing:
         raise BackendError(
             f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
             "EvalStack protocol (rlcore.protocols); implement them"
         )
+    _check_kind(stack, "eval", what)
     return CheckedEvalStack(stack, f"{_name(stack)} ({spec.model.role})")
+
+
+_TRAINING_MEMBERS = ("optimizer", "scheduler", "train_step")
+"""What an eval stack must not have: with them it would hold (or build) optimizer state."""
+
+
+def _check_kind(stack: object, kind: str, what: str) -> None:
+    actual = getattr(stack, "kind", None)
+    if actual != kind:
+        raise BackendContractError(
+            f"{what} returned a {_name(stack)} whose kind is {actual!r}, not {kind!r}; declare "
+            f"kind: Final = {kind!r} in its class"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import logging
 import time
 from typing import assert_never
 
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
-from rlcore.loop.checkpoints import find_checkpoint, read_meta
 from rlcore.loop.contracts import CheckedEngine, build_eval_stack
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
 from rlcore.loop.records import NullSink, Progress, RunData, RunInterrupted, RunResult

@@ -10,11 +10,14 @@ construction. Callers ``match`` on the result; mypy checks the match is exhausti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from rlcore.config import RunConfig
+from rlcore.config.convert import settings_data
 from rlcore.errors import PlanError
 from rlcore.protocols import DEFAULT_MAX_ROUNDS
 from rlcore.samples import SamplingParams
@@ -122,6 +125,10 @@ class TrainPlan:
     sft_warmup_rollouts: int = 0
     rollout: RolloutSpec = RolloutSpec()
     replay_rollout_data: str | None = None
+    settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
+    recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
+    settings from there."""
 
 
 @attrs.frozen
@@ -319,6 +326,7 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         sft_warmup_rollouts=a.sft_warmup_rollouts,
         rollout=_rollout_spec(config),
         replay_rollout_data=config.debug.load_debug_rollout_data,
+        settings=settings_data(config),
     )
 
 

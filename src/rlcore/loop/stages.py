@@ -28,8 +28,9 @@ from pathlib import Path
 
 import attrs
 
+from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint, read_meta
 from rlcore.errors import CheckpointError, PlanError
-from rlcore.loop.checkpoints import CheckpointMeta, find_checkpoint, read_meta, write_checkpoint
+from rlcore.loop.checkpoints import write_checkpoint
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
 from rlcore.protocols import (
@@ -444,11 +445,12 @@ def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:
 def save_checkpoint(
     plan: TrainPlan, stacks: TrainStacks, rollout_id: int, consumed: int, carried: tuple[Group, ...]
 ) -> Path:
-    """The save stage: every training stack, the prompt position ``consumed`` and the groups
-    ``carried`` into the next rollout, as checkpoint ``rollout_id`` in ``plan.save_dir``, written
+    """The save stage: every training stack, the prompt position ``consumed``, the groups
+    ``carried`` into the next rollout and the run's settings, as checkpoint ``rollout_id`` in
+    ``plan.save_dir``, written
     atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its folder."""
     assert plan.save_dir is not None  # should_save is True only with a save folder
-    meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()))
+    meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()), plan.settings)
     return write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
 
 

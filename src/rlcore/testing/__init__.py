@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import final
+from typing import Final, final
 
 import attrs
 
@@ -91,6 +91,8 @@ def _zeros(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
 class FakeEvalStack:
     """An eval stack: scores are zeros, weights are a version counter. No optimizer attribute."""
 
+    kind: Final = "eval"
+
     def __init__(self, spec: EvalSpec) -> None:
         self._spec = spec.model
         self.loaded_from: Path | None = None
@@ -114,6 +116,8 @@ class FakeEvalStack:
 @final
 class FakeTrainingStack:
     """A training stack that counts ``train_step`` calls and saves/loads them as JSON."""
+
+    kind: Final = "train"
 
     def __init__(self, spec: TrainSpec) -> None:
         self.train_spec = spec

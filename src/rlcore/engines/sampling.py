@@ -1,0 +1,106 @@
+"""What the in-process engines share: sampling the next token, and copying weights into a model
+held in this process (the :class:`~rlcore.weights.InProcess` sinks of
+:class:`~rlcore.engines.embedded.EmbeddedEngine` and
+:class:`~rlcore.engines.torch_engine.TorchEngine`).
+
+This module imports torch; ``import rlcore`` does not import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from rlcore.errors import RolloutError
+from rlcore.samples import SamplingParams
+from rlcore.weights import NamedTensors
+
+__all__ = ["check_params", "copy_weights", "sample_next_tokens"]
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:
+    """Pick the next token of each row: ``logits: Tensor[B, V] -> Tensor[B]`` (int64).
+
+    ``temperature == 0`` is greedy (argmax). Otherwise the logits are divided by the temperature,
+    restricted to the ``top_k`` largest (``0`` = off; ties at the k-th value are all kept) and then
+    to the smallest set whose probability reaches ``top_p`` (``1.0`` = off; the most likely token
+    is always kept), and one token is drawn with ``generator`` — the order Hugging Face applies
+    them.
+    """
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits if params.temperature == 1.0 else logits / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p (keeps at least the first).
+        drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.empty_like(scores).scatter_(-1, order, sorted_scores)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def check_params(params: SamplingParams, engine: str) -> None:
+    """Raise :class:`~rlcore.errors.RolloutError` naming ``engine`` for parameters out of range."""
+    problems = []
+    if params.max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if not params.temperature >= 0:
+        problems.append(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
+    if params.top_k < 0:
+        problems.append(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if problems:
+        raise RolloutError(f"{engine}: bad sampling parameters: " + "; ".join(problems))
+
+
+Resolve = Callable[[Mapping[str, torch.Tensor], str], "torch.Tensor | None"]
+"""Where a named tensor goes in a model's ``state_dict(keep_vars=True)``, or ``None`` if nowhere."""
+
+
+def _same_name(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    return targets.get(name)
+
+
+def copy_weights(
+    targets: Mapping[str, torch.Tensor],
+    weights: NamedTensors,
+    *,
+    what: str,
+    resolve: Resolve = _same_name,
+) -> None:
+    """Copy each named tensor of ``weights`` into its target among ``targets`` (a model's
+    ``state_dict(keep_vars=True)``), in place. Every name and shape is checked before anything is
+    written, so a bad update leaves the model as it was: an unknown name or a shape mismatch
+    raises :class:`~rlcore.errors.RolloutError` that starts with ``what`` and lists each offender.
+    Any subset of the targets may be given."""
+    updates = [(name, tensor, resolve(targets, name)) for name, tensor in weights]
+    problems = []
+    for name, tensor, target in updates:
+        if target is None:
+            problems.append(f"unknown weight {name!r}")
+        elif tuple(target.shape) != tuple(tensor.shape):
+            problems.append(
+                f"{name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+            )
+    if problems:
+        shown = "; ".join(problems[:10]) + (
+            f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        )
+        raise RolloutError(
+            f"{what}: {shown}. Send weights under the model's names (its state_dict() keys) with "
+            "matching shapes"
+        )
+    with torch.no_grad():
+        for _, tensor, target in updates:
+            assert target is not None  # checked above
+            target.copy_(tensor)
