@@ -38,6 +38,7 @@ from typing import Final, Literal, Protocol, runtime_checkable
 
 import attrs
 
+from rlcore.errors import RolloutError
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, WeightSource
@@ -56,6 +57,7 @@ __all__ = [
     "ModelStack",
     "NamedTensors",
     "Optimizer",
+    "PartialRolloutEngine",
     "ProcessHost",
     "PromptSource",
     "RewardFn",
@@ -69,6 +71,8 @@ __all__ = [
     "TrainingStack",
     "WeightSink",
     "WeightSource",
+    "receive_weights_midway",
+    "takes_weights_midway",
 ]
 
 
@@ -201,6 +205,29 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release servers, processes and memory. Safe to call twice."""
         ...
+
+
+@runtime_checkable
+class PartialRolloutEngine(RolloutEngine, Protocol):
+    """A rollout engine that takes new weights while ``generate`` runs in another thread: the
+    partial rollouts of an off-policy schedule (``--partial-rollout``).
+
+    ``receive_weights_interrupting(version)`` interrupts every in-flight request at a token
+    boundary and yields the sinks, like ``receive_weights``; once they hold the new weights, the
+    requests continue from the tokens already made, sampled from ``version`` (the context is
+    recomputed with the new weights). A generation's ``first_weight_version`` and
+    ``weight_version`` say which versions made its first and last token, and each token's log-prob
+    is the one the version that sampled it gave. ``interrupts_generation`` is ``True`` when it
+    does so (a wrapper answers for the engine it wraps); ``receive_weights`` alone, from another
+    thread, waits for in-flight requests to finish instead.
+    """
+
+    @property
+    def interrupts_generation(self) -> bool: ...
+
+    def receive_weights_interrupting(
+        self, version: int
+    ) -> AbstractContextManager[Sequence[WeightSink]]: ...
 
 
 class RewardFn(Protocol):
@@ -407,3 +434,23 @@ class RolloutOutput:
     groups: tuple[Group, ...]
     metrics: Mapping[str, float] = attrs.field(factory=dict)
     surplus: tuple[Group, ...] = ()
+
+
+def takes_weights_midway(engine: RolloutEngine) -> bool:
+    """Whether ``engine`` takes new weights mid-generation
+    (:class:`~rlcore.protocols.PartialRolloutEngine`)."""
+    return isinstance(engine, PartialRolloutEngine) and engine.interrupts_generation
+
+
+def receive_weights_midway(
+    engine: RolloutEngine, version: int
+) -> AbstractContextManager[Sequence[WeightSink]]:
+    """``engine.receive_weights_interrupting(version)``; a
+    :class:`~rlcore.errors.RolloutError` naming the engine when it cannot take weights
+    mid-generation."""
+    if not isinstance(engine, PartialRolloutEngine) or not engine.interrupts_generation:
+        raise RolloutError(
+            f"rollout engine {type(engine).__name__} cannot take new weights mid-generation "
+            "(--partial-rollout); use the embedded or SGLang engine, or drop --partial-rollout"
+        )
+    return engine.receive_weights_interrupting(version)

@@ -92,6 +92,7 @@ class Generation:
     text: str
     finish_reason: FinishReason = "length"
     weight_version: int = 0
+    """The weight version that generated the last token."""
     loss_mask: tuple[int, ...] = ()
     """Per response token: 1 where the model generated it, 0 where an environment or tool inserted
     it (a multi-turn episode's observations). Empty means every token is the model's. Training
@@ -104,6 +105,14 @@ class Generation:
     """The environment's own reward for the episode (the sum of what its steps returned), or
     ``None`` when it gave none; ``--env-reward`` says whether it replaces or adds to the reward
     function's."""
+    first_weight_version: int = attrs.field()
+    """The weight version that generated the first token (the oldest): the same as
+    ``weight_version`` unless new weights arrived mid-generation (a partial rollout). A sample's
+    staleness is the trainer's version minus this."""
+
+    @first_weight_version.default
+    def _same_version(self) -> int:
+        return self.weight_version
 
     def __attrs_post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
@@ -120,6 +129,11 @@ class Generation:
                 raise ValueError("Generation.loss_mask entries must be 0 or 1")
         if self.turns and sum(len(t.token_ids) for t in self.turns) != len(self.token_ids):
             raise ValueError("Generation.turns' token ids do not add up to its token_ids")
+        if self.first_weight_version > self.weight_version:
+            raise ValueError(
+                f"Generation.first_weight_version {self.first_weight_version} is after its "
+                f"weight_version {self.weight_version} (the last token's)"
+            )
 
     @property
     def model_mask(self) -> tuple[int, ...]:

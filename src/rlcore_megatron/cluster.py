@@ -276,6 +276,8 @@ class ClusterPlacement:
             gpu = f" GPU {slot.gpu}" if slot.gpu is not None else ""
             roles: list[str] = [r for r, slots in self.layout.roles.items() if index in slots]
             roles += [f"engine {e}" for e, s in enumerate(self.layout.engines) if index in s]
+            if index == self.layout.driver_slot:
+                roles.append("the driver's rollout engine")
             lines.append(
                 f"  slot {index}: node {slot.address} [{slot.node_id[:8]}]{gpu}, "
                 f"{self._threads[slot.node_id]} thread(s): {', '.join(roles) or 'unused'}"
@@ -285,6 +287,14 @@ class ClusterPlacement:
     @property
     def placement_group(self) -> PlacementGroup:
         return self._pg
+
+    @property
+    def driver_threads(self) -> int | None:
+        """torch threads for a rollout engine in the driver (``request.driver_engine``): its
+        slot's share of its node's CPUs; ``None`` without one."""
+        if self.layout.driver_slot is None:
+            return None
+        return self._threads[self._slots[self.layout.driver_slot].node_id]
 
     def close(self) -> None:
         """Stop the rollout hosts and remove the placement group (the ranks' actors die with

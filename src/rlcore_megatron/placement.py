@@ -79,7 +79,9 @@ class NodeResources:
 @attrs.frozen
 class PlacementRequest:
     """What a run needs placed. ``critic_ranks = 0``: no critic; ``rollout_gpus = 0``: no
-    servers (the embedded engine, or servers reached by URL)."""
+    servers (the embedded engine, or servers reached by URL). ``driver_engine``: the rollout
+    engine runs in the driver while the ranks train (the embedded engine under
+    ``--max-staleness``), so it gets a slot of its own that no rank shares."""
 
     actor_ranks: int
     critic_ranks: int = 0
@@ -87,6 +89,7 @@ class PlacementRequest:
     rollout_gpus: int = 0
     gpus_per_engine: int = 1
     colocate: bool = False
+    driver_engine: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.actor_ranks < 1 or self.critic_ranks < 0 or self.rollout_gpus < 0:
@@ -115,6 +118,9 @@ class Layout:
     roles: Mapping[SlotRole, tuple[int, ...]]
     engines: tuple[tuple[int, ...], ...]
     request: PlacementRequest
+    driver_slot: int | None = None
+    """The slot kept for an engine in the driver (``request.driver_engine``): no Ray process
+    uses it; it keeps the ranks' threads off its cores."""
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -141,6 +147,8 @@ class Layout:
             lines.append(f"  {role}: {len(slots)} rank(s) on {unit}s {_span(slots)}")
         for index, slots in enumerate(self.engines):
             lines.append(f"  rollout engine {index}: {unit}s {_span(slots)}")
+        if self.driver_slot is not None:
+            lines.append(f"  rollout engine in the driver: {unit} {self.driver_slot}")
         return "\n".join(lines)
 
 
@@ -170,7 +178,10 @@ def plan_layout(
         for e in range(request.engines)
     )
     slot_count = trained if request.colocate else trained + r
-    layout = Layout(gpu, slot_count, roles, engines, request)
+    driver_slot = None
+    if request.driver_engine:
+        driver_slot, slot_count = slot_count, slot_count + 1
+    layout = Layout(gpu, slot_count, roles, engines, request, driver_slot)
     if check:
         _check_fits(layout, nodes)
     return layout

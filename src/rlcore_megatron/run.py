@@ -207,6 +207,7 @@ def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
     servers = kind.runs_servers(kind.options(config.rollout.engine_options))
     critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
     reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    overlaps = isinstance(the_plan, TrainPlan) and the_plan.max_staleness > 0
     return PlacementRequest(
         actor_ranks=k.actor_ranks,
         critic_ranks=k.critic_ranks if critic else 0,
@@ -214,6 +215,11 @@ def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
         rollout_gpus=k.rollout_gpus if servers else 0,
         gpus_per_engine=k.rollout_num_gpus_per_engine,
         colocate=k.colocate,
+        # An engine in this process that generates while the ranks train gets a CPU slot of its
+        # own, on the local CPU instance (a joined cluster does not place this process).
+        driver_engine=(
+            overlaps and not servers and config.ray_address is None and local_node().gpus == 0
+        ),
     )
 
 
@@ -271,7 +277,7 @@ def check_user_functions(config: RunConfig) -> None:
         load_environment_factory(config.multiturn.environment_path)
     if config.multiturn.custom_generate_function_path is not None:
         load_custom_generate_function(config.multiturn.custom_generate_function_path)
-    if a.use_tis and a.custom_tis_function_path is not None:
+    if config.corrects_off_policy and a.custom_tis_function_path is not None:
         from rlcore.algorithms.correction import load_is_weight_fn
 
         load_is_weight_fn(a.custom_tis_function_path)
@@ -441,6 +447,8 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
         sink = _sinks(config, the_plan)
         # Every slot of the run is reserved (or refused) before any rank or server starts.
         placement = ClusterPlacement.reserve(request)
+        if placement.driver_threads is not None:
+            _engine_threads(placement.driver_threads)
         backend = RayMegatronBackend(placement)
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
         replays = config.debug.replays
@@ -471,6 +479,15 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
     if interrupted is not None:
         raise interrupted
     return result
+
+
+def _engine_threads(threads: int) -> None:
+    """torch threads of this process: its rollout engine's share of the machine, so that it
+    generates beside the ranks instead of competing with them for every core."""
+    import torch
+
+    torch.set_num_threads(threads)
+    log.info("rollout engine in this process: %d torch thread(s)", threads)
 
 
 def _offline_and_quiet() -> None:

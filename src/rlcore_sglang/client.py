@@ -96,6 +96,11 @@ class SGLangEngine:
         self._closed = False
         self._next_server = 0
         self._lock = threading.Lock()
+        # Requests in flight, and whether a weight update holds new ones back: an update waits for
+        # in-flight requests unless it interrupts them (receive_weights_interrupting).
+        self._traffic = threading.Condition()
+        self._in_flight = 0
+        self._updating = False
         self._own_sync_dir: Path | None = None
         self._broadcast_used = False
         # Unique per engine: a server keeps a stale group under its name until it is destroyed.
@@ -191,7 +196,44 @@ class SGLangEngine:
         one :class:`~rlcore_sglang.weight_sync.TensorSink` per machine with servers, or one
         :class:`~rlcore_sglang.weight_sync.BroadcastSink` / ``DiskSink`` for all of them.
         ``version`` is recorded when the block completes; a failure inside it is re-raised with
-        the log tail of any server that died."""
+        the log tail of any server that died. Requests in flight (from another thread) finish
+        first, and new ones wait for the update."""
+        with self._traffic:
+            self._updating = True
+            while self._in_flight:
+                self._traffic.wait()
+        try:
+            with self._update(version) as sinks:
+                yield sinks
+        finally:
+            with self._traffic:
+                self._updating = False
+                self._traffic.notify_all()
+
+    @property
+    def interrupts_generation(self) -> bool:
+        """Always: :meth:`receive_weights_interrupting` pauses the servers mid-generation."""
+        return True
+
+    @contextmanager
+    def receive_weights_interrupting(self, version: int) -> Iterator[list[WeightSink]]:
+        """As :meth:`receive_weights`, but requests in flight are not waited for: every server
+        pauses generation (SGLang's ``/pause_generation`` in ``retract`` mode: running requests go
+        back to its queue and their context is recomputed when they resume), takes the new
+        weights, and continues (``/continue_generation``), so each request goes on from the
+        tokens it had, with ``version`` (a partial rollout). A generation's
+        ``first_weight_version`` is the version when it was sent, its ``weight_version`` the one
+        the server reports at its end."""
+        self._check_open()
+        self._on_servers(lambda s: self._post_ok(s, "/pause_generation", {"mode": "retract"}))
+        try:
+            with self._update(version) as sinks:
+                yield sinks
+        finally:
+            self._on_servers(lambda s: self._post_ok(s, "/continue_generation", {}))
+
+    @contextmanager
+    def _update(self, version: int) -> Iterator[list[WeightSink]]:
         self._check_open()
         sinks = self._sinks(version)
         session = self.options.weight_sync != "disk"
@@ -304,6 +346,25 @@ class SGLangEngine:
     def _generate_chunk(
         self, server: SGLangServer, prompts: list[Prompt], sampling: Mapping[str, object]
     ) -> list[Generation]:
+        with self._traffic:
+            while self._updating:  # a weight update that waits for requests holds new ones back
+                self._traffic.wait()
+            self._in_flight += 1
+            dispatched = self._version
+        try:
+            return self._post_chunk(server, prompts, sampling, dispatched)
+        finally:
+            with self._traffic:
+                self._in_flight -= 1
+                self._traffic.notify_all()
+
+    def _post_chunk(
+        self,
+        server: SGLangServer,
+        prompts: list[Prompt],
+        sampling: Mapping[str, object],
+        dispatched: int,
+    ) -> list[Generation]:
         payload = {
             "input_ids": [list(p.token_ids) for p in prompts],
             "sampling_params": sampling,
@@ -326,9 +387,9 @@ class SGLangEngine:
             raise RolloutError(
                 f"{server.describe()} returned {len(items)} results for {len(prompts)} prompts"
             )
-        return [self._parse_generation(server, item) for item in items]
+        return [self._parse_generation(server, item, dispatched) for item in items]
 
-    def _parse_generation(self, server: SGLangServer, item: object) -> Generation:
+    def _parse_generation(self, server: SGLangServer, item: object, dispatched: int) -> Generation:
         try:
             assert isinstance(item, dict)
             meta = item["meta_info"]
@@ -356,7 +417,14 @@ class SGLangEngine:
         elif finish_type == "length":
             reason = "length"
         version = int(version_text) if version_text.isdigit() else self._version
-        return Generation(token_ids, log_probs, text, reason, version)
+        return Generation(
+            token_ids,
+            log_probs,
+            text,
+            reason,
+            version,
+            first_weight_version=min(dispatched, version),
+        )
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -431,3 +431,37 @@ def test_config_errors_survive_pickling_whole() -> None:
     error = ConfigError([ConfigProblem("model_type", "'bert' is not supported", "use llama")], "c")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.problems == error.problems and copy.source == "c" and str(copy) == str(error)
+
+
+def test_off_policy_schedule_flags_are_checked() -> None:
+    assert any(
+        p.startswith(
+            "rollout.partial_rollout (--partial-rollout): has no effect with --max-staleness 1"
+        )
+        for p in _problems([*TRAIN, "--max-staleness", "1", "--partial-rollout"])
+    )
+    assert any(
+        p.startswith("rollout.max_staleness (--max-staleness): must be >= 0")
+        for p in _problems([*TRAIN, "--max-staleness", "-1"])
+    )
+    assert any(
+        "use_rollout_logprobs (--use-rollout-logprobs): cannot be combined with --max-staleness 2"
+        in p
+        for p in _problems([*TRAIN, "--max-staleness", "2", "--use-rollout-logprobs"])
+    )
+    replay = ["--load-debug-rollout-data", "x", "--debug-train-only", "--max-staleness", "1"]
+    assert any("only replays saved rollouts" in p for p in _problems([*TRAIN, *replay]))
+    colocated = ["--rollout-engine", "sglang", "--colocate", "--max-staleness", "1"]
+    assert any(
+        p.startswith("cluster.colocate (--colocate): puts the rollout servers on the actor's GPUs")
+        for p in _problems([*TRAIN, *colocated])
+    )
+    # An off-policy schedule implies the importance-sampling correction, with its flags.
+    config = load_config([*TRAIN, "--max-staleness", "2", "--tis-mode", "mask"])
+    the_plan = plan(config)
+    assert isinstance(the_plan, TrainPlan)
+    assert the_plan.max_staleness == 2 and the_plan.actor.loss.correction is not None
+    assert the_plan.actor.loss.correction.mode == "mask"
+    assert any(
+        "has no effect without --use-tis" in p for p in _problems([*TRAIN, "--tis-mode", "mask"])
+    )

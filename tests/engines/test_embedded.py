@@ -320,3 +320,56 @@ def test_ignore_eos_generates_exactly_max_new_tokens(assets: tuple[Path, HFToken
         assert gen.log_probs == pytest.approx(
             full_forward_log_probs(engine.model, prompt, gen), abs=1e-5
         )
+
+
+def test_new_weights_mid_generation_interrupt_it_and_it_goes_on_with_them(
+    assets: tuple[Path, HFTokenizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial rollout: an update from another thread stops the generation at a token
+    boundary; the rest of every response is sampled from the new weights, after the context is
+    recomputed with them, and each token's log-prob is its own version's."""
+    import threading
+
+    import rlcore.engines.embedded as embedded
+    from rlcore.engines.sampling import sample_next_tokens
+
+    engine = make_engine(assets, seed=5)
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v * 1.5 if k == "lm_head.weight" else v.clone() for k, v in old.items()}
+    calls = 0
+    updater: threading.Thread | None = None
+    real = sample_next_tokens
+
+    def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+        nonlocal calls, updater
+        calls += 1
+        if calls == 4:  # after the 4th token, new weights arrive from another thread
+
+            def update() -> None:
+                with engine.receive_weights_interrupting(1) as sinks:
+                    sinks[0].receive(new.items())
+
+            updater = threading.Thread(target=update)
+            updater.start()
+            while not engine._interrupt.is_set():  # the update is waiting: stop at this token
+                pass
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(embedded, "sample_next_tokens", sample)
+    batch = prompts(assets[1], TEXTS)
+    generations = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert updater is not None
+    updater.join()
+    assert engine.weight_version == 1
+    old_model = make_engine(assets).model
+    old_model.load_state_dict(old)
+    for prompt, g in zip(batch, generations, strict=True):
+        assert len(g.token_ids) == 10 and g.finish_reason == "length"
+        assert (g.first_weight_version, g.weight_version) == (0, 1)
+        before = full_forward_log_probs(old_model, prompt, g)[:4]
+        after = full_forward_log_probs(engine.model, prompt, g)[4:]
+        assert g.log_probs[:4] == pytest.approx(before, abs=1e-5)
+        assert g.log_probs[4:] == pytest.approx(after, abs=1e-5)
+    # Without new weights in flight, a generation is one version throughout.
+    again = engine.generate(batch, SamplingParams(max_new_tokens=3))
+    assert all((g.first_weight_version, g.weight_version) == (1, 1) for g in again)

@@ -100,3 +100,30 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [1]
     assert "eval/heldout/reward" in summary["last_eval"]
+
+
+def test_free_running_generation_with_partial_rollouts(tmp_path: Path) -> None:
+    """--max-staleness 2 --partial-rollout with a launched SGLang server: the generator runs up
+    to two versions ahead, new weights pause the server mid-generation instead of waiting, and
+    no trained sample is more than two versions old."""
+    demo = tmp_path / "demo"
+    prepare_demo(demo)
+    # fmt: off
+    run = _run(
+        "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
+        "--prompt-data", str(demo / "train.jsonl"), "--rollout-engine", "sglang",
+        "--num-rollout", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "5",
+        "--lr", "1e-3", "--max-staleness", "2", "--partial-rollout",
+        "--output-dir", str(tmp_path / "out"),
+    )
+    # fmt: on
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["trained"] == [0, 1, 2, 3]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in rows if "rollout/staleness_max" in r]
+    assert len(steps) == 4 and all(r["rollout/staleness_max"] <= 2 for r in steps)
+    assert all("train/actor/tis_weight" in r for r in steps)

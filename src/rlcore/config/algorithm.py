@@ -118,7 +118,7 @@ class AlgorithmConfig:
 def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProblem]:
     """What a training run's algorithm needs: the correction flags agree, a grouped estimator
     has groups to compare, the warm start leaves rollouts for RL, coefficients in range."""
-    problems = correction_problems(a)
+    problems = correction_problems(a, r.max_staleness)
 
     def add(name: str, message: str, hint: str = "") -> None:
         problems.append(problem(AlgorithmConfig, "algorithm", name, message, hint))
@@ -152,9 +152,11 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
     return problems
 
 
-def correction_problems(a: AlgorithmConfig) -> list[ConfigProblem]:
-    """The mismatch-correction and loss-aggregation flags."""
+def correction_problems(a: AlgorithmConfig, max_staleness: int = 0) -> list[ConfigProblem]:
+    """The mismatch-correction and loss-aggregation flags (``--max-staleness`` > 0 implies
+    ``--use-tis``)."""
     problems: list[ConfigProblem] = []
+    corrects = a.use_tis or max_staleness > 0
 
     def add(name: str, message: str, hint: str = "") -> None:
         problems.append(problem(AlgorithmConfig, "algorithm", name, message, hint))
@@ -166,6 +168,15 @@ def correction_problems(a: AlgorithmConfig) -> list[ConfigProblem]:
             "old ones there is no trainer/engine ratio left to correct",
             "choose one (as slime requires)",
         )
+    elif max_staleness > 0 and a.use_rollout_logprobs:
+        add(
+            "use_rollout_logprobs",
+            f"cannot be combined with --max-staleness {max_staleness}: an off-policy update "
+            "takes the trainer's recomputed log-probs as PPO's old ones and corrects them "
+            "towards the engine's (the decoupled objective); with the engine's as the old ones "
+            "nothing is corrected",
+            "drop --use-rollout-logprobs",
+        )
     if not 0.0 <= a.tis_clip_low <= 1.0 <= a.tis_clip:
         add(
             "tis_clip",
@@ -175,7 +186,7 @@ def correction_problems(a: AlgorithmConfig) -> list[ConfigProblem]:
         )
     if a.tis_veto_threshold is not None and not 0.0 < a.tis_veto_threshold < 1.0:
         add("tis_veto_threshold", f"must be in (0, 1), got {a.tis_veto_threshold}")
-    if not a.use_tis:
+    if not corrects:
         given = [
             name
             for name, value, default in (

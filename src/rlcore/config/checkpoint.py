@@ -87,7 +87,7 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
 
 
 def debug_problems(
-    d: DebugConfig, eval_interval: int | None, eval_only: bool
+    d: DebugConfig, eval_interval: int | None, eval_only: bool, max_staleness: int = 0
 ) -> list[ConfigProblem]:
     """The debug flags: which combinations mean something (with the eval interval, and whether
     the run only evaluates)."""
@@ -119,6 +119,13 @@ def debug_problems(
             "debug_rollout_only" if d.debug_rollout_only else "load_debug_rollout_data",
             "--num-rollout 0 evaluates only; the debug flags need rollouts",
             "set --num-rollout N > 0",
+        )
+    if (d.replays or d.debug_rollout_only) and max_staleness > 0:
+        add(
+            "debug_rollout_only" if d.debug_rollout_only else "load_debug_rollout_data",
+            f"--max-staleness {max_staleness} overlaps generation with training, but this run "
+            "only " + ("generates" if d.debug_rollout_only else "replays saved rollouts"),
+            "drop --max-staleness",
         )
     if d.replays and eval_interval is not None:
         add(

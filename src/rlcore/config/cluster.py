@@ -213,6 +213,16 @@ def engine_and_cluster_problems(r: RolloutConfig, k: ClusterConfig) -> list[Conf
             f"--rollout-num-gpus-per-engine {k.rollout_num_gpus_per_engine}",
             "make it a multiple",
         )
+    if k.colocate and r.max_staleness > 0:
+        add(
+            ClusterConfig,
+            "cluster",
+            "colocate",
+            f"puts the rollout servers on the actor's GPUs, so they cannot generate while it "
+            f"trains, which --max-staleness {r.max_staleness} asks for",
+            "give the servers their own GPUs (drop --colocate, set --rollout-num-gpus), or use "
+            "--max-staleness 0",
+        )
     if k.colocate and k.rollout_gpus > k.actor_ranks:
         add(
             ClusterConfig,

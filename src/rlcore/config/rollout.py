@@ -78,6 +78,21 @@ class RolloutConfig:
         "--dynamic-sampling-max-rounds",
         "generation rounds one rollout may take before it stops with an error",
     )
+    max_staleness: int = option(
+        0,
+        "--max-staleness",
+        "how many policy versions a trained sample may lag behind the trainer: 0 = synchronous "
+        "(generate, then train); 1 = one-step off-policy (rollout i+1 generates with weights i "
+        "while step i trains; deterministic); K > 1 = a background generator that runs up to K "
+        "versions ahead (implies --use-tis: the behaviour log-probs correct the update)",
+    )
+    partial_rollout: bool = option(
+        False,
+        "--partial-rollout",
+        "with --max-staleness > 1: new weights interrupt in-flight generation at a token "
+        "boundary and it continues from the tokens already made (default: in-flight rollouts "
+        "finish with the weights they started with)",
+    )
 
 
 @attrs.frozen
@@ -143,6 +158,15 @@ def rollout_problems(r: RolloutConfig) -> list[ConfigProblem]:
         add(
             "dynamic_sampling_max_rounds",
             f"must be >= 1, got {r.dynamic_sampling_max_rounds}",
+        )
+    if r.max_staleness < 0:
+        add("max_staleness", f"must be >= 0, got {r.max_staleness}")
+    if r.partial_rollout and r.max_staleness < 2:
+        add(
+            "partial_rollout",
+            f"has no effect with --max-staleness {r.max_staleness}: weights change mid-generation "
+            "only when a background generator runs more than one version ahead",
+            "add --max-staleness 2 (or more), or drop --partial-rollout",
         )
     return problems
 

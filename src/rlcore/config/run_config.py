@@ -88,6 +88,12 @@ class RunConfig:
         return self.rollout.num_rollout == 0
 
     @property
+    def corrects_off_policy(self) -> bool:
+        """Whether the loss reweights tokens by the trainer/engine ratio: ``--use-tis``, or an
+        off-policy schedule (``--max-staleness`` > 0), which implies it."""
+        return self.algorithm.use_tis or self.rollout.max_staleness > 0
+
+    @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
@@ -151,7 +157,9 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     problems += checkpoint_problems(config.checkpoint, r.num_rollout)
     if not problems_under(problems, "cluster."):
         problems += parallel_problems(m, ranks_by_role(config))
-    problems += debug_problems(config.debug, config.eval.interval, config.is_eval_only)
+    problems += debug_problems(
+        config.debug, config.eval.interval, config.is_eval_only, r.max_staleness
+    )
     if r.num_rollout is None and r.num_epoch is None:
         problems.append(
             problem(

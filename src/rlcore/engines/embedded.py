@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +69,20 @@ class _Decoded:
     lengths: torch.Tensor
     stopped: torch.Tensor
     steps: int = 0
+    interrupted: bool = False
+    """New weights are waiting: decoding stopped after ``steps`` tokens, and the rows that had
+    neither stopped nor reached ``max_new_tokens`` continue once they are in."""
+
+
+@attrs.define
+class _Response:
+    """One prompt's response as it is put together from the segments between weight updates."""
+
+    token_ids: list[int] = attrs.field(factory=list)
+    log_probs: list[float] = attrs.field(factory=list)
+    stopped: bool = False
+    first_version: int | None = None
+    last_version: int = 0
 
 
 _EXPERT = re.compile(
@@ -133,6 +148,12 @@ class EmbeddedEngine:
         self._version = weight_version
         self._decode_kernel = decode_kernel
         self._kernel_ready: bool | None = None  # decided on the first generate
+        # Decoding and weight updates take turns; a pending interrupting update stops decoding at
+        # the next token boundary (partial rollouts).
+        self._busy = threading.Lock()
+        self._interrupt = threading.Event()  # set while an interrupting update waits or runs
+        self._no_update = threading.Event()  # its complement, for a generation to wait on
+        self._no_update.set()
         # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -213,9 +234,39 @@ class EmbeddedEngine:
         stops = (
             () if params.ignore_eos else params.stop_token_ids or (self._tokenizer.eos_token_id,)
         )
+        responses = [_Response() for _ in prompts]
+        active = list(range(len(prompts)))
+        budget = params.max_new_tokens
+        while active:
+            # One segment per weight version: new weights that arrive mid-generation stop it at a
+            # token boundary; the unfinished rows go on from their tokens with the new weights.
+            batch = [
+                attrs.evolve(
+                    prompts[i], token_ids=prompts[i].token_ids + tuple(responses[i].token_ids)
+                )
+                for i in active
+            ]
+            self._no_update.wait()  # an interrupted segment goes on only once the update is in
+            with self._busy:
+                version = self._version
+                decoded = self._decode_checked(
+                    model, batch, attrs.evolve(params, max_new_tokens=budget), stops
+                )
+            active = self._collect(decoded, active, responses, version)
+            budget -= decoded.steps
+        texts: dict[tuple[int, ...], str] = {}  # RL batches repeat responses; decode each once
+        return [self._to_generation(r, texts) for r in responses]
+
+    def _decode_checked(
+        self,
+        model: PreTrainedModel,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        stops: Sequence[int],
+    ) -> _Decoded:
         try:
             with torch.inference_mode():
-                decoded = self._decode(model, prompts, params, stops)
+                return self._decode(model, prompts, params, stops)
         except (
             RuntimeError,
             ValueError,
@@ -226,7 +277,30 @@ class EmbeddedEngine:
                 f"(longest {max(len(p.token_ids) for p in prompts)} tokens, max_new_tokens "
                 f"{params.max_new_tokens}): {type(exc).__name__}: {exc}"
             ) from exc
-        return self._to_generations(decoded)
+
+    @staticmethod
+    def _collect(
+        decoded: _Decoded, active: list[int], responses: list[_Response], version: int
+    ) -> list[int]:
+        """Append a segment's tokens to the responses of rows ``active``; the rows that go on."""
+        steps = decoded.steps
+        tokens = decoded.tokens[:, :steps].tolist()
+        log_probs = decoded.log_probs[:, :steps].tolist()
+        going_on = []
+        for row, (i, length, stopped) in enumerate(
+            zip(active, decoded.lengths.tolist(), decoded.stopped.tolist(), strict=True)
+        ):
+            response = responses[i]
+            if length:
+                response.token_ids += tokens[row][:length]
+                response.log_probs += log_probs[row][:length]
+                if response.first_version is None:
+                    response.first_version = version
+                response.last_version = version
+            response.stopped = bool(stopped)
+            if decoded.interrupted and not stopped and length == steps:
+                going_on.append(i)
+        return going_on
 
     def _decode(
         self,
@@ -315,6 +389,10 @@ class EmbeddedEngine:
                     n_ended += n_stopping
             if step + 1 == max_new or n_ended == len(live):
                 break
+            if self._interrupt.is_set():  # new weights are waiting: stop at this token boundary
+                out.lengths[live[~ended]] = step + 1
+                out.interrupted = True
+                break
             if n_ended and n_ended >= _DROP_FRACTION * len(live):
                 keep = (~ended).nonzero().squeeze(-1)
                 cache.keep_rows(keep)
@@ -377,38 +455,54 @@ class EmbeddedEngine:
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits.float()
 
-    def _to_generations(self, decoded: _Decoded) -> list[Generation]:
-        generations = []
-        texts: dict[tuple[int, ...], str] = {}  # RL batches repeat responses; decode each once
-        steps = decoded.steps
-        tokens = decoded.tokens[:, :steps].tolist()
-        log_probs = decoded.log_probs[:, :steps].tolist()
-        for row_tokens, row_log_probs, length, stopped in zip(
-            tokens, log_probs, decoded.lengths.tolist(), decoded.stopped.tolist(), strict=True
-        ):
-            ids = tuple(row_tokens[:length])
-            text = texts.get(ids)
-            if text is None:
-                text = texts[ids] = self._tokenizer.decode(ids)
-            generations.append(
-                Generation(
-                    token_ids=ids,
-                    log_probs=tuple(row_log_probs[:length]),
-                    text=text,
-                    finish_reason="stop" if stopped else "length",
-                    weight_version=self._version,
-                )
-            )
-        return generations
+    def _to_generation(self, response: _Response, texts: dict[tuple[int, ...], str]) -> Generation:
+        ids = tuple(response.token_ids)
+        text = texts.get(ids)
+        if text is None:
+            text = texts[ids] = self._tokenizer.decode(ids)
+        return Generation(
+            token_ids=ids,
+            log_probs=tuple(response.log_probs),
+            text=text,
+            finish_reason="stop" if response.stopped else "length",
+            weight_version=response.last_version if ids else self._version,
+            first_weight_version=(
+                response.first_version if response.first_version is not None else self._version
+            ),
+        )
 
     # ----------------------------------------------------------------------------------------
 
     @contextmanager
     def receive_weights(self, version: int) -> Iterator[list[EmbeddedWeightSink]]:
         """One :class:`EmbeddedWeightSink` (in this process: the model lives here); ``version``
-        is recorded when the block completes."""
-        yield [EmbeddedWeightSink(self, version)]
-        self._version = version
+        is recorded when the block completes. Called while another thread generates, it waits
+        for the generation to finish."""
+        with self._busy:
+            yield [EmbeddedWeightSink(self, version)]
+            self._version = version
+
+    @property
+    def interrupts_generation(self) -> bool:
+        """Always: :meth:`receive_weights_interrupting` stops a generation in another thread at
+        its next token and lets it continue with the new weights."""
+        return True
+
+    @contextmanager
+    def receive_weights_interrupting(self, version: int) -> Iterator[list[EmbeddedWeightSink]]:
+        """As :meth:`receive_weights`, but a generation running in another thread is stopped at
+        its next token boundary instead of waited for; once the weights are in, it recomputes
+        its context with them and goes on (a partial rollout: see
+        :class:`~rlcore.protocols.PartialRolloutEngine`)."""
+        self._no_update.clear()
+        self._interrupt.set()
+        try:
+            with self._busy:
+                yield [EmbeddedWeightSink(self, version)]
+                self._version = version
+        finally:
+            self._interrupt.clear()
+            self._no_update.set()
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Copy Hugging Face-named tensors into the model and record ``version`` (the same as

@@ -5,7 +5,9 @@ checkpoints and evaluations.
   ``EvalPlan`` or a ``RolloutOnlyPlan``.
 - :mod:`~rlcore.loop.stages`: the stages of a training run (build, resume, rollout, train, save,
   sync, eval), each a function.
-- :mod:`~rlcore.loop.training`: the synchronous schedule that arranges them.
+- :mod:`~rlcore.loop.training`: the synchronous schedule that arranges them;
+  :mod:`~rlcore.loop.overlap` the off-policy one (``--max-staleness``), whose generator
+  (:mod:`~rlcore.loop.generator`) runs the rollout stage ahead of training in a thread.
 - :mod:`~rlcore.loop.jobs`: :func:`run`, eval-only and rollout-only jobs, the checks made before
   anything is built.
 - :mod:`~rlcore.loop.records`: :class:`RunData`, :class:`RunResult`, :class:`RunInterrupted`.

@@ -33,6 +33,8 @@ from rlcore.protocols import (
     Scheduler,
     TrainingStack,
     WeightSink,
+    receive_weights_midway,
+    takes_weights_midway,
 )
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
@@ -269,6 +271,19 @@ class CheckedEngine:
         # What the block raises is the sender's (a checked stack raises rlcore errors, which
         # pass through); anything else from here is the engine's.
         with self._call("receive_weights"), self._engine.receive_weights(version) as sinks:
+            yield sinks
+
+    @property
+    def interrupts_generation(self) -> bool:
+        """Whether the checked engine takes weights mid-generation (partial rollouts)."""
+        return takes_weights_midway(self._engine)
+
+    @contextlib.contextmanager
+    def receive_weights_interrupting(self, version: int) -> Iterator[Sequence[WeightSink]]:
+        with (
+            self._call("receive_weights_interrupting"),
+            receive_weights_midway(self._engine, version) as sinks,
+        ):
             yield sinks
 
     @property

@@ -1,7 +1,8 @@
 """The three kinds of job a plan can be, and :func:`run`, which matches on the plan.
 
-- A :class:`~rlcore.loop.plan.TrainPlan` runs the training schedule
-  (:func:`rlcore.loop.training.run_training`).
+- A :class:`~rlcore.loop.plan.TrainPlan` runs a training schedule: the synchronous one
+  (:func:`rlcore.loop.training.run_training`), or with ``--max-staleness`` the off-policy one
+  that generates ahead of training (:func:`rlcore.loop.overlap.run_overlapped_training`).
 - An :class:`~rlcore.loop.plan.EvalPlan` builds the actor's *eval* stack only, loads it, pushes its
   weights and evaluates every eval set (:func:`run_eval_only`).
 - A :class:`~rlcore.loop.plan.RolloutOnlyPlan` (``--debug-rollout-only``) runs the rollout seam
@@ -22,6 +23,7 @@ from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.contracts import CheckedEngine, build_eval_stack
+from rlcore.loop.overlap import run_overlapped_training
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
 from rlcore.loop.records import NullSink, Progress, RunData, RunInterrupted, RunResult
 from rlcore.loop.stages import (
@@ -177,9 +179,8 @@ def run(
                 return run_eval_only(plan, backend, engine, reward_fn, data, sink, progress)
             case TrainPlan():
                 resume_point(plan)  # a bad --load fails here, before any stack is built
-                return run_training(
-                    plan, backend, checked, reward_fn, data, sink, progress, rollout_fn
-                )
+                schedule = run_overlapped_training if plan.max_staleness else run_training
+                return schedule(plan, backend, checked, reward_fn, data, sink, progress, rollout_fn)
             case RolloutOnlyPlan():
                 engine = _needed(checked, "generates rollouts")
                 return run_rollout_only(

@@ -125,6 +125,13 @@ class TrainPlan:
     sft_warmup_rollouts: int = 0
     rollout: RolloutSpec = RolloutSpec()
     replay_rollout_data: str | None = None
+    max_staleness: int = 0
+    """How many policy versions a trained sample may lag behind the trainer
+    (``--max-staleness``): 0 is the synchronous schedule (:mod:`rlcore.loop.training`), more is
+    :mod:`rlcore.loop.overlap`'s."""
+    partial_rollout: bool = False
+    """New weights interrupt in-flight generation (``--partial-rollout``, with ``max_staleness``
+    > 1)."""
     settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
     recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
@@ -219,7 +226,7 @@ def _eval_plan(config: RunConfig) -> EvalPlan:
 
 def _correction(config: RunConfig) -> ISCorrection | None:
     a = config.algorithm
-    if not a.use_tis:
+    if not config.corrects_off_policy:
         return None
     return ISCorrection(
         mode=a.tis_mode,
@@ -326,6 +333,8 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         sft_warmup_rollouts=a.sft_warmup_rollouts,
         rollout=_rollout_spec(config),
         replay_rollout_data=config.debug.load_debug_rollout_data,
+        max_staleness=r.max_staleness,
+        partial_rollout=r.partial_rollout,
         settings=settings_data(config),
     )
 

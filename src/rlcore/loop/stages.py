@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -54,11 +54,20 @@ from rlcore.rollout.default import (
     load_group_filter,
     load_rollout_function,
 )
-from rlcore.rollout.replay import load_rollout_data, read_groups, save_rollout_data, write_groups
+from rlcore.rollout.replay import (
+    load_rollout_data,
+    read_groups,
+    read_output,
+    save_rollout_data,
+    write_groups,
+    write_output,
+)
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
 
 __all__ = [
     "CARRIED_FILE",
+    "PENDING_FOLDER",
+    "Resumed",
     "RolloutSource",
     "TrainStacks",
     "build_stacks",
@@ -66,6 +75,7 @@ __all__ = [
     "make_train_batch",
     "push_weights",
     "read_carried",
+    "read_pending",
     "resume",
     "resume_point",
     "rollout_metrics",
@@ -136,6 +146,8 @@ def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
 CARRIED_FILE = "rollout/carried.json"
 """Where a checkpoint keeps the groups carried to the next rollout (kept dynamic-sampling
 surplus), when there are any."""
+PENDING_FOLDER = "rollout"
+"""Where a checkpoint keeps rollouts generated ahead of training (``pending_NNNNNN.json``)."""
 
 
 def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
@@ -164,13 +176,24 @@ def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
     return first, meta.consumed_prompts, folder
 
 
-def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group, ...]]:
-    """(first rollout id, prompts already consumed, groups carried into the first rollout). Loads
-    every training stack from ``plan.load`` (the reference model keeps its initial weights); all
-    must agree on the rollout id."""
+@attrs.frozen
+class Resumed:
+    """Where a training run starts: its first rollout id, the prompts already consumed, the
+    groups carried into the next rollout to generate, and rollouts generated ahead of training
+    (an off-policy schedule's, saved with the checkpoint) to train on first."""
+
+    first: int
+    consumed: int
+    carried: tuple[Group, ...] = ()
+    pending: Mapping[int, RolloutOutput] = attrs.field(factory=dict)
+
+
+def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
+    """Load every training stack from ``plan.load`` (the reference model keeps its initial
+    weights; all must agree on the rollout id) and say where the run starts."""
     first, consumed, folder = resume_point(plan)
     if folder is None:
-        return first, consumed, ()
+        return Resumed(first, consumed)
     meta = read_meta(folder)
     ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
     if any(i != meta.rollout_id for i in ids.values()):
@@ -179,14 +202,23 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> tuple[int, int, tuple[Group,
             f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
         )
     log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
-    return first, consumed, read_carried(folder, meta.rollout_id)
+    return Resumed(first, consumed, read_carried(folder, meta.rollout_id), read_pending(folder))
 
 
 def read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
-    """The groups checkpoint ``folder`` (of rollout ``rollout_id``) carries into the next rollout,
-    if any."""
+    """The groups checkpoint ``folder`` (of rollout ``rollout_id``) carries into the next rollout
+    to generate, if any."""
     path = folder / CARRIED_FILE
     return read_groups(path, rollout_id) if path.is_file() else ()
+
+
+def read_pending(folder: Path) -> dict[int, RolloutOutput]:
+    """The rollouts checkpoint ``folder`` holds that were generated ahead of training."""
+    pending = {}
+    for path in sorted((folder / PENDING_FOLDER).glob("pending_*.json")):
+        rollout_id = int(path.stem.removeprefix("pending_"))
+        pending[rollout_id] = read_output(path, rollout_id)
+    return pending
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,27 +475,40 @@ def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:
 
 
 def save_checkpoint(
-    plan: TrainPlan, stacks: TrainStacks, rollout_id: int, consumed: int, carried: tuple[Group, ...]
+    plan: TrainPlan,
+    stacks: TrainStacks,
+    rollout_id: int,
+    consumed: int,
+    carried: tuple[Group, ...],
+    pending: Mapping[int, RolloutOutput] | None = None,
 ) -> Path:
     """The save stage: every training stack, the prompt position ``consumed``, the groups
-    ``carried`` into the next rollout and the run's settings, as checkpoint ``rollout_id`` in
-    ``plan.save_dir``, written
-    atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its folder."""
+    ``carried`` into the next rollout to generate, the rollouts generated ahead of training
+    (``pending``) and the run's settings, as checkpoint ``rollout_id`` in ``plan.save_dir``,
+    written atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its
+    folder."""
     assert plan.save_dir is not None  # should_save is True only with a save folder
     meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()), plan.settings)
-    return write_checkpoint(plan.save_dir, meta, _savers(stacks, rollout_id, carried))
+    savers = _savers(stacks, rollout_id, carried, pending or {})
+    return write_checkpoint(plan.save_dir, meta, savers)
 
 
 def _savers(
-    stacks: TrainStacks, rollout_id: int, carried: tuple[Group, ...]
+    stacks: TrainStacks,
+    rollout_id: int,
+    carried: tuple[Group, ...],
+    pending: Mapping[int, RolloutOutput],
 ) -> dict[str, Callable[[Path], None]]:
     def saver(stack: TrainingStack) -> Callable[[Path], None]:
         return lambda folder: stack.save(folder, rollout_id)
 
+    def save_rollouts(folder: Path) -> None:
+        if carried:  # kept surplus groups: the next rollout starts with them
+            write_groups(folder / Path(CARRIED_FILE).name, rollout_id, carried)
+        for pending_id, output in pending.items():
+            write_output(folder / f"pending_{pending_id:06d}.json", pending_id, output)
+
     savers = {name: saver(stack) for name, stack in stacks.training().items()}
-    if carried:  # kept surplus groups: the next rollout starts with them
-        carried_path = Path(CARRIED_FILE)
-        savers[carried_path.parent.name] = lambda folder: write_groups(
-            folder / carried_path.name, rollout_id, carried
-        )
+    if carried or pending:
+        savers[PENDING_FOLDER] = save_rollouts
     return savers

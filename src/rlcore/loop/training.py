@@ -58,9 +58,10 @@ def run_training(
     produce = rollout_source(plan, engine, reward_fn, rollout_fn)
     stacks = build_stacks(plan, backend)
     progress.built = stacks.built()
-    start, consumed, carried = resume(plan, stacks)
+    resumed = resume(plan, stacks)
+    start, carried, pending = resumed.first, resumed.carried, dict(resumed.pending)
     sampler = PromptSampler(
-        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed
+        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=resumed.consumed
     )
     if engine is not None:
         push_weights(stacks.actor, engine, version=start)
@@ -89,7 +90,8 @@ def run_training(
                 }
             )
         else:
-            output = produce(rollout_id, sampler, carried)  # the rollout seam
+            # The rollout seam (or a rollout an off-policy run generated ahead and saved).
+            output = pending.pop(rollout_id, None) or produce(rollout_id, sampler, carried)
             carried = output.surplus
             progress.rollouts.append(rollout_id)
             generate_s = time.perf_counter() - t0

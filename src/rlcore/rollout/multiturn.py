@@ -38,7 +38,14 @@ import attrs
 
 from rlcore.errors import RolloutError
 from rlcore.imports import load_function
-from rlcore.protocols import RewardFn, RolloutEngine, Tokenizer, WeightSink
+from rlcore.protocols import (
+    RewardFn,
+    RolloutEngine,
+    Tokenizer,
+    WeightSink,
+    receive_weights_midway,
+    takes_weights_midway,
+)
 from rlcore.rollout.environments import EnvironmentFactory
 from rlcore.rollout.rewards import AsyncReward, AsyncRewardFn, _run_coroutine
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams, Turn
@@ -184,10 +191,13 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
     env_reward: float | None = None
     finish: FinishReason = "length"
     version = 0
+    first_version: int | None = None
     for turn_index in range(ctx.max_turns):
         context = attrs.evolve(prompt, token_ids=prompt.token_ids + tuple(ids))
         gen = await ctx.engine.generate(context, budget - len(ids))
         version = gen.weight_version
+        if first_version is None:
+            first_version = gen.first_weight_version
         ids.extend(gen.token_ids)
         log_probs.extend(gen.log_probs)
         mask.extend([1] * len(gen.token_ids))
@@ -228,6 +238,7 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
         loss_mask=tuple(mask),
         turns=tuple(turns),
         env_reward=env_reward,
+        first_weight_version=version if first_version is None else first_version,
     )
 
 
@@ -274,6 +285,16 @@ class EpisodeEngine:
 
     def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
         return self.engine.receive_weights(version)
+
+    @property
+    def interrupts_generation(self) -> bool:
+        """Whether the wrapped engine takes weights mid-generation (partial rollouts)."""
+        return takes_weights_midway(self.engine)
+
+    def receive_weights_interrupting(
+        self, version: int
+    ) -> AbstractContextManager[Sequence[WeightSink]]:
+        return receive_weights_midway(self.engine, version)
 
     @property
     def weight_version(self) -> int:

@@ -15,20 +15,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import cattrs
 
 from rlcore.errors import DataError
+from rlcore.protocols import RolloutOutput
 from rlcore.samples import Sample
 
 __all__ = [
     "FORMAT",
     "load_rollout_data",
     "read_groups",
+    "read_output",
     "rollout_data_path",
     "save_rollout_data",
     "write_groups",
+    "write_output",
 ]
 
 FORMAT: Final = "rlcore.rollout/1"
@@ -67,8 +70,43 @@ def load_rollout_data(template: str, rollout_id: int) -> tuple[tuple[Sample, ...
 def write_groups(path: Path, rollout_id: int, groups: tuple[tuple[Sample, ...], ...]) -> None:
     """``groups`` as rollout ``rollout_id``'s file at ``path``, written atomically (a temporary
     file renamed into place; the folder is created)."""
+    _write(
+        path, {"format": FORMAT, "rollout_id": rollout_id, "groups": _converter.unstructure(groups)}
+    )
+
+
+def write_output(path: Path, rollout_id: int, output: RolloutOutput) -> None:
+    """A whole :class:`~rlcore.protocols.RolloutOutput` (groups, surplus and metrics) as rollout
+    ``rollout_id``'s file at ``path``, atomically: a rollout generated ahead of training and
+    saved with a checkpoint, to be trained on after a resume exactly as it would have been."""
+    _write(
+        path,
+        {
+            "format": FORMAT,
+            "rollout_id": rollout_id,
+            "groups": _converter.unstructure(output.groups),
+            "surplus": _converter.unstructure(output.surplus),
+            "metrics": dict(output.metrics),
+        },
+    )
+
+
+def read_output(path: Path, rollout_id: int) -> RolloutOutput:
+    """The :class:`~rlcore.protocols.RolloutOutput` :func:`write_output` wrote (errors as
+    :func:`read_groups`')."""
+    record = _read(path, rollout_id)
+    try:
+        surplus: tuple[tuple[Sample, ...], ...] = _converter.structure(
+            record["surplus"], tuple[tuple[Sample, ...], ...]
+        )
+        metrics = {str(k): float(v) for k, v in record["metrics"].items()}
+    except (KeyError, AttributeError, cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        raise DataError(f"{path}: malformed rollout output {rollout_id}: {exc}") from exc
+    return RolloutOutput(_groups(path, rollout_id, record), metrics, surplus)
+
+
+def _write(path: Path, record: dict[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": FORMAT, "rollout_id": rollout_id, "groups": _converter.unstructure(groups)}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(record))
@@ -81,6 +119,10 @@ def read_groups(path: Path, rollout_id: int) -> tuple[tuple[Sample, ...], ...]:
     """The groups of rollout ``rollout_id`` in the file ``path``. Raises
     :class:`~rlcore.errors.DataError` naming the file when it is unreadable, not JSON, of another
     format or rollout id, or malformed."""
+    return _groups(path, rollout_id, _read(path, rollout_id))
+
+
+def _read(path: Path, rollout_id: int) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -96,6 +138,10 @@ def read_groups(path: Path, rollout_id: int) -> tuple[tuple[Sample, ...], ...]:
             f"{path}: holds rollout {record.get('rollout_id')!r}, not {rollout_id}; "
             "the file was renamed or the path template is wrong"
         )
+    return record
+
+
+def _groups(path: Path, rollout_id: int, record: dict[str, Any]) -> tuple[tuple[Sample, ...], ...]:
     try:
         groups: tuple[tuple[Sample, ...], ...] = _converter.structure(
             record["groups"], tuple[tuple[Sample, ...], ...]

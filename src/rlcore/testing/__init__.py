@@ -10,6 +10,7 @@ transformers) for tests, demos and benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -230,6 +231,17 @@ class ScriptedEngine:
         self.received.append(sink.names)
         self._version = version
         self.updates.append(version)
+
+    @property
+    def interrupts_generation(self) -> bool:
+        """A scripted generation is instant, so an interrupting update never finds one in
+        flight: it is a plain update (``receive_weights``)."""
+        return True
+
+    def receive_weights_interrupting(
+        self, version: int
+    ) -> contextlib.AbstractContextManager[list[RecordingWeightSink]]:
+        return self.receive_weights(version)
 
     @property
     def weight_version(self) -> int:

@@ -1,0 +1,231 @@
+"""The off-policy training schedule: generation runs ahead of training (``--max-staleness K``).
+
+The stages are the synchronous schedule's (:mod:`rlcore.loop.stages`); what changes is who waits.
+A :class:`~rlcore.loop.generator.RolloutGenerator` runs the rollout seam in a thread of its own,
+up to ``K`` policy versions ahead, while the trainer trains::
+
+    generator:  rollout j+1 (weights j+1-K) | rollout j+2 ...
+    trainer:    train j | save | push weights j+1 | eval | train j+1 ...
+
+- ``K = 1``, one-step off-policy: rollout ``j + 1`` is generated with weights ``j`` while step ``j``
+  trains. The weights of step ``j`` are pushed once rollout ``j + 1`` is done, so every rollout is
+  generated with one known version and two runs with the same seed give the same metrics.
+- ``K > 1``: the generator runs freely, as far as ``K`` versions ahead. New weights wait for the
+  generator to finish its current rollout, or, with ``--partial-rollout``, interrupt it at a token
+  boundary (:class:`~rlcore.protocols.PartialRolloutEngine`) and it goes on with them.
+
+Evaluations and saves hold the generator between rollouts. A save keeps the rollouts generated
+ahead of training with the checkpoint, so a resumed run trains on exactly them (a ``K = 1`` run
+resumes exactly). No sample is trained on more than ``K`` versions after the version that made
+its first token: the generator starts rollout ``j`` only once version ``j - K`` is published, and
+drops carried groups that would be older (``rollout/stale_dropped``).
+
+**Off-policy correction.** A sample of rollout ``j`` was drawn from a behaviour policy ``mu``
+(the engine's weights, version ``>= j - K``), whose per-token log-probs the engine recorded. The
+loss is the decoupled PPO objective (Hilton et al. 2021, arXiv:2110.00641; AReaL, Fu et al.
+2025, arXiv:2505.24298): with ``pi_prox`` the trainer's policy at the start of the step (the
+recomputed old log-probs) and ``pi_theta`` the one being optimised,
+
+    L = -E_mu[ w_t * min(r_t * A_t, clip(r_t, 1 - eps, 1 + eps_high) * A_t) ],
+    r_t = pi_theta(y_t) / pi_prox(y_t),   w_t = correct(pi_prox(y_t) / mu(y_t)),
+
+where ``correct`` is the importance-sampling correction of ``--use-tis`` (TIS clip, IcePop mask,
+geometric, veto: :mod:`rlcore.algorithms.correction`), which ``--max-staleness`` turns on. PPO's
+trust region is measured from ``pi_prox``, and ``w`` carries the off-policyness, so a stale sample
+is reweighted, not trusted.
+
+Metrics per rollout: ``rollout/staleness_mean`` and ``rollout/staleness_max`` (trainer version
+minus each sample's first-token version), ``rollout/stale_dropped``, ``perf/trainer_idle_s`` (the
+trainer waiting for the rollout), ``perf/engine_idle_s`` (the generator waiting before it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping
+
+from rlcore.data import PromptSampler
+from rlcore.errors import PlanError
+from rlcore.loop.generator import Produced, RolloutGenerator
+from rlcore.loop.plan import TrainPlan
+from rlcore.loop.records import Progress, RunData, RunResult
+from rlcore.loop.stages import (
+    build_stacks,
+    evaluate,
+    push_weights,
+    resume,
+    rollout_source,
+    save_checkpoint,
+    should_eval,
+    should_save,
+    train_on_rollout,
+    training_samples,
+    warm_start,
+)
+from rlcore.protocols import (
+    Backend,
+    MetricsSink,
+    RewardFn,
+    RolloutEngine,
+    RolloutFn,
+    WeightSource,
+    receive_weights_midway,
+    takes_weights_midway,
+)
+
+__all__ = ["run_overlapped_training", "staleness_metrics"]
+
+
+def staleness_metrics(produced: Produced, trainer_version: int) -> dict[str, float]:
+    """How far behind the trainer's version the rollout's samples were generated."""
+    lags = [
+        trainer_version - s.response.first_weight_version
+        for s in training_samples(produced.output.groups)
+    ]
+    return {
+        "rollout/staleness_mean": math.fsum(lags) / len(lags) if lags else 0.0,
+        "rollout/staleness_max": float(max(lags, default=0)),
+        "rollout/stale_dropped": float(produced.stale_dropped),
+    }
+
+
+def _push_midway(source: WeightSource, engine: RolloutEngine, version: int) -> None:
+    """The sync stage of a partial rollout: the new weights interrupt in-flight generation."""
+    with receive_weights_midway(engine, version) as sinks:
+        source.send_weights(sinks)
+
+
+def run_overlapped_training(
+    plan: TrainPlan,
+    backend: Backend,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    data: RunData,
+    sink: MetricsSink,
+    progress: Progress,
+    rollout_fn: RolloutFn | None = None,
+) -> RunResult:
+    """Train ``plan`` with the off-policy schedule (module docstring). What has been done is kept
+    in ``progress``, for Ctrl-C to report.
+
+    ``plan.max_staleness`` 0 and 1 are lockstep: before version ``v`` is published the generator
+    has produced every rollout that version ``v - 1`` may generate (up to ``v - 1 + K``), so each
+    rollout is generated with exactly one known version. With 0 that is the synchronous schedule
+    in a thread (:func:`rlcore.loop.jobs.run` takes :func:`~rlcore.loop.training.run_training`
+    instead; the tests compare the two); above 1 the generator runs free.
+    """
+    if engine is None:
+        raise PlanError("an off-policy schedule generates ahead of training: it needs an engine")
+    if plan.partial_rollout and not takes_weights_midway(engine):
+        raise PlanError(
+            f"--partial-rollout: the rollout engine {type(engine).__name__} cannot take new "
+            "weights mid-generation (rlcore.protocols.PartialRolloutEngine); use the embedded "
+            "or SGLang engine, or drop --partial-rollout"
+        )
+    produce = rollout_source(plan, engine, reward_fn, rollout_fn)
+    stacks = build_stacks(plan, backend)
+    progress.built = stacks.built()
+    resumed = resume(plan, stacks)
+    start = resumed.first
+    sampler = PromptSampler(
+        data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=resumed.consumed
+    )
+    push_weights(stacks.actor, engine, version=start)
+    first_generated = max(start, plan.sft_warmup_rollouts)
+    generator = RolloutGenerator(
+        produce,
+        sampler,
+        first=first_generated,
+        end=plan.num_rollout,
+        max_staleness=plan.max_staleness,
+        published=start,
+        carried=resumed.carried,
+        ready=resumed.pending,
+    )
+
+    def run_eval(after: int) -> Mapping[str, float]:
+        metrics = evaluate(
+            engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
+        )
+        progress.evaluated.append(after)
+        sink.log(after + 1, metrics)
+        return metrics
+
+    # Evaluated before the generator starts, so that it always comes first.
+    last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
+    last_train: Mapping[str, float] = {}
+    lockstep = plan.max_staleness <= 1
+    try:
+        if first_generated == start:
+            generator.start()
+        for rollout_id in range(start, plan.num_rollout):
+            progress.current = rollout_id
+            t0 = time.perf_counter()
+            if rollout_id < plan.sft_warmup_rollouts:
+                metrics = warm_start(sampler.next_batch(), stacks.actor, plan, rollout_id)
+                if rollout_id + 1 == first_generated:
+                    # The warm start has taken its prompts: the generator may use the sampler.
+                    generator.start()
+                metrics["perf/train_s"] = time.perf_counter() - t0
+            else:
+                produced, waited = generator.take(rollout_id)
+                progress.rollouts.append(rollout_id)
+                metrics = train_on_rollout(plan, stacks, rollout_id, produced.output)
+                metrics.update(staleness_metrics(produced, rollout_id))
+                metrics["perf/generate_s"] = produced.generate_s
+                metrics["perf/trainer_idle_s"] = waited
+                metrics["perf/engine_idle_s"] = produced.engine_idle_s
+            progress.trained.append(rollout_id)
+            version = rollout_id + 1
+            with contextlib.ExitStack() as hold:
+                try:
+                    if not plan.partial_rollout:
+                        # New weights meet no generation in flight; lockstep also waits for the
+                        # rollouts that the old weights still owe.
+                        owed = version - 1 + plan.max_staleness if lockstep else None
+                        hold.enter_context(generator.held(through=owed))
+                    t1 = time.perf_counter()
+                    if should_save(
+                        rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
+                    ):
+                        with contextlib.ExitStack() as saving:
+                            if plan.partial_rollout:
+                                saving.enter_context(generator.held())
+                            save_checkpoint(
+                                plan,
+                                stacks,
+                                rollout_id,
+                                sampler.consumed,
+                                generator.carried,
+                                generator.pending(),
+                            )
+                        progress.saved.append(rollout_id)
+                    t2 = time.perf_counter()
+                    metrics["perf/save_s"] = t2 - t1
+                    if plan.partial_rollout:
+                        _push_midway(stacks.actor, engine, version)
+                    else:
+                        push_weights(stacks.actor, engine, version)
+                    generator.publish(version)
+                    metrics["perf/weight_sync_s"] = time.perf_counter() - t2
+                    metrics["rollout/weight_version"] = float(version)
+                finally:
+                    last_train = metrics
+                    sink.log(rollout_id, metrics)
+                if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
+                    if plan.partial_rollout:
+                        hold.enter_context(generator.held())
+                    last_eval = run_eval(rollout_id)
+    finally:
+        generator.close()
+    return RunResult(
+        tuple(progress.trained),
+        tuple(progress.saved),
+        tuple(progress.evaluated),
+        last_eval,
+        last_train,
+        stacks.built(),
+        tuple(progress.rollouts),
+    )

@@ -1,0 +1,62 @@
+"""Partial rollouts against real SGLang servers: new weights that arrive mid-generation pause the
+servers (retract mode), and every request goes on from the tokens it had, with the new weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlcore.samples import Generation, SamplingParams
+from rlcore_sglang.client import SGLangEngine
+from rlcore_sglang.options import EngineOptions
+from tests.sglang.conftest import Weights
+from tests.sglang.reference import greedy, hf_model
+from tests.sglang.test_generate import prompts
+
+pytestmark = pytest.mark.sglang
+
+LONG = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+
+
+def test_new_weights_mid_generation_go_on_from_the_tokens_made(
+    dp_urls: list[str], tiny_model: Path, weights_a: Weights, weights_b: Weights
+) -> None:
+    options = EngineOptions(
+        weight_sync="tensor", max_prompts_per_request=1, max_concurrent_requests=2
+    )
+    batch = prompts(8)
+    with SGLangEngine.connect(dp_urls, options) as engine:
+        engine.update_weights(weights_a.items(), version=50)
+        out: list[Generation] = []
+        worker = threading.Thread(target=lambda: out.extend(engine.generate(batch, LONG)))
+        worker.start()
+        time.sleep(0.5)  # requests are decoding (8 of 100 tokens each, 2 at a time)
+        assert worker.is_alive()
+        with engine.receive_weights_interrupting(51) as sinks:
+            for sink in sinks:
+                sink.receive(weights_b.items())
+        worker.join(timeout=300)
+        assert engine.weight_version == 51
+    assert len(out) == len(batch)
+    model_a = hf_model(str(tiny_model), weights_a)
+    model_b = hf_model(str(tiny_model), weights_b)
+    switched = 0
+    for prompt, generation in zip(batch, out, strict=True):
+        assert len(generation.token_ids) == LONG.max_new_tokens
+        # Stamped when sent: a request dispatched before the update counts as the old version.
+        assert generation.first_weight_version == 50
+        assert generation.weight_version in (50, 51)
+        tokens = list(generation.token_ids)
+        before = greedy(model_a, prompt.token_ids, LONG.max_new_tokens)[0]
+        if generation.weight_version == 50:
+            assert tokens == before
+            continue
+        switched += 1
+        # Up to the switch, A's greedy tokens; after it, B's, continuing from those tokens.
+        k = next((i for i, (t, a) in enumerate(zip(tokens, before, strict=True)) if t != a), 0)
+        after = greedy(model_b, [*prompt.token_ids, *tokens[:k]], min(10, len(tokens) - k))[0]
+        assert tokens[k : k + len(after)] == after
+    assert switched > 0
