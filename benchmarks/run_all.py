@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     # name (the module, or module:variant): (full arguments, --quick arguments)
     # rl_step --bf16 measures both precisions, alternating.
     "rl_step": (["--bf16"], ["--steps", "3", "--rounds", "1", "--bf16"]),
+    "async_step": ([], ["--steps", "3", "--rounds", "1", "--heavy-tokens", "16"]),
     "bringup": ([], _SMALL_BRINGUP),
     "bringup:bf16": (["--bf16"], [*_SMALL_BRINGUP, "--bf16"]),
     "weight_sync": (

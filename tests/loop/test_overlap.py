@@ -27,7 +27,7 @@ PROMPTS = tuple(
     for i in range(11)
 )
 DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("held", PROMPTS[:3]),), seed=5)
-TIMING = ("perf/", "rollout/staleness", "rollout/stale_dropped")
+TIMING = ("perf/", "rollout/staleness", "rollout/stale_dropped", "rollout/weights_deferred")
 
 
 def every_third_always_right(prompt: Prompt, i: int) -> str:

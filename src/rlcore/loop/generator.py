@@ -128,31 +128,38 @@ class RolloutGenerator:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def held(self, through: int | None = None) -> Iterator[None]:
+    def held(self, through: int | None = None, *, wait: bool = True) -> Iterator[bool]:
         """Wait until the generator is between rollouts, having produced every rollout up to
         ``through`` (those that exist), and keep it there for the block: it starts no rollout
-        after ``through`` (or, without it, after the one it is making)."""
+        after ``through`` (or, without it, after the one it is making). Yields ``True``; with
+        ``wait=False`` it yields ``False`` at once, holding nothing, when the generator is in the
+        middle of a rollout."""
         with self._cond:
-            bound = self._next - 1 if through is None else through
-            self._holds.append(bound)
-            try:
-                while self._busy or (
-                    through is not None and self._next <= min(through, self._end - 1)
-                ):
-                    self._raise_if_failed()
-                    if self._stop:
-                        break
-                    self._cond.wait()
-            except BaseException:
-                self._holds.remove(bound)
-                self._cond.notify_all()
-                raise
+            if not wait and self._busy:
+                held = False
+            else:
+                held = True
+                bound = self._next - 1 if through is None else through
+                self._holds.append(bound)
+                try:
+                    while self._busy or (
+                        through is not None and self._next <= min(through, self._end - 1)
+                    ):
+                        self._raise_if_failed()
+                        if self._stop:
+                            break
+                        self._cond.wait()
+                except BaseException:
+                    self._holds.remove(bound)
+                    self._cond.notify_all()
+                    raise
         try:
-            yield
+            yield held
         finally:
-            with self._cond:
-                self._holds.remove(bound)
-                self._cond.notify_all()
+            if held:
+                with self._cond:
+                    self._holds.remove(bound)
+                    self._cond.notify_all()
 
     def pending(self) -> dict[int, RolloutOutput]:
         """The rollouts produced and not yet taken (call while :meth:`held`)."""

@@ -10,9 +10,12 @@ up to ``K`` policy versions ahead, while the trainer trains::
 - ``K = 1``, one-step off-policy: rollout ``j + 1`` is generated with weights ``j`` while step ``j``
   trains. The weights of step ``j`` are pushed once rollout ``j + 1`` is done, so every rollout is
   generated with one known version and two runs with the same seed give the same metrics.
-- ``K > 1``: the generator runs freely, as far as ``K`` versions ahead. New weights wait for the
-  generator to finish its current rollout, or, with ``--partial-rollout``, interrupt it at a token
-  boundary (:class:`~rlcore.protocols.PartialRolloutEngine`) and it goes on with them.
+- ``K > 1``: the generator runs freely, as far as ``K`` versions ahead. With
+  ``--partial-rollout`` new weights interrupt it at a token boundary
+  (:class:`~rlcore.protocols.PartialRolloutEngine`) and it goes on with them. Without, a step's
+  weights go to the engine only between two of its rollouts: when the generator is mid-rollout
+  they are deferred (``rollout/weights_deferred``) and the next step's go instead, unless a save,
+  an evaluation or the end of the run needs them now (then they wait for the rollout to end).
 
 Evaluations and saves hold the generator between rollouts. A save keeps the rollouts generated
 ahead of training with the checkpoint, so a resumed run trains on exactly them (a ``K = 1`` run
@@ -157,6 +160,7 @@ def run_overlapped_training(
     last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
     last_train: Mapping[str, float] = {}
     lockstep = plan.max_staleness <= 1
+    published = start
     try:
         if first_generated == start:
             generator.start()
@@ -179,44 +183,47 @@ def run_overlapped_training(
                 metrics["perf/engine_idle_s"] = produced.engine_idle_s
             progress.trained.append(rollout_id)
             version = rollout_id + 1
+            saving = should_save(
+                rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
+            )
+            evaluating = should_eval(rollout_id, plan.num_rollout, plan.eval_interval)
             with contextlib.ExitStack() as hold:
                 try:
-                    if not plan.partial_rollout:
-                        # New weights meet no generation in flight; lockstep also waits for the
-                        # rollouts that the old weights still owe.
-                        owed = version - 1 + plan.max_staleness if lockstep else None
-                        hold.enter_context(generator.held(through=owed))
+                    pushing = True
+                    if lockstep:  # wait for the rollouts the old weights still owe
+                        hold.enter_context(generator.held(through=version - 1 + plan.max_staleness))
+                    elif not plan.partial_rollout:
+                        # New weights wait for the generator to finish its rollout only when they
+                        # must go out now; otherwise, mid-rollout, the next step's go instead.
+                        urgent = saving or evaluating or version == plan.num_rollout
+                        pushing = hold.enter_context(generator.held(wait=urgent))
+                    elif saving or evaluating:
+                        hold.enter_context(generator.held())
                     t1 = time.perf_counter()
-                    if should_save(
-                        rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
-                    ):
-                        with contextlib.ExitStack() as saving:
-                            if plan.partial_rollout:
-                                saving.enter_context(generator.held())
-                            save_checkpoint(
-                                plan,
-                                stacks,
-                                rollout_id,
-                                sampler.consumed,
-                                generator.carried,
-                                generator.pending(),
-                            )
+                    if saving:
+                        save_checkpoint(
+                            plan,
+                            stacks,
+                            rollout_id,
+                            sampler.consumed,
+                            generator.carried,
+                            generator.pending(),
+                        )
                         progress.saved.append(rollout_id)
                     t2 = time.perf_counter()
                     metrics["perf/save_s"] = t2 - t1
-                    if plan.partial_rollout:
-                        _push_midway(stacks.actor, engine, version)
-                    else:
-                        push_weights(stacks.actor, engine, version)
-                    generator.publish(version)
+                    if pushing:
+                        push = _push_midway if plan.partial_rollout else push_weights
+                        push(stacks.actor, engine, version)
+                        generator.publish(version)
+                        published = version
                     metrics["perf/weight_sync_s"] = time.perf_counter() - t2
-                    metrics["rollout/weight_version"] = float(version)
+                    metrics["rollout/weight_version"] = float(published)
+                    metrics["rollout/weights_deferred"] = float(not pushing)
                 finally:
                     last_train = metrics
                     sink.log(rollout_id, metrics)
-                if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
-                    if plan.partial_rollout:
-                        hold.enter_context(generator.held())
+                if evaluating:
                     last_eval = run_eval(rollout_id)
     finally:
         generator.close()
