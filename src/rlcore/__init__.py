@@ -14,7 +14,9 @@ it):
   (the torch maths: advantages, losses, KL);
 - :mod:`rlcore.config`: the run configuration, flags and TOML;
 - :mod:`rlcore.loop`: the plan, the stages of a run and their schedule, checkpoints, metrics;
-- beside the loop, :mod:`rlcore.testing`: fakes and tiny local models for tests.
+- beside the loop, :mod:`rlcore.testing`: fakes and tiny local models for tests;
+- on top, :mod:`rlcore.plot`: a run's curves from its ``metrics.jsonl`` (``python -m
+  rlcore.plot``).
 
 ``import rlcore`` is light (standard library, attrs, cattrs): the torch maths and the embedded
 engine import torch on demand, and backends (``rlcore_megatron``) and rollout engines

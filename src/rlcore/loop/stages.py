@@ -442,16 +442,27 @@ def warm_start(
 
 
 def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str, float]:
-    """Reward, response length, truncation, and how many weight versions the samples' generations
-    lag behind ``policy_version`` (0 on-policy; 1 for groups carried from the previous rollout).
-    With multi-turn episodes also model turns per episode (``rollout/turns``) and the share of
-    response tokens the model generated (``rollout/model_token_frac``)."""
+    """Reward, response length, truncation, the sampled tokens' entropy estimate, and how many
+    weight versions the samples' generations lag behind ``policy_version`` (0 on-policy; 1 for
+    groups carried from the previous rollout). With multi-turn episodes also model turns per
+    episode (``rollout/turns``) and the share of response tokens the model generated
+    (``rollout/model_token_frac``)."""
     metrics = {
         "rollout/reward": _mean([s.reward for s in samples]),
         "rollout/response_len": _mean([float(len(s.response.token_ids)) for s in samples]),
         "rollout/truncated": _mean([float(s.response.finish_reason == "length") for s in samples]),
         "rollout/weight_version_lag": _mean(
             [float(policy_version - s.response.weight_version) for s in samples]
+        ),
+        # -E[log p] of the model's sampled tokens: an estimate of the sampling distribution's
+        # entropy (exact at temperature 1), cheap, and always there, unlike the loss's.
+        "rollout/entropy": _mean(
+            [
+                -lp
+                for s in samples
+                for lp, m in zip(s.response.log_probs, s.response.model_mask, strict=True)
+                if m
+            ]
         ),
     }
     if any(s.response.turns for s in samples):
