@@ -63,7 +63,9 @@ def main() -> int:
             t0 = time.perf_counter()
             flags = _flags(demo, out, seed, shlex.split(extra))
             done = subprocess.run(
-                [sys.executable, "-m", "rlcore_megatron.run", *flags], capture_output=True, text=True
+                [sys.executable, "-m", "rlcore_megatron.run", *flags],
+                capture_output=True,
+                text=True,
             )
             if done.returncode:
                 print(done.stderr[-3000:], file=sys.stderr)

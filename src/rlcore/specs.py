@@ -21,6 +21,7 @@ __all__ = [
     "ISCorrection",
     "ISLevel",
     "ISMode",
+    "LoadSpec",
     "KLType",
     "LossAggMode",
     "LRSchedule",
@@ -327,6 +328,23 @@ class EvalSpec:
 
 
 @attrs.frozen
+class LoadSpec:
+    """What a training stack's ``load`` restores from a checkpoint besides the model's weights
+    (the resume flags ``--no-load-optim``, ``--override-opt-param-scheduler``, ``--finetune``).
+
+    ``optimizer``: the optimizer's state (Adam's moments; in mixed precision, the fp32 main
+    weights); without it the optimizer starts afresh. ``scheduler``: ``"saved"`` restores the
+    learning-rate schedule as the checkpoint has it; ``"flags"`` keeps its step count but takes
+    the schedule's values (learning rates, warmup, decay, style) and the optimizer's settings
+    (weight decay, betas) from this spec, over what the checkpoint holds (Megatron's
+    ``--override-opt_param-scheduler``); ``"fresh"`` starts the schedule at step 0.
+    """
+
+    optimizer: bool = True
+    scheduler: Literal["saved", "flags", "fresh"] = "saved"
+
+
+@attrs.frozen
 class TrainSpec:
     """A model to train: the model, its optimizer and schedule, its loss and batch split.
 
@@ -343,6 +361,8 @@ class TrainSpec:
     global_batch_size: int
     micro_batch_size: int = 1
     steps_per_rollout: int = 1
+    load: LoadSpec = LoadSpec()
+    """What ``load`` restores from a checkpoint (a resume; see :class:`LoadSpec`)."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps_per_rollout"):

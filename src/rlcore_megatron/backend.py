@@ -64,10 +64,12 @@ def optimizer_config(spec: OptimizerSpec, precision: Precision = "float32") -> O
 
 
 def param_scheduler(
-    optimizer: MegatronOptimizer, schedule: LRSchedule, weight_decay: float
+    optimizer: MegatronOptimizer, schedule: LRSchedule, weight_decay: float, override: bool = False
 ) -> OptimizerParamScheduler:
     """Megatron's scheduler for ``schedule``: warmup from 0 to ``lr``, then the decay style down
-    to ``min_lr`` at ``decay_steps`` (the same curve as :meth:`LRSchedule.lr_at`)."""
+    to ``min_lr`` at ``decay_steps`` (the same curve as :meth:`LRSchedule.lr_at`). ``override``:
+    loading a checkpoint keeps only its step count (Megatron's ``--override-opt_param-scheduler``,
+    rlcore's ``LoadSpec(scheduler="flags")``)."""
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -80,8 +82,8 @@ def param_scheduler(
         end_wd=weight_decay,
         wd_incr_steps=schedule.decay_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=not override,
+        override_opt_param_scheduler=override,
     )
 
 
@@ -195,7 +197,10 @@ class MegatronBackend:
             if not torch.cuda.is_available():
                 use_fused_cpu_adam(optimizer)
             scheduler = param_scheduler(
-                optimizer, spec.optimizer.schedule, spec.optimizer.weight_decay
+                optimizer,
+                spec.optimizer.schedule,
+                spec.optimizer.weight_decay,
+                override=spec.load.scheduler == "flags",
             )
         except RLCoreError:
             raise

@@ -275,10 +275,44 @@ class MegatronTrainingStack:
         send_exported(weights, sinks)
 
     def load(self, path: Path) -> int:
+        """Restore ``path`` as the spec's :class:`~rlcore.specs.LoadSpec` says: the weights, and
+        the optimizer state and the schedule unless told to start them afresh (with
+        ``scheduler="flags"`` the scheduler was built to keep only the checkpoint's step, and the
+        optimizer's settings are set from the spec again over what its state restored)."""
+        load = self.train_spec.load
         info = model_info(self.arch, self.spec.role)
-        return checkpoint.load_checkpoint(
-            path, self.gpt, info, self._optimizer, self._scheduler, self.optimizer_info
+        rollout_id = checkpoint.load_checkpoint(
+            path,
+            self.gpt,
+            info,
+            self._optimizer if load.optimizer else None,
+            self._scheduler if load.scheduler != "fresh" else None,
+            self.optimizer_info,
         )
+        if load.scheduler != "fresh":
+            self._agree_with_schedule(flags=load.scheduler == "flags")
+        return rollout_id
+
+    def _agree_with_schedule(self, flags: bool) -> None:
+        """Make the optimizer's param groups follow the schedule in force after a load: the
+        spec's (``flags``) or the checkpoint's. Megatron's scheduler prefers a group's own
+        ``max_lr``/``min_lr`` to its own values, and loading the optimizer's state restores the
+        saved ones (a fresh optimizer has the spec's): without this the schedule in force would
+        be a mix. With ``flags`` the spec's betas and eps replace the restored ones too."""
+        o = self.train_spec.optimizer
+        if flags:
+            max_lr, min_lr = o.schedule.lr, o.schedule.min_lr
+        else:
+            max_lr, min_lr = self._scheduler.max_lr, self._scheduler.min_lr
+        for group in self._optimizer.param_groups:
+            if "max_lr" in group:
+                group["max_lr"] = max_lr
+            if "min_lr" in group:
+                group["min_lr"] = min_lr
+            if flags:
+                group["betas"] = (o.adam_beta1, o.adam_beta2)
+                group["eps"] = o.adam_eps
+        self._scheduler.step(increment=0)  # this step's learning rate, from the above
 
     def save(self, path: Path, rollout_id: int) -> None:
         info = model_info(self.arch, self.spec.role)

@@ -535,3 +535,22 @@ def test_one_step_off_policy_through_the_cli_is_deterministic(
     assert all("train/actor/tis_weight" in r for r in trained)  # the off-policy correction
     log = (tmp_path / "a" / "run.log").read_text()
     assert "slot 1: node" in log and "the driver's rollout engine" in log
+
+
+def test_a_resume_with_a_changed_lr_is_refused_then_applied_with_the_override(
+    demo: Path, tmp_path: Path, ray_cluster: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    assert main(_flags(demo, tmp_path / "a", "--num-rollout", "2", "--save", ckpt)) == 0
+    resumed = _flags(demo, tmp_path / "b", "--num-rollout", "4", "--save", ckpt, "--load", ckpt)
+    capsys.readouterr()
+    assert main([*resumed, "--lr", "5e-4"]) == 2  # found before Ray or any model starts
+    error = capsys.readouterr().err
+    assert "optim.lr (--lr): 0.001 in the checkpoint, 0.0005 now" in error
+    assert "add --override-opt-param-scheduler" in error
+    assert not (tmp_path / "b").exists()
+    assert main([*resumed, "--lr", "5e-4", "--override-opt-param-scheduler"]) == 0
+    rows = read_jsonl_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["train/actor/lr"] for r in rows if "train/actor/lr" in r] == [5e-4, 5e-4]
+    log = (tmp_path / "b" / "run.log").read_text()
+    assert "changed on resume: optim.lr (--lr): 0.001 -> 0.0005: applied" in log

@@ -14,8 +14,8 @@ from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config import RunConfig, structure_config
 from rlcore.errors import PlanError, RolloutError
 from rlcore.loop import RunData, run
+from rlcore.loop.checkpoints import CARRIED_FILE
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
-from rlcore.loop.stages import CARRIED_FILE
 from rlcore.rollout import RolloutContext, RolloutOutput, default_rollout
 from rlcore.rollout.replay import load_rollout_data, rollout_data_path
 from rlcore.samples import EvalSet, Prompt, TrainBatch

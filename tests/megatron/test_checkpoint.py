@@ -6,12 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 from rlcore.errors import CheckpointError
 from rlcore.samples import TrainBatch
-from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision
+from rlcore.specs import EvalSpec, LoadSpec, LRSchedule, ModelSpec, Precision
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.checkpoint import read_rollout_id
 from rlcore_megatron.stacks import MegatronTrainingStack
@@ -204,3 +205,45 @@ def test_an_actor_checkpoint_is_refused_by_a_critic(tiny_hf: Path, tmp_path: Pat
         f"checkpoint {tmp_path / 'actor'} holds a different model: head is 'lm' there, 'value' "
         "here (load an actor checkpoint into an actor, a critic's into a critic)"
     )
+
+
+@pytest.mark.parametrize(
+    ("load", "lr", "steps", "adam"),
+    [
+        (LoadSpec(), 2e-3, 4, True),  # the checkpoint's schedule, step and Adam state
+        (LoadSpec(scheduler="flags"), 5e-4, 4, True),  # this spec's values from its step
+        (LoadSpec(optimizer=False), 2e-3, 4, False),  # a fresh Adam
+        (LoadSpec(optimizer=False, scheduler="fresh"), 5e-4, 0, False),  # --finetune
+    ],
+    ids=["saved", "override", "no-load-optim", "finetune"],
+)
+def test_a_resume_restores_what_its_load_spec_says(
+    tiny_hf: Path, tmp_path: Path, load: LoadSpec, lr: float, steps: int, adam: bool
+) -> None:
+    saved = _stack(tiny_hf)
+    for batch in _batches("actor")[:2]:
+        saved.train_step(batch)
+    saved.save(tmp_path / "ckpt", 1)
+    other = LRSchedule(lr=5e-4, min_lr=1e-5, warmup_steps=0, decay_steps=20, decay_style="linear")
+    spec = train_spec(tiny_hf, global_batch_size=2, micro_batch_size=1, steps_per_rollout=2)
+    spec = attrs.evolve(
+        spec, optimizer=attrs.evolve(spec.optimizer, schedule=other, adam_beta2=0.95), load=load
+    )
+    resumed = MegatronBackend().build_training_stack(spec)
+    assert resumed.load(tmp_path / "ckpt") == 1
+    assert resumed.scheduler.num_steps == steps
+    assert resumed.scheduler.max_lr == lr
+    # What the next step trains with: this step's point of the schedule load says is in force.
+    in_force = SCHEDULE if load.scheduler == "saved" else other
+    at = in_force.lr_at(steps)
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx(
+        [at] * len(resumed.optimizer.param_groups)
+    )
+    states = [
+        s for part in optimizer_parts(resumed.optimizer) for s in part.optimizer.state.values()
+    ]
+    assert bool(states) == adam
+    betas = {group["betas"] for group in resumed.optimizer.param_groups}
+    assert betas == ({(0.9, 0.95)} if load.scheduler != "saved" or not adam else {(0.9, 0.999)})
+    for name, tensor in weights(saved.export_weights()).items():  # the weights, always
+        assert torch.equal(weights(resumed.export_weights())[name], tensor), name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from rlcore.config.fields import option, problem
+from rlcore.config.fields import flag_of, option, problem
 from rlcore.errors import ConfigProblem
 
 __all__ = ["CheckpointConfig", "DebugConfig", "checkpoint_problems", "debug_problems"]
@@ -29,6 +29,34 @@ class CheckpointConfig:
     start_rollout_id: int | None = option(
         None, "--start-rollout-id", "first rollout id (default: loaded checkpoint's id + 1, else 0)"
     )
+    override_opt_param_scheduler: bool = option(
+        False,
+        "--override-opt-param-scheduler",
+        "on resume, the learning-rate schedule and the optimizer's settings come from the flags, "
+        "not the checkpoint (the schedule's step count continues), as Megatron's flag",
+    )
+    no_load_optim: bool = option(
+        False,
+        "--no-load-optim",
+        "on resume, start the optimizer's state (Adam moments) afresh",
+    )
+    no_load_rng: bool = option(
+        False,
+        "--no-load-rng",
+        "on resume, take the prompt order and sampling seed from --seed, not the checkpoint's",
+    )
+    finetune: bool = option(
+        False,
+        "--finetune",
+        "load only the weights from --load and start at rollout 0: a new optimizer, schedule and "
+        "prompt stream (a warm start, then RL)",
+    )
+
+    @property
+    def resume_flags(self) -> tuple[str, ...]:
+        """The resume flags that are on, by their flag names."""
+        names = ("override_opt_param_scheduler", "no_load_optim", "no_load_rng", "finetune")
+        return tuple(flag_of(CheckpointConfig, n) for n in names if getattr(self, n))
 
 
 @attrs.frozen
@@ -76,6 +104,18 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
         add("start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
     if c.save_interval is not None and c.save is None:
         add("save", "--save-interval is set but there is no save folder", "add --save DIR")
+    if c.load is None:
+        for flag in c.resume_flags:
+            name = flag.removeprefix("--").replace("-", "_")
+            add(name, "has no effect without --load", "add --load DIR, or drop it")
+    elif c.finetune and len(c.resume_flags) > 1:
+        others = ", ".join(f for f in c.resume_flags if f != "--finetune")
+        add(
+            "finetune",
+            f"already starts the optimizer, the schedule and the prompt stream afresh: {others} "
+            "would change nothing",
+            f"drop {others}",
+        )
     if c.start_rollout_id is not None and num_rollout is not None:
         if c.start_rollout_id >= num_rollout > 0:
             add(

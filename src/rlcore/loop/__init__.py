@@ -11,7 +11,8 @@ checkpoints and evaluations.
 - :mod:`~rlcore.loop.jobs`: :func:`run`, eval-only and rollout-only jobs, the checks made before
   anything is built.
 - :mod:`~rlcore.loop.records`: :class:`RunData`, :class:`RunResult`, :class:`RunInterrupted`.
-- :mod:`~rlcore.loop.checkpoints` (atomic checkpoint folders), :mod:`~rlcore.loop.contracts`
+- :mod:`~rlcore.loop.checkpoints`: the save and resume stages (atomic checkpoint folders, and
+  what a resumed run may change), :mod:`~rlcore.loop.contracts`
   (every call into a backend, stack or engine, checked), :mod:`~rlcore.loop.metrics` (sinks),
   :mod:`~rlcore.loop.backends` (backends by name), :mod:`~rlcore.loop.preflight` (what the file
   system must hold before a run starts).
@@ -22,6 +23,7 @@ only the package's face (``rlcore/__init__.py``) imports it.
 
 from __future__ import annotations
 
+from rlcore.loop.checkpoints import resume_point
 from rlcore.loop.jobs import check_inputs, run
 from rlcore.loop.records import RunData, RunInterrupted, RunResult
 from rlcore.loop.stages import (
@@ -29,7 +31,6 @@ from rlcore.loop.stages import (
     TrainStacks,
     evaluate,
     push_weights,
-    resume_point,
     rollout_source,
     should_eval,
     should_save,

@@ -1,4 +1,5 @@
-"""Checkpoint folders, written atomically (their layout: :mod:`rlcore.checkpoint_files`).
+"""The save and resume stages: checkpoint folders written atomically (their layout:
+:mod:`rlcore.checkpoint_files`), and where a resumed run starts.
 
 A save is built in a hidden temporary folder, renamed into place, and only then is ``latest``
 replaced (by ``os.replace`` of a temporary file). A crash or an exception at any point leaves the
@@ -23,11 +24,31 @@ from rlcore.checkpoint_files import (
     LATEST_FILE,
     META_FILE,
     CheckpointMeta,
+    find_checkpoint,
+    read_meta,
     rollout_dir_name,
 )
-from rlcore.errors import CheckpointError
+from rlcore.config import RunConfig, with_flag
+from rlcore.config.resume import SettingChange, refusal, resume_changes, saved_config
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
+from rlcore.loop.plan import TrainPlan
+from rlcore.loop.stages import TrainStacks
+from rlcore.protocols import Group, RolloutOutput, TrainingStack
+from rlcore.rollout.replay import read_groups, read_output, write_groups, write_output
 
-__all__ = ["remove_interrupted_saves", "write_checkpoint"]
+__all__ = [
+    "CARRIED_FILE",
+    "PENDING_FOLDER",
+    "ResumePoint",
+    "Resumed",
+    "read_carried",
+    "read_pending",
+    "remove_interrupted_saves",
+    "resume",
+    "resume_point",
+    "save_checkpoint",
+    "write_checkpoint",
+]
 
 _DEBRIS = (".tmp-rollout_*", ".old-rollout_*", f".{LATEST_FILE}.tmp")
 """What an interrupted :func:`write_checkpoint` can leave in the save folder."""
@@ -96,3 +117,205 @@ def remove_interrupted_saves(root: Path) -> list[Path]:
             log.info("checkpoints: removed %s, left behind by an interrupted save", path)
             removed.append(path)
     return removed
+
+
+# --------------------------------------------------------------------------------------------
+# The save stage
+
+
+def save_checkpoint(
+    plan: TrainPlan,
+    stacks: TrainStacks,
+    rollout_id: int,
+    consumed: int,
+    carried: tuple[Group, ...],
+    pending: Mapping[int, RolloutOutput] | None = None,
+) -> Path:
+    """The save stage: every training stack, the prompt position ``consumed``, the groups
+    ``carried`` into the next rollout to generate, the rollouts generated ahead of training
+    (``pending``) and the run's settings, as checkpoint ``rollout_id`` in ``plan.save_dir``,
+    written atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its
+    folder."""
+    assert plan.save_dir is not None  # should_save is True only with a save folder
+    meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()), plan.settings)
+    savers = _savers(stacks, rollout_id, carried, pending or {})
+    return write_checkpoint(plan.save_dir, meta, savers)
+
+
+def _savers(
+    stacks: TrainStacks,
+    rollout_id: int,
+    carried: tuple[Group, ...],
+    pending: Mapping[int, RolloutOutput],
+) -> dict[str, Callable[[Path], None]]:
+    def saver(stack: TrainingStack) -> Callable[[Path], None]:
+        return lambda folder: stack.save(folder, rollout_id)
+
+    def save_rollouts(folder: Path) -> None:
+        if carried:  # kept surplus groups: the next rollout starts with them
+            write_groups(folder / Path(CARRIED_FILE).name, rollout_id, carried)
+        for pending_id, output in pending.items():
+            write_output(folder / f"pending_{pending_id:06d}.json", pending_id, output)
+
+    savers = {name: saver(stack) for name, stack in stacks.training().items()}
+    if carried or pending:
+        savers[PENDING_FOLDER] = save_rollouts
+    return savers
+
+
+# --------------------------------------------------------------------------------------------
+# The resume stage
+
+
+CARRIED_FILE = "rollout/carried.json"
+"""Where a checkpoint keeps the groups carried to the next rollout (kept dynamic-sampling
+surplus), when there are any."""
+PENDING_FOLDER = "rollout"
+"""Where a checkpoint keeps rollouts generated ahead of training (``pending_NNNNNN.json``)."""
+
+
+@attrs.frozen
+class ResumePoint:
+    """Where a training run starts, read before any stack is built: its first rollout id, the
+    prompts already consumed, the checkpoint folder (``None`` for a fresh run) and what the run
+    changes from the checkpoint's settings (each applied; a refused one raised instead)."""
+
+    first: int
+    consumed: int
+    folder: Path | None = None
+    changes: tuple[SettingChange, ...] = ()
+
+    def describe(self) -> list[str]:
+        """Lines for the log: where the run resumes and every changed setting."""
+        if self.folder is None:
+            return []
+        lines = [f"resuming from {self.folder} at rollout {self.first}"]
+        lines += [f"  changed on resume: {change}" for change in self.changes]
+        return lines
+
+
+def resume_point(plan: TrainPlan) -> ResumePoint:
+    """Where the run starts, read from the checkpoint ``plan.load`` names before any stack is
+    built; with ``--finetune``, rollout 0 (or ``--start-rollout-id``) and a fresh prompt stream.
+
+    Raises :class:`~rlcore.errors.CheckpointError` naming the path when there is no checkpoint;
+    :class:`~rlcore.errors.ConfigError` listing the settings the run changes that a resume cannot
+    take (:func:`rlcore.config.resume.resume_changes`: a changed ``--lr`` without
+    ``--override-opt-param-scheduler``, ...), or a learning-rate schedule that would be at 0 for
+    rollouts still to train; :class:`PlanError` when the checkpoint leaves nothing to train: a
+    training run that trains nothing is a mistaken ``--num-rollout`` more often than a wish to
+    evaluate, which ``--num-rollout 0`` says plainly.
+    """
+    start = plan.start_rollout_id
+    if plan.load is None:
+        first = start or 0
+        return ResumePoint(first, first * plan.rollout_batch_size)
+    folder = find_checkpoint(plan.load)
+    meta = read_meta(folder)
+    if plan.finetune:
+        first = start or 0
+        consumed = first * plan.rollout_batch_size
+    else:
+        first = meta.rollout_id + 1 if start is None else start
+        consumed = meta.consumed_prompts
+    if first >= plan.num_rollout:
+        raise PlanError(
+            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
+            f"so training would start at rollout {first}, but --num-rollout is "
+            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
+            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
+        )
+    changes: tuple[SettingChange, ...] = ()
+    if meta.settings and plan.settings:
+        saved, now = saved_config(meta.settings), saved_config(plan.settings)
+        changes = tuple(resume_changes(saved, now))
+        if any(not change.applied for change in changes):
+            raise refusal(list(changes), str(plan.load))
+        _check_learning_rate(plan, saved, now, meta.rollout_id, first)
+    return ResumePoint(first, consumed, folder, changes)
+
+
+def _check_learning_rate(
+    plan: TrainPlan, saved: RunConfig, now: RunConfig, saved_rollout: int, first: int
+) -> None:
+    """Refuse a resume whose learning-rate schedule has ended (decayed to a minimum of 0) before
+    the rollouts still to train: it would train them at a learning rate of 0."""
+    spec = plan.actor.load.scheduler
+    config = saved if spec == "saved" else now
+    schedule = plan.actor.optimizer.schedule if spec != "saved" else None
+    decay, style, min_lr = config.lr_decay_steps, config.optim.lr_decay_style, config.optim.min_lr
+    if schedule is not None:
+        decay, style, min_lr = schedule.decay_steps, schedule.decay_style, schedule.min_lr
+    step = 0 if spec == "fresh" else (saved_rollout + 1) * saved.steps_per_rollout
+    last = step + (plan.num_rollout - first) * now.steps_per_rollout
+    if style != "constant" and min_lr == 0 and last > decay:
+        ended = max(step, decay)
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    with_flag("optim.lr_decay_iters"),
+                    f"the resumed schedule ({style}) decays to 0 at optimizer step {decay}, so "
+                    f"steps {ended + 1}..{last} would train at a learning rate of 0",
+                    "give --lr-decay-iters of at least "
+                    f"{last} with {'--override-opt-param-scheduler' if spec == 'saved' else 'it'}"
+                    ", or a --min-lr above 0",
+                )
+            ],
+            f"--load {plan.load}",
+        )
+
+
+@attrs.frozen
+class Resumed:
+    """Where a training run starts: its first rollout id, the prompts already consumed, the
+    groups carried into the next rollout to generate, and rollouts generated ahead of training
+    (an off-policy schedule's, saved with the checkpoint) to train on first."""
+
+    first: int
+    consumed: int
+    carried: tuple[Group, ...] = ()
+    pending: Mapping[int, RolloutOutput] = attrs.field(factory=dict)
+
+
+def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
+    """The resume stage: load every training stack from ``plan.load`` (as each stack's
+    :class:`~rlcore.specs.LoadSpec` says; the reference model keeps its initial weights; all must
+    agree on the rollout id), log what changed, and say where the run starts. A ``--finetune``
+    run takes only the weights: no carried groups, no rollouts generated ahead."""
+    point = resume_point(plan)
+    folder = point.folder
+    if folder is None:
+        return Resumed(point.first, point.consumed)
+    meta = read_meta(folder)
+    ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
+    if any(i != meta.rollout_id for i in ids.values()):
+        raise CheckpointError(
+            f"stacks in {folder} disagree on the rollout id: {ids} "
+            f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
+        )
+    for line in point.describe():
+        log.info("%s", line)
+    if plan.finetune:
+        return Resumed(point.first, point.consumed)
+    return Resumed(
+        point.first,
+        point.consumed,
+        read_carried(folder, meta.rollout_id),
+        read_pending(folder),
+    )
+
+
+def read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
+    """The groups checkpoint ``folder`` (of rollout ``rollout_id``) carries into the next rollout
+    to generate, if any."""
+    path = folder / CARRIED_FILE
+    return read_groups(path, rollout_id) if path.is_file() else ()
+
+
+def read_pending(folder: Path) -> dict[int, RolloutOutput]:
+    """The rollouts checkpoint ``folder`` holds that were generated ahead of training."""
+    pending = {}
+    for path in sorted((folder / PENDING_FOLDER).glob("pending_*.json")):
+        rollout_id = int(path.stem.removeprefix("pending_"))
+        pending[rollout_id] = read_output(path, rollout_id)
+    return pending

@@ -9,7 +9,7 @@
   and nothing else (:func:`run_rollout_only`).
 
 What can be checked before any stack is built is (:func:`check_inputs`,
-:func:`~rlcore.loop.stages.resume_point`). Ctrl-C raises
+:func:`~rlcore.loop.checkpoints.resume_point`). Ctrl-C raises
 :class:`~rlcore.loop.records.RunInterrupted`, which carries what the run had done.
 """
 
@@ -22,6 +22,7 @@ from typing import assert_never
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
+from rlcore.loop.checkpoints import read_carried, resume_point
 from rlcore.loop.contracts import CheckedEngine, build_eval_stack
 from rlcore.loop.overlap import run_overlapped_training
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
@@ -29,8 +30,6 @@ from rlcore.loop.records import NullSink, Progress, RunData, RunInterrupted, Run
 from rlcore.loop.stages import (
     evaluate,
     push_weights,
-    read_carried,
-    resume_point,
     rollout_metrics,
     rollout_source,
     training_samples,

@@ -25,6 +25,7 @@ from rlcore.specs import (
     AdvantageSpec,
     EvalSpec,
     ISCorrection,
+    LoadSpec,
     LossSpec,
     LRSchedule,
     ModelSpec,
@@ -125,6 +126,9 @@ class TrainPlan:
     sft_warmup_rollouts: int = 0
     rollout: RolloutSpec = RolloutSpec()
     replay_rollout_data: str | None = None
+    finetune: bool = False
+    """``--finetune``: ``load``'s weights only, the run starting at rollout 0 (or
+    ``start_rollout_id``) with a fresh optimizer, schedule and prompt stream."""
     max_staleness: int = 0
     """How many policy versions a trained sample may lag behind the trainer
     (``--max-staleness``): 0 is the synchronous schedule (:mod:`rlcore.loop.training`), more is
@@ -295,6 +299,19 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
         global_batch_size=config.train.global_batch_size,
         micro_batch_size=config.train.micro_batch_size,
         steps_per_rollout=config.steps_per_rollout,
+        load=_load_spec(config),
+    )
+
+
+def _load_spec(config: RunConfig) -> LoadSpec:
+    """What a resume restores (``--finetune``, ``--no-load-optim``,
+    ``--override-opt-param-scheduler``)."""
+    c = config.checkpoint
+    if c.finetune:
+        return LoadSpec(optimizer=False, scheduler="fresh")
+    return LoadSpec(
+        optimizer=not c.no_load_optim,
+        scheduler="flags" if c.override_opt_param_scheduler else "saved",
     )
 
 
@@ -333,6 +350,7 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         sft_warmup_rollouts=a.sft_warmup_rollouts,
         rollout=_rollout_spec(config),
         replay_rollout_data=config.debug.load_debug_rollout_data,
+        finetune=c.finetune,
         max_staleness=r.max_staleness,
         partial_rollout=r.partial_rollout,
         settings=settings_data(config),

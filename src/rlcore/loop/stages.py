@@ -1,6 +1,7 @@
 """The stages of a run, each a function that can be called (and tested) alone.
 
-A training run is these stages, arranged by a schedule (:mod:`rlcore.loop.training`)::
+A training run is these stages, arranged by a schedule (:mod:`rlcore.loop.training`); the save
+and resume stages are in :mod:`rlcore.loop.checkpoints`::
 
     build      build_stacks      the planned stacks (actor, critic only when planned, reference
                                  only when KL needs it)
@@ -23,14 +24,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint, read_meta
-from rlcore.errors import CheckpointError, PlanError
-from rlcore.loop.checkpoints import write_checkpoint
+from rlcore.errors import PlanError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
 from rlcore.protocols import (
@@ -56,31 +54,19 @@ from rlcore.rollout.default import (
 )
 from rlcore.rollout.replay import (
     load_rollout_data,
-    read_groups,
-    read_output,
     save_rollout_data,
-    write_groups,
-    write_output,
 )
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
 
 __all__ = [
-    "CARRIED_FILE",
-    "PENDING_FOLDER",
-    "Resumed",
     "RolloutSource",
     "TrainStacks",
     "build_stacks",
     "evaluate",
     "make_train_batch",
     "push_weights",
-    "read_carried",
-    "read_pending",
-    "resume",
-    "resume_point",
     "rollout_metrics",
     "rollout_source",
-    "save_checkpoint",
     "should_eval",
     "should_save",
     "train_on_rollout",
@@ -141,84 +127,6 @@ def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
         critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
         reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
     )
-
-
-CARRIED_FILE = "rollout/carried.json"
-"""Where a checkpoint keeps the groups carried to the next rollout (kept dynamic-sampling
-surplus), when there are any."""
-PENDING_FOLDER = "rollout"
-"""Where a checkpoint keeps rollouts generated ahead of training (``pending_NNNNNN.json``)."""
-
-
-def resume_point(plan: TrainPlan) -> tuple[int, int, Path | None]:
-    """(first rollout id, prompts already consumed, checkpoint folder or ``None``), read from the
-    checkpoint ``plan.load`` names before any stack is built.
-
-    Raises :class:`~rlcore.errors.CheckpointError` naming the path when there is no checkpoint,
-    and :class:`PlanError` when the checkpoint leaves nothing to train: a training run that
-    trains nothing is a mistaken ``--num-rollout`` more often than a wish to evaluate, which
-    ``--num-rollout 0`` says plainly.
-    """
-    start = plan.start_rollout_id
-    if plan.load is None:
-        first = start or 0
-        return first, first * plan.rollout_batch_size, None
-    folder = find_checkpoint(plan.load)
-    meta = read_meta(folder)
-    first = meta.rollout_id + 1 if start is None else start
-    if first >= plan.num_rollout:
-        raise PlanError(
-            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
-            f"so training would start at rollout {first}, but --num-rollout is "
-            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
-            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
-        )
-    return first, meta.consumed_prompts, folder
-
-
-@attrs.frozen
-class Resumed:
-    """Where a training run starts: its first rollout id, the prompts already consumed, the
-    groups carried into the next rollout to generate, and rollouts generated ahead of training
-    (an off-policy schedule's, saved with the checkpoint) to train on first."""
-
-    first: int
-    consumed: int
-    carried: tuple[Group, ...] = ()
-    pending: Mapping[int, RolloutOutput] = attrs.field(factory=dict)
-
-
-def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
-    """Load every training stack from ``plan.load`` (the reference model keeps its initial
-    weights; all must agree on the rollout id) and say where the run starts."""
-    first, consumed, folder = resume_point(plan)
-    if folder is None:
-        return Resumed(first, consumed)
-    meta = read_meta(folder)
-    ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
-    if any(i != meta.rollout_id for i in ids.values()):
-        raise CheckpointError(
-            f"stacks in {folder} disagree on the rollout id: {ids} "
-            f"(checkpoint says {meta.rollout_id}); the checkpoint is mixed from different saves"
-        )
-    log.info("resumed from %s (rollout %d)", folder, meta.rollout_id)
-    return Resumed(first, consumed, read_carried(folder, meta.rollout_id), read_pending(folder))
-
-
-def read_carried(folder: Path, rollout_id: int) -> tuple[Group, ...]:
-    """The groups checkpoint ``folder`` (of rollout ``rollout_id``) carries into the next rollout
-    to generate, if any."""
-    path = folder / CARRIED_FILE
-    return read_groups(path, rollout_id) if path.is_file() else ()
-
-
-def read_pending(folder: Path) -> dict[int, RolloutOutput]:
-    """The rollouts checkpoint ``folder`` holds that were generated ahead of training."""
-    pending = {}
-    for path in sorted((folder / PENDING_FOLDER).glob("pending_*.json")):
-        rollout_id = int(path.stem.removeprefix("pending_"))
-        pending[rollout_id] = read_output(path, rollout_id)
-    return pending
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,43 +391,3 @@ def training_samples(groups: Sequence[Group]) -> tuple[Sample, ...]:
     return tuple(
         s if s.group == i else attrs.evolve(s, group=i) for i, g in enumerate(groups) for s in g
     )
-
-
-def save_checkpoint(
-    plan: TrainPlan,
-    stacks: TrainStacks,
-    rollout_id: int,
-    consumed: int,
-    carried: tuple[Group, ...],
-    pending: Mapping[int, RolloutOutput] | None = None,
-) -> Path:
-    """The save stage: every training stack, the prompt position ``consumed``, the groups
-    ``carried`` into the next rollout to generate, the rollouts generated ahead of training
-    (``pending``) and the run's settings, as checkpoint ``rollout_id`` in ``plan.save_dir``,
-    written atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its
-    folder."""
-    assert plan.save_dir is not None  # should_save is True only with a save folder
-    meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()), plan.settings)
-    savers = _savers(stacks, rollout_id, carried, pending or {})
-    return write_checkpoint(plan.save_dir, meta, savers)
-
-
-def _savers(
-    stacks: TrainStacks,
-    rollout_id: int,
-    carried: tuple[Group, ...],
-    pending: Mapping[int, RolloutOutput],
-) -> dict[str, Callable[[Path], None]]:
-    def saver(stack: TrainingStack) -> Callable[[Path], None]:
-        return lambda folder: stack.save(folder, rollout_id)
-
-    def save_rollouts(folder: Path) -> None:
-        if carried:  # kept surplus groups: the next rollout starts with them
-            write_groups(folder / Path(CARRIED_FILE).name, rollout_id, carried)
-        for pending_id, output in pending.items():
-            write_output(folder / f"pending_{pending_id:06d}.json", pending_id, output)
-
-    savers = {name: saver(stack) for name, stack in stacks.training().items()}
-    if carried or pending:
-        savers[PENDING_FOLDER] = save_rollouts
-    return savers

@@ -18,15 +18,14 @@ from collections.abc import Mapping
 
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
+from rlcore.loop.checkpoints import resume, save_checkpoint
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.records import Progress, RunData, RunResult
 from rlcore.loop.stages import (
     build_stacks,
     evaluate,
     push_weights,
-    resume,
     rollout_source,
-    save_checkpoint,
     should_eval,
     should_save,
     train_on_rollout,

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Final, final
+from typing import Any, Final, final
 
 import attrs
 
@@ -29,7 +29,7 @@ from rlcore.samples import (
     TrainBatch,
     TrainMetrics,
 )
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, TrainSpec
 from rlcore.weights import InProcess, NamedTensors, WeightSink, deliver
 
 __all__ = [
@@ -74,13 +74,13 @@ class FakeScheduler:
         return {"steps": self.steps}
 
 
-def _load_state(path: Path) -> dict[str, int]:
+def _load_state(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads((path / _STATE_FILE).read_text())
-        return {str(k): int(v) for k, v in raw.items()}
+        return {"rollout_id": int(raw["rollout_id"]), **raw}
     except FileNotFoundError:
         raise CheckpointError(f"no fake-stack checkpoint at {path}") from None
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"corrupt fake-stack checkpoint at {path}: {exc}") from exc
 
 
@@ -108,7 +108,7 @@ class FakeEvalStack:
     def load(self, path: Path) -> int:
         state = _load_state(path)
         self.loaded_from = path
-        return state["rollout_id"]
+        return int(state["rollout_id"])
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
         deliver([], sinks)
@@ -116,7 +116,10 @@ class FakeEvalStack:
 
 @final
 class FakeTrainingStack:
-    """A training stack that counts ``train_step`` calls and saves/loads them as JSON."""
+    """A training stack that counts ``train_step`` calls and saves/loads them as JSON, with its
+    LR schedule: ``load`` restores as the spec's :class:`~rlcore.specs.LoadSpec` says (the
+    schedule's values from the checkpoint unless ``scheduler="flags"``, its step count unless
+    ``"fresh"``, the optimizer's step count unless ``optimizer=False``), as a real stack does."""
 
     kind: Final = "train"
 
@@ -153,14 +156,25 @@ class FakeTrainingStack:
 
     def save(self, path: Path, rollout_id: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        state = {"rollout_id": rollout_id, "steps": self._optimizer.steps}
+        state = {
+            "rollout_id": rollout_id,
+            "steps": self._optimizer.steps,
+            "scheduler_steps": self._scheduler.steps,
+            "schedule": attrs.asdict(self._scheduler.schedule),
+        }
         (path / _STATE_FILE).write_text(json.dumps(state))
         self.saved.append((path, rollout_id))
 
     def load(self, path: Path) -> int:
         state = _load_state(path)
-        self._optimizer.steps = self._scheduler.steps = state["steps"]
-        return state["rollout_id"]
+        load = self.train_spec.load
+        if load.optimizer:
+            self._optimizer.steps = int(state["steps"])
+        if load.scheduler != "fresh":
+            self._scheduler.steps = int(state.get("scheduler_steps") or state["steps"])
+        if load.scheduler == "saved" and "schedule" in state:
+            self._scheduler.schedule = LRSchedule(**state["schedule"])
+        return int(state["rollout_id"])
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
         deliver([], sinks)

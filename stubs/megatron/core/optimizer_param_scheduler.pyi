@@ -4,6 +4,8 @@ from megatron.core.optimizer import MegatronOptimizer
 
 class OptimizerParamScheduler:
     num_steps: int
+    max_lr: float
+    min_lr: float
     def __init__(
         self,
         optimizer: MegatronOptimizer,
