@@ -231,3 +231,24 @@ def test_rollout_only_builds_no_training_stack(tmp_path: Path) -> None:
     result = run(loaded, backend, engine, label_reward, DATA)
     assert backend.roles_built == ["eval:actor"] and result.rollouts == (2, 3)
     assert engine.updates == [2]
+
+    # A checkpoint past --num-rollout: said before anything is built, not a silent empty run;
+    # with --finetune the checkpoint's weights generate from rollout 0.
+    short = plan(
+        _config(
+            tmp_path / "t",
+            debug__debug_rollout_only=True,
+            checkpoint__load=ckpt,
+            rollout__num_rollout=2,
+        )
+    )
+    assert isinstance(short, RolloutOnlyPlan)
+    backend = FakeBackend()
+    with pytest.raises(PlanError, match="nothing is left to generate.*--finetune"):
+        run(short, backend, ScriptedEngine(), label_reward, DATA)
+    assert backend.roles_built == []
+    finetuned = attrs.evolve(short, finetune=True)
+    backend, engine = FakeBackend(), ScriptedEngine()
+    result = run(finetuned, backend, engine, label_reward, DATA)
+    assert backend.roles_built == ["eval:actor"] and result.rollouts == (0, 1)
+    assert engine.updates == [0]

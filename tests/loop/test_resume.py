@@ -99,6 +99,21 @@ def test_finetune_loads_the_weights_and_starts_afresh(tmp_path: Path) -> None:
     assert _lrs(sink) == [1e-4, 1e-4]  # this run's constant schedule from its step 0
 
 
+def test_finetune_adds_a_critic_the_checkpoint_does_not_have(tmp_path: Path) -> None:
+    """Warm start without a critic, then PPO: the actor's weights load, the critic starts from
+    its initial weights; a plain resume refuses the new critic before building anything."""
+    _train(_flags(tmp_path, 2))
+    with_critic = [*_flags(tmp_path / "rl", 3, "--advantage-estimator", "ppo")]
+    load = ("--load", str(tmp_path / "ckpt"))
+    error = _refused([*with_critic, *load])
+    assert "no critic to resume: start from its weights with --finetune" in str(error)
+    backend, sink = _train([*with_critic, *load, "--finetune"])
+    assert backend.roles_built == ["train:actor", "train:critic"]
+    actor, critic = backend.training_stacks
+    assert actor.optimizer.steps == critic.optimizer.steps == 3
+    assert (tmp_path / "rl" / "ckpt" / "rollout_000002" / "critic").is_dir()
+
+
 def test_the_seed_and_the_sharding_need_their_flags(tmp_path: Path) -> None:
     _train(_flags(tmp_path, 2))
     load = ["--load", str(tmp_path / "ckpt")]

@@ -281,13 +281,18 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
     """The resume stage: load every training stack from ``plan.load`` (as each stack's
     :class:`~rlcore.specs.LoadSpec` says; the reference model keeps its initial weights; all must
     agree on the rollout id), log what changed, and say where the run starts. A ``--finetune``
-    run takes only the weights: no carried groups, no rollouts generated ahead."""
+    run takes only the weights: no carried groups, no rollouts generated ahead; a critic the
+    checkpoint does not have (an actor trained without one) keeps its initial weights."""
     point = resume_point(plan)
     folder = point.folder
     if folder is None:
         return Resumed(point.first, point.consumed)
     meta = read_meta(folder)
-    ids = {name: stack.load(folder / name) for name, stack in stacks.training().items()}
+    loaded = dict(stacks.training())
+    if plan.finetune and "critic" in loaded and not (folder / "critic").is_dir():
+        del loaded["critic"]
+        log.info("--finetune: %s has no critic; the critic starts from its initial weights", folder)
+    ids = {name: stack.load(folder / name) for name, stack in loaded.items()}
     if any(i != meta.rollout_id for i in ids.values()):
         raise CheckpointError(
             f"stacks in {folder} disagree on the rollout id: {ids} "

@@ -116,13 +116,22 @@ def run_rollout_only(
     consumed = start * plan.rollout_batch_size
     carried: tuple[Group, ...] = ()
     if plan.load is not None:  # the checkpoint's weights, prompt position and carried groups
-        actor = build_eval_stack(backend, plan.actor)
-        progress.built = ("eval:actor",)
         folder = find_checkpoint(plan.load)
         meta = read_meta(folder)
+        if not plan.finetune:
+            start = meta.rollout_id + 1 if plan.start_rollout_id is None else plan.start_rollout_id
+            consumed, carried = meta.consumed_prompts, read_carried(folder, meta.rollout_id)
+        if start >= plan.num_rollout:
+            raise PlanError(
+                f"--load {plan.load}: the checkpoint {folder.name} is of rollout "
+                f"{meta.rollout_id}, so generation would start at rollout {start}, but "
+                f"--num-rollout is {plan.num_rollout}: nothing is left to generate. Raise "
+                f"--num-rollout above {start}, or add --finetune to start at rollout 0 with the "
+                "checkpoint's weights"
+            )
+        actor = build_eval_stack(backend, plan.actor)
+        progress.built = ("eval:actor",)
         actor.load(folder / "actor")
-        start = meta.rollout_id + 1 if plan.start_rollout_id is None else plan.start_rollout_id
-        consumed, carried = meta.consumed_prompts, read_carried(folder, meta.rollout_id)
         push_weights(actor, engine, version=start)
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=consumed

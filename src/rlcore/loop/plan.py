@@ -149,8 +149,9 @@ class RolloutOnlyPlan:
 
     The engine samples with the weights it was started with; with ``load`` the actor is built as
     an *eval* stack only to read the checkpoint and push its weights, and the prompt stream and
-    carried groups continue from the checkpoint. ``skipped`` says what the config asked for that
-    this run does not do (one line each, for the log).
+    carried groups continue from the checkpoint (with ``finetune``: the weights only, from rollout
+    ``start_rollout_id`` or 0 with a fresh prompt stream). ``skipped`` says what the config asked
+    for that this run does not do (one line each, for the log).
     """
 
     actor: EvalSpec
@@ -162,6 +163,7 @@ class RolloutOnlyPlan:
     load: Path | None
     start_rollout_id: int | None
     skipped: tuple[str, ...] = ()
+    finetune: bool = False
 
 
 Plan = TrainPlan | EvalPlan | RolloutOnlyPlan
@@ -378,6 +380,7 @@ def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:
         load=config.checkpoint.load,
         start_rollout_id=config.checkpoint.start_rollout_id,
         skipped=tuple(skipped),
+        finetune=config.checkpoint.finetune,
     )
 
 
