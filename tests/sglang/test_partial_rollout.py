@@ -36,7 +36,11 @@ def test_new_weights_mid_generation_go_on_from_the_tokens_made(
         out: list[Generation] = []
         worker = threading.Thread(target=lambda: out.extend(engine.generate(batch, LONG)))
         worker.start()
-        time.sleep(0.5)  # requests are decoding (8 of 100 tokens each)
+        # Update as soon as every request is sent (a fixed sleep was either too short to catch
+        # them or, with all 8 batched together, long enough for them all to finish).
+        deadline = time.monotonic() + 60
+        while engine._in_flight < len(batch) and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert worker.is_alive()
         with engine.receive_weights_interrupting(51) as sinks:
             for sink in sinks:
