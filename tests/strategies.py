@@ -126,7 +126,7 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     has_eval = num_rollout == 0 or eval_interval is not None or draw(st.booleans())
     save_interval = draw(st.one_of(st.none(), st.integers(min_value=1, max_value=4)))
     has_save = save_interval is not None or draw(st.booleans())
-    start = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=max(num_rollout - 1, 0))))
+    start = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=num_rollout)))
     data: dict[str, Any] = {
         "rollout": {
             "num_rollout": num_rollout,
@@ -140,9 +140,7 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
             "use_kl_loss": draw(st.booleans()),
             "kl_loss_coef": draw(st.sampled_from([0.0, 0.01])),
             "kl_loss_type": draw(st.sampled_from(KL_TYPES)),
-            "sft_warmup_rollouts": draw(
-                st.integers(min_value=0, max_value=max(num_rollout - 1, 0))
-            ),
+            "sft_warmup_rollouts": draw(st.integers(min_value=0, max_value=num_rollout)),
             "normalize_std": draw(st.booleans()),
             "normalize_advantages": draw(st.booleans()),
         },

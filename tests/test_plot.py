@@ -53,7 +53,7 @@ def test_the_table_has_a_row_per_run(tmp_path: Path, capsys: pytest.CaptureFixtu
         path.parent.mkdir()
         path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
         files.append(str(path))
-    image = tmp_path / "curve.png"
+    image = tmp_path / "docs" / "curve.png"  # a folder that does not exist yet
     assert main([*files, "--table", "-o", str(image)]) == 0
     printed = capsys.readouterr().out
     assert "seed1 | 0.00 | 0.75" in printed and "seed2 | 0.00 | 0.75" in printed

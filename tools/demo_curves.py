@@ -1,16 +1,21 @@
-"""Learning curves of the demo over seeds and variants: the README's tables come from here.
+"""Learning curves of the demos over seeds and variants: the README's tables come from here.
 
-    PYTHONPATH=src:. python tools/demo_curves.py [--seeds 0 1 2] [--variant NAME=FLAGS ...]
-        [--work runs/curves] [--plot curves.png]
+    PYTHONPATH=src:. python tools/demo_curves.py [--demo reverse|tool] [--seeds 0 1 2]
+        [--variant NAME=FLAGS ...] [--work runs/curves] [--plot curves.png]
 
-Runs ``python -m rlcore_megatron.run`` on the no-flag demo (``runs/demo``'s model and data, built
-by :func:`rlcore_megatron.demo.prepare_demo`), once per variant and seed, each in its own process
-as a user runs it, with ``--seed S`` (sampling and the prompt order; the model's initial weights
-are the demo's). A variant is a name and extra flags: ``--variant k1="--max-staleness 1"``;
-without ``--variant``: the synchronous demo only. Prints, per variant, the held-out greedy
-accuracy at every evaluation as the median over seeds with the min-max range, and per seed the
-first evaluation at or above 0.9 and 0.95; ``--plot`` draws every run's curves
-(:mod:`rlcore.plot`). It also says which torch build it ran on.
+``--demo reverse`` (default) runs ``python -m rlcore_megatron.run`` on the no-flag demo
+(``runs/demo``'s model and data, built by :func:`rlcore_megatron.demo.prepare_demo`); ``--demo
+tool`` runs the tool demo's two phases (:func:`rlcore_megatron.tool_demo.tool_demo_flags`: the
+warm start, then GRPO from its checkpoint) and an eval-only run of the result with a calculator
+that refuses every call. Each run is its own process, as a user runs it, with ``--seed S``
+(sampling and the prompt order; the model's initial weights and the data are the demo's). A
+variant is a name and extra flags (for the tool demo: for its GRPO phase): ``--variant
+k1="--max-staleness 1"``; without ``--variant``, the demo as it ships.
+
+Prints, per variant, the held-out greedy accuracy at every evaluation as the median over seeds
+with the min-max range (the tool demo's GRPO evaluations at the warm start's rollouts plus their
+own), and per seed the first evaluation at or above 0.9 and 0.95; ``--plot`` draws every run's
+curves (:mod:`rlcore.plot`). It also says which torch build it ran on.
 """
 
 from __future__ import annotations
@@ -21,58 +26,112 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.plot import plot
 from rlcore_megatron.demo import demo_flags, prepare_demo
+from rlcore_megatron.tool_demo import (
+    WARM_START_ROLLOUTS,
+    prepare_tool_demo,
+    tool_demo_eval_flags,
+    tool_demo_flags,
+)
 
 HELD_OUT = "eval/heldout/reward"
+NO_TOOL = "eval/no_calculator/reward"
+Rows = list[dict[str, float]]
 
 
-def _flags(demo: Path, out: Path, seed: int, extra: list[str]) -> list[str]:
+def _run(flags: Sequence[str], metrics: Path) -> Rows:
+    done = subprocess.run(
+        [sys.executable, "-m", "rlcore_megatron.run", *flags], capture_output=True, text=True
+    )
+    if done.returncode:
+        print(done.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(done.returncode)
+    return read_jsonl_metrics(metrics)
+
+
+def _reverse(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
     flags = demo_flags(demo)
     for flag, value in (("--save", out / "ckpt"), ("--output-dir", out / "run"), ("--seed", seed)):
         flags[flags.index(flag) + 1] = str(value)
-    return [*flags, *extra]
+    return _run([*flags, *extra], out / "run" / "metrics.jsonl")
+
+
+def _tool(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
+    """Both phases as one curve (GRPO's rollouts numbered after the warm start's), and the last
+    row with ``eval/no_calculator/reward``: the final checkpoint when every call fails."""
+    warm = _run(tool_demo_flags(demo, "warm", seed=seed, out=out), out / "run_warm/metrics.jsonl")
+    grpo = _run(
+        [*tool_demo_flags(demo, "grpo", seed=seed, out=out), *extra],
+        out / "run_grpo" / "metrics.jsonl",
+    )
+    alone = _run(
+        tool_demo_eval_flags(demo, "no_calculator", out=out),
+        out / "eval_no_calculator" / "metrics.jsonl",
+    )
+    # (GRPO's evaluation before training is the warm start's last one: same weights, greedy)
+    shifted = [
+        {**row, "step": row["step"] + WARM_START_ROLLOUTS}
+        for row in grpo
+        if row["step"] > 0 or HELD_OUT not in row
+    ]
+    last = {"step": shifted[-1]["step"], NO_TOOL: alone[-1][HELD_OUT]}
+    return [*warm, *shifted, last]
 
 
 def _first(points: list[tuple[int, float]], threshold: float) -> str:
     return next((str(step) for step, value in points if value >= threshold), "never")
 
 
+def _cell(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(curves: Mapping[str, list[list[tuple[int, float]]]], extra: Mapping[str, str]) -> str:
+    """The Markdown table: per variant, the median (min-max) at each evaluation and the first
+    evaluation at or above 0.9 and 0.95 per seed; ``extra`` adds a last column per variant."""
+    steps = [step for step, _ in next(iter(curves.values()))[0]]
+    tail = " | first >= 0.9 | first >= 0.95 |" + (" without the tool |" if extra else "")
+    lines = ["| variant | " + " | ".join(str(s) for s in steps) + tail]
+    lines.append("|---" * (len(steps) + 3 + bool(extra)) + "|")
+    for name, per_seed in curves.items():
+        cells = [_cell([points[i][1] for points in per_seed]) for i in range(len(steps))]
+        first = [", ".join(_first(points, t) for points in per_seed) for t in (0.9, 0.95)]
+        row = f"| {name} | " + " | ".join(cells) + f" | {first[0]} | {first[1]} |"
+        lines.append(row + (f" {extra[name]} |" if extra else ""))
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--demo", choices=("reverse", "tool"), default="reverse")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=FLAGS")
     parser.add_argument("--work", type=Path, default=Path("runs/curves"))
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
-    variants = dict(v.split("=", 1) for v in (args.variant or ["sync="]))
+    variants = dict(v.split("=", 1) for v in (args.variant or ["as shipped="]))
     import torch
 
     demo = args.work / "demo"
-    prepare_demo(demo)
-    runs: dict[str, list[dict[str, float]]] = {}
+    (prepare_tool_demo if args.demo == "tool" else prepare_demo)(demo)
+    one_run = _tool if args.demo == "tool" else _reverse
+    runs: dict[str, Rows] = {}
     curves: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in variants}
+    alone: dict[str, list[float]] = {name: [] for name in variants}
     for name, extra in variants.items():
         for seed in args.seeds:
-            out = args.work / f"{name}-seed{seed}"
             t0 = time.perf_counter()
-            flags = _flags(demo, out, seed, shlex.split(extra))
-            done = subprocess.run(
-                [sys.executable, "-m", "rlcore_megatron.run", *flags],
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            rows = read_jsonl_metrics(out / "run" / "metrics.jsonl")
+            rows = one_run(demo, args.work / f"{name}-seed{seed}", seed, shlex.split(extra))
             runs[f"{name} seed {seed}"] = rows
             curves[name].append([(int(r["step"]), r[HELD_OUT]) for r in rows if HELD_OUT in r])
+            alone[name] += [r[NO_TOOL] for r in rows if NO_TOOL in r]
             print(
                 f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s, held-out "
                 + " ".join(f"{v:.2f}" for _, v in curves[name][-1]),
@@ -80,16 +139,7 @@ def main() -> int:
                 flush=True,
             )
     print(f"torch {torch.__version__}, seeds {args.seeds}; held-out greedy exact match")
-    steps = [step for step, _ in curves[next(iter(variants))][0]]
-    print("| variant | " + " | ".join(str(s) for s in steps) + " | first >= 0.9 | first >= 0.95 |")
-    print("|---" * (len(steps) + 3) + "|")
-    for name, per_seed in curves.items():
-        cells = []
-        for i in range(len(steps)):
-            values = [points[i][1] for points in per_seed]
-            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-        first = [", ".join(_first(points, t) for points in per_seed) for t in (0.9, 0.95)]
-        print(f"| {name} | " + " | ".join(cells) + f" | {first[0]} | {first[1]} |")
+    print(table(curves, {n: _cell(v) for n, v in alone.items() if v}))
     if args.plot is not None:
         plot(runs, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -81,7 +81,8 @@ def heldout_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
 
 
 def plot(runs: Mapping[str, Sequence[Mapping[str, float]]], out: Path) -> None:
-    """Draw every panel of every run (``runs``: label -> metrics rows) into the image ``out``."""
+    """Draw every panel of every run (``runs``: label -> metrics rows) into the image ``out``
+    (its folder is created)."""
     try:
         import matplotlib
 
@@ -104,6 +105,7 @@ def plot(runs: Mapping[str, Sequence[Mapping[str, float]]], out: Path) -> None:
         if axis.lines:
             axis.legend(fontsize=7)
     figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)
     plt.close(figure)
 

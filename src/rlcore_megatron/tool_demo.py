@@ -1,24 +1,32 @@
-"""The multi-turn demo: a tiny model learns to add long numbers by calling a calculator tool.
+"""The multi-turn demo: a tiny model learns, from reward alone, to add with a calculator tool.
 
-X
-8-digit numbers digit by digit with carries is beyond a freshly trained 2-layer, 64-wide model;
-copying the operands into a tool call and copying the tool's result back is not. An episode::
+Adding 3-digit numbers digit by digit with carries is beyond a freshly trained 2-layer, 64-wide
+model; copying the operands into a tool call and the tool's result back is not. An episode::
 
-    prompt       48213907+51822374=
-    model        <tool_call>{"name":"add","arguments":{"a":48213907,"b":51822374}}</tool_call><eos>
-    environment  <tool_response>100036281</tool_response>            (loss mask 0)
-    model        100036281<eos>
+    prompt       482+518=
+    model        <tool_call>{"name":"add","arguments":{"a":482,"b":518}}</tool_call><eos>
+    environment  <tool_response>1000</tool_response>            (loss mask 0)
+    model        1000<eos>
+
+The warm start's demonstrations are mixed, as data gathered from several sources is: half of
+them call the calculator, half write the sum straight away (``TOOL_FRACTION``). The model imitates
+both, but only the calls work for it: its own sums are wrong. After the supervised warm start its
+greedy choice is mostly to answer directly (held-out accuracy 0.35-0.51 with the calculator
+available, over 3 seeds), while at temperature 1 it calls the tool about half the time and then
+usually gets the sum right. The GRPO phase is what makes it work: the reward pays for the calls,
+and held-out accuracy goes to 0.92-1.00 (README: the curves).
 
 Calls use the Hermes/Qwen ``<tool_call>{json}</tool_call>`` format (parsed by
 :func:`rlcore.rollout.tools.parse_tool_calls`); the tokenizer has no chat template, so results use
 the documented fallback, :class:`rlcore.rollout.tools.PlainFormat` with the template
 ``<tool_response>{content}</tool_response>``. The tokenizer is character-level plus a few
-multi-character tokens for the fixed parts of the call, so an episode is about 37 tokens.
+multi-character tokens for the fixed parts of the call, so an episode is about 23 tokens.
 
-The run is a supervised warm start on tool-use traces (``--sft-warmup-rollouts``: the label is
-the whole trace, the reward reads its final answer), then GRPO on episodes with the calculator.
-The held-out set is scored with the tool (``heldout``) and with a calculator that refuses every
-call (``heldout_no_tool``: the model must add by itself).
+Two CLI runs (:func:`tool_demo_flags`): the warm start alone (``--sft-warmup-rollouts`` equal to
+``--num-rollout``), then GRPO from its checkpoint with ``--finetune`` (its weights, a fresh
+optimizer and learning-rate schedule at the lower RL rate). The held-out set is scored with the
+tool (``heldout``) and, at the end, with a calculator that refuses every call (``no_calculator``:
+the model must add by itself).
 
 Everything is built locally: tokenizer, tiny Llama, data files.
 """
@@ -47,8 +55,11 @@ __all__ = [
     "tool_demo_flags",
 ]
 
-DIGITS: Final = 6
+DIGITS: Final = 3
 """Digits per operand."""
+TOOL_FRACTION: Final = 0.5
+"""The share of the warm start's demonstrations that call the calculator (the rest write the
+sum directly)."""
 CALL_OPEN: Final = '<tool_call>{"name":"add","arguments":{"a":'
 CALL_MID: Final = ',"b":'
 CALL_CLOSE: Final = "}}</tool_call>"
@@ -149,9 +160,18 @@ def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
 
 
 def prepare_tool_demo(
-    folder: Path, seed: int = 0, *, train_size: int = 20000, heldout: int = 100
+    folder: Path,
+    seed: int = 0,
+    *,
+    train_size: int = 20000,
+    heldout: int = 100,
+    tool_fraction: float = TOOL_FRACTION,
 ) -> None:
-    """Tokenizer, tiny Llama and data under ``folder`` (idempotent: kept when present)."""
+    """Tokenizer, tiny Llama and data under ``folder`` (idempotent: kept when present).
+
+    A training row's label is the whole tool-use trace (a share ``tool_fraction`` of them) or
+    the sum alone; a held-out row's label is always the trace (the reward reads its final
+    answer)."""
     from rlcore.testing.tiny import build_tiny_llama
 
     model = folder / "model"
@@ -165,71 +185,89 @@ def prepare_tool_demo(
             num_heads=4,
             num_kv_heads=2,
             intermediate_size=128,
-            max_position_embeddings=96,
+            max_position_embeddings=64,
             seed=seed,
         )
     if not (folder / "eval.jsonl").is_file():
         rng = random.Random(seed)
         low, high = 10 ** (DIGITS - 1), 10**DIGITS - 1
+        pairs = [(rng.randint(low, high), rng.randint(low, high)) for _ in range(heldout)]
+        _write_jsonl(folder / "eval.jsonl", [_row(a, b, tool=True) for a, b in pairs])
         rows = []
-        for _ in range(train_size + heldout):
+        for _ in range(train_size):
             a, b = rng.randint(low, high), rng.randint(low, high)
-            rows.append({"prompt": f"{a}+{b}=", "label": _trace(a, b)})
-        _write_jsonl(folder / "train.jsonl", rows[heldout:])
-        _write_jsonl(folder / "eval.jsonl", rows[:heldout])
+            rows.append(_row(a, b, tool=rng.random() < tool_fraction))
+        _write_jsonl(folder / "train.jsonl", rows)
 
 
-WARM_START_ROLLOUTS: Final = 300
-"""Warm-start rollouts (128 distinct traces each)."""
+def _row(a: int, b: int, *, tool: bool) -> dict[str, str]:
+    return {"prompt": f"{a}+{b}=", "label": _trace(a, b) if tool else str(a + b)}
+
+
+WARM_START_ROLLOUTS: Final = 600
+"""Warm-start rollouts (64 demonstrations each)."""
 GRPO_ROLLOUTS: Final = 60
+RL_LR: Final = "3e-4"
+"""The GRPO phase's learning rate. The warm start's 1e-3 destroys the policy under GRPO (entropy
+rises and held-out accuracy falls to 0 within 10 rollouts, see the README); 1e-4 learns, slowly."""
 
 
 def tool_demo_flags(
-    folder: Path, phase: str = "grpo", *, warm: int = WARM_START_ROLLOUTS, grpo: int = GRPO_ROLLOUTS
+    folder: Path,
+    phase: str = "grpo",
+    *,
+    warm: int = WARM_START_ROLLOUTS,
+    grpo: int = GRPO_ROLLOUTS,
+    seed: int = 0,
+    out: Path | None = None,
 ) -> list[str]:
-    """The flags of one phase of the demo (``--help`` says what each does).
+    """The flags of one phase of the demo (``--help`` says what each does); checkpoints and run
+    outputs go under ``out`` (default: ``folder``, which holds the model and data).
 
-    ``warm``: the supervised warm start on tool-use traces, 128 distinct prompts per rollout
-    (twice each: GRPO's groups need two samples, and the warm start trains on each prompt's
-    trace once per sample), then one GRPO rollout (``--sft-warmup-rollouts`` must leave one).
-    ``grpo``: resumes that checkpoint and runs GRPO on calculator episodes, 16 prompts x 8
-    episodes per rollout."""
+    ``warm``: the supervised warm start alone (``--sft-warmup-rollouts`` = ``--num-rollout``),
+    64 demonstrations per rollout, learning rate 1e-3, saved to ``ckpt_warm`` at the end.
+    ``grpo``: ``--load ckpt_warm --finetune`` (the weights; a fresh optimizer and schedule)
+    and GRPO on calculator episodes, 16 prompts x 8 episodes per rollout, learning rate
+    :data:`RL_LR`, saved to ``ckpt``."""
     here = "rlcore_megatron.tool_demo"
+    out = folder if out is None else out
     common = [
         *("--hf-checkpoint", str(folder / "model"), "--prompt-data", str(folder / "train.jsonl")),
         *("--input-key", "prompt", "--label-key", "label"),
         *("--eval-prompt-data", "heldout", str(folder / "eval.jsonl")),
         *("--custom-rm-path", f"{here}:final_answer_reward"),
         *("--environment-path", f"{here}:calculator", "--max-turns", "3"),
-        *("--rollout-max-response-len", "40", "--rollout-temperature", "1.0"),
-        *("--lr", "1e-3", "--clip-grad", "1.0", "--eval-temperature", "0"),
-        *("--save", str(folder / "ckpt"), "--seed", "0"),
-        *("--sft-warmup-rollouts", str(warm)),
+        *("--rollout-max-response-len", "32", "--rollout-temperature", "1.0"),
+        *("--clip-grad", "1.0", "--eval-temperature", "0", "--seed", str(seed)),
     ]
     if phase == "warm":
         return [
             *common,
-            *("--num-rollout", str(warm + 1), "--rollout-batch-size", "128"),
-            *("--n-samples-per-prompt", "2", "--global-batch-size", "256"),
-            *("--micro-batch-size", "128", "--eval-interval", "50"),
-            *("--save-interval", str(warm + 1), "--output-dir", str(folder / "run_warm")),
+            *("--num-rollout", str(warm), "--sft-warmup-rollouts", str(warm)),
+            *("--rollout-batch-size", "64", "--n-samples-per-prompt", "1"),
+            *("--global-batch-size", "64", "--micro-batch-size", "64", "--lr", "1e-3"),
+            *("--eval-interval", str(max(warm // 4, 1)), "--save", str(out / "ckpt_warm")),
+            *("--save-interval", str(warm), "--output-dir", str(out / "run_warm")),
         ]
     return [
         *common,
-        *("--load", str(folder / "ckpt"), "--num-rollout", str(warm + 1 + grpo)),
-        *("--rollout-batch-size", "16", "--n-samples-per-prompt", "8"),
+        *("--load", str(out / "ckpt_warm"), "--finetune", "--num-rollout", str(grpo)),
+        *("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--lr", RL_LR),
         *("--global-batch-size", "128", "--micro-batch-size", "128"),
-        *("--eval-interval", "10", "--save-interval", str(grpo)),
-        *("--output-dir", str(folder / "run_grpo")),
+        *("--eval-interval", "10", "--save", str(out / "ckpt"), "--save-interval", str(grpo)),
+        *("--output-dir", str(out / "run_grpo")),
     ]
 
 
-def tool_demo_eval_flags(folder: Path, environment: str = "calculator") -> list[str]:
-    """Eval-only flags for the demo's saved checkpoint, with the ``calculator`` environment or
-    ``no_calculator`` (every call refused)."""
+def tool_demo_eval_flags(
+    folder: Path, environment: str = "calculator", out: Path | None = None
+) -> list[str]:
+    """Eval-only flags for the GRPO phase's checkpoint (under ``out``, default ``folder``), with
+    the ``calculator`` environment or ``no_calculator`` (every call refused)."""
     here = "rlcore_megatron.tool_demo"
+    out = folder if out is None else out
     return [
-        *("--num-rollout", "0", "--load", str(folder / "ckpt")),
+        *("--num-rollout", "0", "--load", str(out / "ckpt")),
         *(
             "--hf-checkpoint",
             str(folder / "model"),
@@ -241,8 +279,8 @@ def tool_demo_eval_flags(folder: Path, environment: str = "calculator") -> list[
         *("--eval-prompt-data", "heldout", str(folder / "eval.jsonl")),
         *("--custom-rm-path", f"{here}:final_answer_reward"),
         *("--environment-path", f"{here}:{environment}", "--max-turns", "3"),
-        *("--rollout-max-response-len", "40", "--eval-temperature", "0"),
-        *("--output-dir", str(folder / f"eval_{environment}")),
+        *("--rollout-max-response-len", "32", "--eval-temperature", "0"),
+        *("--output-dir", str(out / f"eval_{environment}")),
     ]
 
 

@@ -96,7 +96,8 @@ class AlgorithmConfig:
     sft_warmup_rollouts: int = option(
         0,
         "--sft-warmup-rollouts",
-        "first N rollouts train on the labels (supervised warm start), not on samples",
+        "first N rollouts train on the labels (supervised warm start), not on samples "
+        "(all of them: a warm-start-only run)",
     )
 
     @property
@@ -117,15 +118,18 @@ class AlgorithmConfig:
 
 def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProblem]:
     """What a training run's algorithm needs: the correction flags agree, a grouped estimator
-    has groups to compare, the warm start leaves rollouts for RL, coefficients in range."""
+    has groups to compare (unless every rollout is warm start), the warm start fits in the run,
+    coefficients in range."""
     problems = correction_problems(a, r.max_staleness)
 
     def add(name: str, message: str, hint: str = "") -> None:
         problems.append(problem(AlgorithmConfig, "algorithm", name, message, hint))
 
+    warm_start_only = r.num_rollout is not None and a.sft_warmup_rollouts >= r.num_rollout > 0
     if (
         a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
         and r.n_samples_per_prompt < 2
+        and not warm_start_only
     ):
         problems.append(
             problem(
@@ -137,11 +141,13 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
                 "raise --n-samples-per-prompt",
             )
         )
-    if not 0 <= a.sft_warmup_rollouts < (r.num_rollout or 1):
+    # (with --num-epoch, num_rollout is None: known once the prompt file is read)
+    if a.sft_warmup_rollouts < 0 or a.sft_warmup_rollouts > (r.num_rollout or 0):
         add(
             "sft_warmup_rollouts",
-            "must be in [0, num_rollout) so that some rollouts use RL, "
-            f"got {a.sft_warmup_rollouts}",
+            f"must be in [0, num_rollout] (= [0, {r.num_rollout}]), got {a.sft_warmup_rollouts}",
+            "a run of warm start only sets both to the same number; RL can follow from its "
+            "checkpoint with --load DIR --finetune",
         )
     if a.kl_coef < 0 or a.kl_loss_coef < 0:
         add("kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")

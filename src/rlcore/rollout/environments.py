@@ -20,10 +20,22 @@ from typing import Protocol
 
 import attrs
 
-from rlcore.protocols import Tokenizer
+from rlcore.protocols import ChatTokenizer, Tokenizer
 from rlcore.samples import Prompt, Turn
 
-__all__ = ["Environment", "EnvironmentFactory", "StepResult"]
+__all__ = ["Environment", "EnvironmentFactory", "StepResult", "observation_ids"]
+
+
+def observation_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+    """``text``'s ids as an observation in the middle of a conversation: without the special
+    prefix ``tokenizer.encode`` puts in front of a whole text (``<bos>``), which must not appear
+    mid-conversation. ``encode_rendered`` where the tokenizer has it (a chat tokenizer), else
+    ``encode`` with whatever ``encode("")`` prepends removed."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return tuple(tokenizer.encode_rendered(text))
+    prefix = tokenizer.encode("")
+    ids = tokenizer.encode(text)
+    return tuple(ids[len(prefix) :] if ids[: len(prefix)] == prefix else ids)
 
 
 @attrs.frozen
@@ -41,6 +53,13 @@ class StepResult:
     observation: str = ""
     reward: float | None = None
     done: bool = False
+
+    @classmethod
+    def of_text(
+        cls, tokenizer: Tokenizer, text: str, *, reward: float | None = None, done: bool = False
+    ) -> StepResult:
+        """An observation given as text, encoded by :func:`observation_ids` (no ``<bos>``)."""
+        return cls(observation_ids(tokenizer, text), text, reward, done)
 
 
 class Environment(Protocol):

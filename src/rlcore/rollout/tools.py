@@ -39,7 +39,7 @@ import attrs
 
 from rlcore.errors import DataError
 from rlcore.protocols import ChatTokenizer, Tokenizer
-from rlcore.rollout.environments import StepResult
+from rlcore.rollout.environments import StepResult, observation_ids
 from rlcore.samples import Turn
 
 __all__ = [
@@ -140,16 +140,6 @@ class ObservationFormat(Protocol):
     ) -> tuple[tuple[int, ...], str]: ...
 
 
-def _encode_piece(tokenizer: Tokenizer, text: str) -> list[int]:
-    """``text``'s ids with no special prefix: ``encode_rendered`` where the tokenizer has it,
-    else ``encode`` with whatever ``encode("")`` prepends (``<bos>``) removed."""
-    if isinstance(tokenizer, ChatTokenizer):
-        return tokenizer.encode_rendered(text)
-    prefix = tokenizer.encode("")
-    ids = tokenizer.encode(text)
-    return ids[len(prefix) :] if ids[: len(prefix)] == prefix else ids
-
-
 @final
 @attrs.frozen
 class PlainFormat:
@@ -165,7 +155,7 @@ class PlainFormat:
     ) -> tuple[tuple[int, ...], str]:
         text = "".join(self.template.format(content=r.content, name=r.name) for r in results)
         text += self.suffix
-        return tuple(_encode_piece(self.tokenizer, text)), text
+        return tuple(observation_ids(self.tokenizer, text)), text
 
 
 @final
