@@ -73,14 +73,23 @@ def test_kill_9_of_the_driver_leaves_no_process(demo: Path, tmp_path: Path) -> N
         cli.kill_everything()
 
 
-def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(demo: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    [[], ["--max-staleness", "2", "--partial-rollout"]],
+    ids=["synchronous", "free-running-generator"],
+)
+def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
+    demo: Path, tmp_path: Path, schedule: list[str]
+) -> None:
+    """Synchronous, and with the generator running ahead in its own thread (which must stop
+    too, mid-generation, without leaving the run hanging or a process behind)."""
     save = tmp_path / "ckpt"
     # What a save killed half-way left here earlier: a temporary checkpoint folder.
     debris = save / ".tmp-rollout_000007-4242"
     shutil.copytree(demo / "model", debris / "actor")
     out = tmp_path / "out"
     with model_hub() as (env, requests):
-        cli = WatchedCLI(_flags(demo, out, save), tmp_path / "cli", env)
+        cli = WatchedCLI([*_flags(demo, out, save), *schedule], tmp_path / "cli", env)
         try:
             cli.wait_for(save / "rollout_000001" / "rlcore.json", timeout_s=600)
             cli.interrupt()
