@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointMeta",
     "find_checkpoint",
     "read_meta",
+    "saved_checkpoints",
     "rollout_dir_name",
 ]
 
@@ -69,6 +70,15 @@ def find_checkpoint(path: Path) -> Path:
     if not (target / META_FILE).is_file():
         raise CheckpointError(f"{latest} names {target}, which is not a complete checkpoint")
     return target
+
+
+def saved_checkpoints(save: Path) -> list[Path]:
+    """What a save folder holds of earlier saves: its rollout folders (complete or not) and its
+    ``latest`` pointer, oldest first; empty for a folder that does not exist."""
+    if not save.is_dir():
+        return []
+    found = sorted(p for p in save.glob("rollout_*") if p.is_dir())
+    return [*found, *([save / LATEST_FILE] if (save / LATEST_FILE).exists() else [])]
 
 
 def read_meta(folder: Path) -> CheckpointMeta:

@@ -51,6 +51,14 @@ def setup_logging(log_file: Path) -> None:
         logger.addHandler(handler)
 
 
+def log_to_file(level: int, message: str) -> None:
+    """``message`` in the run's log file only (for what the console shows another way)."""
+    record = logging.getLogger("rlcore").makeRecord("rlcore", level, __file__, 0, message, (), None)
+    for handler in _HANDLERS:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 @final
 class ProgressSink:
     """Where the run is. On a terminal, a progress bar: "rollout k/N", the bar, the elapsed time,

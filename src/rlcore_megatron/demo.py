@@ -108,6 +108,7 @@ def demo_flags(folder: Path) -> list[str]:
         "0",
         "--save",
         str(folder / "ckpt"),
+        "--overwrite-save",  # a rerun of the demo replaces the previous one's checkpoints
         "--save-interval",
         "80",
         "--output-dir",

@@ -19,7 +19,6 @@ Metrics go to ``OUTPUT_DIR/metrics.jsonl`` (and TensorBoard / wandb when asked);
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -28,8 +27,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 from rlcore.checkpoint_files import find_checkpoint
 from rlcore.config import RunConfig, with_flag
@@ -40,7 +37,14 @@ from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
 from rlcore.loop import RunData, RunInterrupted, RunResult, check_inputs, resume_point, run
 from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan, plan, resolve_num_rollout
-from rlcore.loop.preflight import check_model_folder, prepare_output_folders, remove_folders
+from rlcore.loop.preflight import (
+    check_model_folder,
+    prepare_output_folders,
+    remove_earlier_checkpoints,
+    remove_folders,
+    save_folder_problems,
+)
+from rlcore.loop.records import Progress
 from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.rollout.multiturn import (
@@ -52,8 +56,9 @@ from rlcore.rollout.multiturn import (
 from rlcore.rollout.rewards import get_reward_fn
 from rlcore.samples import Prompt
 from rlcore.specs import Precision
-from rlcore_megatron.console import ProgressSink, WandbSink, setup_logging
+from rlcore_megatron.console import ProgressSink, WandbSink, log_to_file, setup_logging
 from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
+from rlcore_megatron.run_record import interrupted_message, start_output_folder, write_summary
 from rlcore_megatron.watchdog import watch_tree
 
 __all__ = [
@@ -118,8 +123,11 @@ def preflight(config: RunConfig) -> list[Path]:
         except CheckpointError as exc:
             problems.append(ConfigProblem(with_flag("checkpoint.load"), str(exc)))
     outputs = [(with_flag("output_dir"), config.output_dir)]
-    if config.checkpoint.save is not None:
-        outputs.append((with_flag("checkpoint.save"), config.checkpoint.save))
+    c = config.checkpoint
+    if c.save is not None:
+        outputs.append((with_flag("checkpoint.save"), c.save))
+        fresh = c.load is None or c.finetune
+        problems += save_folder_problems(c.save, c.load, fresh=fresh, overwrite=c.overwrite_save)
     created: list[Path] = []
     try:
         created = prepare_output_folders(outputs)
@@ -355,25 +363,6 @@ def local_node() -> NodeResources:
     return NodeResources("local", "127.0.0.1", cpus, torch.cuda.device_count())
 
 
-def latest_checkpoint(config: RunConfig) -> Path | None:
-    """The newest complete checkpoint in ``--save``, if any."""
-    if config.checkpoint.save is None:
-        return None
-    try:
-        return find_checkpoint(config.checkpoint.save)
-    except CheckpointError:
-        return None
-
-
-def write_summary(path: Path, result: RunResult, config: RunConfig) -> None:
-    """``summary.json``: what the run built, trained, saved and evaluated, its last metrics,
-    whether Ctrl-C stopped it (and at which rollout) and the latest checkpoint."""
-    summary = attrs.asdict(result)
-    latest = latest_checkpoint(config)
-    summary["latest_checkpoint"] = None if latest is None else str(latest)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
-
-
 @contextlib.contextmanager
 def _no_second_interrupt(active: bool) -> Iterator[None]:
     """Ignore Ctrl-C while closing the pieces after a first one (a second would leave Ray and
@@ -421,8 +410,15 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
     except BaseException:
         remove_folders(created)
         raise
+    c = config.checkpoint
+    resumes = isinstance(the_plan, TrainPlan) and c.load is not None and not c.finetune
+    earlier_run = start_output_folder(config.output_dir, continues=resumes)
     setup_logging(config.output_dir / "run.log")
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
+    if earlier_run is not None:
+        log.info("output: the files of the run that wrote here before moved to %s", earlier_run)
+    if c.overwrite_save and c.save is not None and (removed := remove_earlier_checkpoints(c.save)):
+        log.info("checkpoints: --overwrite-save removed %s", ", ".join(p.name for p in removed))
     for note in notes:
         log.info("%s", note)
 
@@ -442,6 +438,9 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
     engine: RolloutEngine | None = None
     sink: MetricsSink | None = None
     interrupted: RunInterrupted | None = None
+    failure: BaseException | None = None
+    progress = Progress()
+    result = progress.result(interrupted=False)
     try:
         _start_ray(config)
         sink = _sinks(config, the_plan)
@@ -454,13 +453,18 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
         replays = config.debug.replays
         engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
         engine = episodes(config, engine, tokenizer)
-        result = run(the_plan, backend, engine, reward_fn, data, sink)
+        result = run(the_plan, backend, engine, reward_fn, data, sink, progress=progress)
     except RunInterrupted as exc:
         interrupted = exc
         result = exc.result
     except KeyboardInterrupt:  # before the loop started
         result = RunResult((), (), (), {}, {}, interrupted=True)
         interrupted = RunInterrupted(result)
+    except BaseException as exc:
+        failure = exc
+        result = progress.result(interrupted=False)
+        log_to_file(logging.ERROR, f"run failed: {type(exc).__name__}: {exc}")
+        raise
     finally:
         with _no_second_interrupt(active=interrupted is not None):
             if sink is not None:
@@ -475,7 +479,10 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
                 ray.shutdown()
             if watchdog is not None:
                 watchdog.stop()
-    write_summary(config.output_dir / "summary.json", result, config)
+        try:
+            write_summary(config.output_dir / "summary.json", result, config, failure)
+        except OSError as exc:  # a full disk, say: the run's own error matters more
+            log.warning("could not write summary.json: %s", exc)
     if interrupted is not None:
         raise interrupted
     return result
@@ -495,28 +502,6 @@ def _offline_and_quiet() -> None:
     disk only and draw no download progress bars."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def _interrupted_message(result: RunResult, config: RunConfig) -> str:
-    where = (
-        f"at rollout {result.interrupted_at}"
-        if result.interrupted_at is not None
-        else "before the first rollout"
-    )
-    trained = (
-        f"trained rollouts {result.trained[0]}..{result.trained[-1]}"
-        if result.trained
-        else "trained nothing"
-    )
-    latest = latest_checkpoint(config)
-    resume = (
-        f"; latest checkpoint {latest} (resume with --load {config.checkpoint.save})"
-        if latest
-        else "; no checkpoint"
-    )
-    return (
-        f"interrupted {where}: {trained}{resume}; summary in {config.output_dir / 'summary.json'}"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -549,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except RunInterrupted as exc:
         assert config is not None  # only execute() raises it
-        print(_interrupted_message(exc.result, config), file=sys.stderr)
+        print(interrupted_message(exc.result, config), file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("interrupted before the run started", file=sys.stderr)

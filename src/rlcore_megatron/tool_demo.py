@@ -247,7 +247,8 @@ def tool_demo_flags(
             *("--rollout-batch-size", "64", "--n-samples-per-prompt", "1"),
             *("--global-batch-size", "64", "--micro-batch-size", "64", "--lr", "1e-3"),
             *("--eval-interval", str(max(warm // 4, 1)), "--save", str(out / "ckpt_warm")),
-            *("--save-interval", str(warm), "--output-dir", str(out / "run_warm")),
+            *("--save-interval", str(warm), "--overwrite-save"),  # a rerun replaces them
+            *("--output-dir", str(out / "run_warm")),
         ]
     return [
         *common,
@@ -255,7 +256,7 @@ def tool_demo_flags(
         *("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--lr", RL_LR),
         *("--global-batch-size", "128", "--micro-batch-size", "128"),
         *("--eval-interval", "10", "--save", str(out / "ckpt"), "--save-interval", str(grpo)),
-        *("--output-dir", str(out / "run_grpo")),
+        *("--output-dir", str(out / "run_grpo"), "--overwrite-save"),
     ]
 
 

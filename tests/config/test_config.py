@@ -465,3 +465,12 @@ def test_off_policy_schedule_flags_are_checked() -> None:
     assert any(
         "has no effect without --use-tis" in p for p in _problems([*TRAIN, "--tis-mode", "mask"])
     )
+
+
+@pytest.mark.parametrize("value", ["-1e-6", "-0.5", "-3", "-.5", "-inf"])
+def test_a_negative_value_reaches_its_own_check(value: str) -> None:
+    """``--lr -1e-6`` was read by argparse as a flag of its own and reported as ``--lr``
+    missing its value; a negative number after a flag is that flag's value."""
+    problems = _problems([*TRAIN, "--lr", value])
+    assert any(p.startswith("optim.lr (--lr): must be") for p in problems), problems
+    assert problems == _problems([*TRAIN, f"--lr={value}"])

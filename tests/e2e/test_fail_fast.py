@@ -135,6 +135,38 @@ def test_non_finite_numbers_are_blamed_on_their_own_flags(demo: Path, tmp_path: 
     ]
 
 
+def test_a_negative_number_is_the_value_of_its_flag(demo: Path, tmp_path: Path) -> None:
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused([*flags, "--lr", "-1e-6"], tmp_path)
+    assert err.splitlines()[1:] == ["  - optim.lr (--lr): must be > 0, got -1e-06"]
+
+
+def test_a_fresh_run_refuses_a_save_folder_with_another_runs_checkpoints(
+    demo: Path, tmp_path: Path
+) -> None:
+    save = tmp_path / "ckpt"
+    for rollout in (1, 3):
+        write_checkpoint(save, CheckpointMeta(rollout, 8, ("actor",)), {"actor": lambda f: None})
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused([*flags, "--save", str(save)], tmp_path)
+    assert err.splitlines()[1:] == [
+        f"  - checkpoint.save (--save): {save} already holds 2 checkpoint(s) of another run "
+        "(rollout_000001 .. rollout_000003), and this run starts afresh: its checkpoints would "
+        f"mix with them under one 'latest' (resume that run with --load {save} (without "
+        "--finetune), save into a new folder, or add --overwrite-save to remove them)"
+    ]
+    # --finetune starts afresh too; and --overwrite-save may not remove what --load names.
+    err = _refused(
+        [*flags, "--save", str(save), "--load", str(save), "--finetune", "--overwrite-save"],
+        tmp_path,
+    )
+    assert (
+        f"checkpoint.save (--save): --overwrite-save would remove {save / 'rollout_000003'}, "
+        "the checkpoint --load names (save into a new folder)"
+    ) in err
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000001", "rollout_000003"]
+
+
 @pytest.mark.slow
 @pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
 def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) -> None:

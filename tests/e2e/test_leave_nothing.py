@@ -8,6 +8,7 @@ next save removes what an interrupted one left.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -123,3 +124,46 @@ def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
     assert requests == []  # the local model folder never sent anything to a model hub
     rows = read_jsonl_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "rollout/reward" in r] == summary["trained"]
+
+
+def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
+    demo: Path, tmp_path: Path
+) -> None:
+    """A run that fails after start-up (here its reward, at rollout 2) exits 1 and says why on
+    stderr, at the end of run.log and in summary.json. The earlier run that wrote into the same
+    output folder keeps its files, moved aside; the new metrics file holds this run alone."""
+    out, save = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    earlier = {"metrics.jsonl": '{"step": 0, "rollout/reward": 1.0}\n', "summary.json": "{}\n"}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    (tmp_path / "flaky_grader.py").write_text(
+        "calls = 0\n\n\n"
+        "def reward(prompt, generation):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 16:  # rollouts 0 and 1 have 4 prompts x 2 samples\n"
+        "        raise ValueError('the grader is down')\n"
+        "    return 0.0\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    flags = [*_flags(demo, out, save), "--custom-rm-path", "flaky_grader:reward"]
+    cli = WatchedCLI(flags, tmp_path / "cli", env)
+    try:
+        code = cli.wait(timeout_s=600)
+    finally:
+        cli.kill_everything()
+    assert code == 1, cli.stderr
+    assert "the grader is down" in cli.stderr.splitlines()[-1], cli.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "the grader is down" in summary["error"]["message"]
+    assert summary["trained"] == [0, 1] and summary["last_trained"] == 1
+    assert summary["latest_checkpoint"] == str(save / "rollout_000001")
+    last_line = (out / "run.log").read_text().splitlines()[-1]
+    assert " ERROR rlcore: run failed: " in last_line and "the grader is down" in last_line
+    rows = read_jsonl_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1]
+    for name, text in earlier.items():
+        assert (out / "previous" / "1" / name).read_text() == text
+    assert cli.survivors(within_s=SURVIVAL_S) == []

@@ -93,3 +93,28 @@ def test_the_next_save_removes_what_an_interrupted_save_left_and_says_so(
     logged = [r.getMessage() for r in caplog.records]
     for path in [*debris, tmp_path / ".latest.tmp"]:
         assert f"checkpoints: removed {path}, left behind by an interrupted save" in logged
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("same_rollout", [False, True], ids=["new", "re-save"])
+def test_ctrl_c_during_a_save_leaves_no_debris_and_the_last_checkpoint(
+    tmp_path: Path, stop: type[BaseException], same_rollout: bool
+) -> None:
+    """A save stopped by Ctrl-C (or SIGTERM's SystemExit) removes its temporary folder and goes
+    on stopping; the previous checkpoint stays ``latest``, even one being replaced."""
+    first = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a0")})
+    saved = sorted(p.name for p in tmp_path.iterdir())
+
+    def interrupted(folder: Path) -> None:
+        (folder / "weights").write_text("half")
+        raise stop
+
+    with pytest.raises(stop):
+        write_checkpoint(
+            tmp_path,
+            CheckpointMeta(0 if same_rollout else 1, 8, ("actor",)),
+            {"actor": interrupted},
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == saved
+    assert find_checkpoint(tmp_path) == first
+    assert (first / "actor" / "weights").read_text() == "a0"

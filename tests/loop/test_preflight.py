@@ -14,12 +14,16 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.errors import ConfigError
+from rlcore.loop.checkpoints import write_checkpoint
 from rlcore.loop.preflight import (
     check_model_folder,
     prepare_output_folders,
+    remove_earlier_checkpoints,
     remove_folders,
     safetensors_problem,
+    save_folder_problems,
 )
 
 WHERE = "model.hf_checkpoint (--hf-checkpoint)"
@@ -145,3 +149,28 @@ def test_a_corrupt_header_is_named(tmp_path: Path) -> None:
         f"{path} is corrupt: its header is not valid JSON (Expecting property name enclosed in "
         "double quotes: line 1 column 2 (char 1))"
     )
+
+
+def test_a_save_folder_is_one_runs(tmp_path: Path) -> None:
+    """A fresh run may not save among another run's checkpoints; a resumed one may; with
+    --overwrite-save they go, but never the one --load names."""
+    save = tmp_path / "ckpt"
+    assert save_folder_problems(save, None, fresh=True, overwrite=False) == []  # no folder yet
+    for rollout in (0, 1):
+        write_checkpoint(save, CheckpointMeta(rollout, 4, ("actor",)), {"actor": lambda f: None})
+    (save / ".tmp-rollout_000002-42").mkdir()  # an interrupted save's debris is not a checkpoint
+    [refusal] = save_folder_problems(save, None, fresh=True, overwrite=False)
+    assert "already holds 2 checkpoint(s) of another run (rollout_000000 .. rollout_000001)" in (
+        refusal.message
+    )
+    assert save_folder_problems(save, save, fresh=False, overwrite=False) == []  # a resume
+    assert save_folder_problems(save, None, fresh=True, overwrite=True) == []
+    [loaded] = save_folder_problems(save, save, fresh=True, overwrite=True)  # --finetune
+    assert "would remove" in loaded.message and "rollout_000001" in loaded.message
+    assert [p.name for p in remove_earlier_checkpoints(save)] == [
+        "rollout_000000",
+        "rollout_000001",
+        "latest",
+    ]
+    assert [p.name for p in save.iterdir()] == [".tmp-rollout_000002-42"]
+    assert save_folder_problems(save, None, fresh=True, overwrite=False) == []

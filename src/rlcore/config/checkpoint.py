@@ -19,7 +19,18 @@ __all__ = ["CheckpointConfig", "DebugConfig", "checkpoint_problems", "debug_prob
 class CheckpointConfig:
     """Saving and resuming."""
 
-    save: Path | None = option(None, "--save", "checkpoint folder")
+    save: Path | None = option(
+        None,
+        "--save",
+        "checkpoint folder, one run's: a run that starts afresh (no --load) refuses a folder "
+        "holding checkpoints, unless --overwrite-save",
+    )
+    overwrite_save: bool = option(
+        False,
+        "--overwrite-save",
+        "a run that starts afresh removes the checkpoints already in --save (else it refuses "
+        "the folder, so that two runs' checkpoints never mix)",
+    )
     save_interval: int | None = option(
         None, "--save-interval", "save every N rollouts (and always after the last)"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import tomllib
 import types
 import typing
@@ -239,7 +240,7 @@ def load_config(
     data is read), an eval-only ``--load`` that names no checkpoint.
     """
     parser = parser or build_parser()
-    namespace, unknown = parser.parse_known_args(list(argv))
+    namespace, unknown = parser.parse_known_args(_negative_values_joined(argv, parser))
     problems = _unknown_flag_problems(unknown, parser)
     overrides, pair_problems = _overrides(namespace)
     problems += pair_problems
@@ -308,6 +309,23 @@ def _with_engine_options(config: RunConfig, data: dict[str, Any], source: str) -
     except (ClassValidationError, ForbiddenExtraKeysError) as exc:
         raise ConfigError(problems_from(exc, name, options_type), source) from exc
     return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_options=options))
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf(inity)?", re.IGNORECASE)
+
+
+def _negative_values_joined(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with every negative number after a flag that takes one value joined to it
+    (``--lr -1e-6`` -> ``--lr=-1e-6``): argparse reads ``-1e-6`` as a flag of its own and then
+    reports the real flag's value as missing, hiding the message about the value itself."""
+    takes_one = {o for a in parser._actions if a.nargs is None for o in a.option_strings}
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in takes_one and _NEGATIVE_NUMBER.fullmatch(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def _unknown_flag_problems(

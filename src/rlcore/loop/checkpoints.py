@@ -72,13 +72,15 @@ def write_checkpoint(
     function has created, empty) into one new checkpoint, atomically.
 
     Returns the final folder. On any failure the temporary folder is removed, ``latest`` is left
-    as it was, and :class:`CheckpointError` (naming the folder) is raised from the cause.
+    as it was, and :class:`CheckpointError` (naming the folder) is raised from the cause. Ctrl-C
+    (or any ``BaseException``) during the save cleans up the same way and goes on up as it is.
     """
     root.mkdir(parents=True, exist_ok=True)
     remove_interrupted_saves(root)
     name = rollout_dir_name(meta.rollout_id)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
+    old = root / f".old-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -88,7 +90,6 @@ def write_checkpoint(
             save(part)
         _fsync_write(tmp / META_FILE, json.dumps(attrs.asdict(meta), indent=1))
         if final.exists():  # re-saving the same rollout id: move the old one aside first
-            old = root / f".old-{name}-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
@@ -98,9 +99,13 @@ def write_checkpoint(
         pointer = root / f".{LATEST_FILE}.tmp"
         _fsync_write(pointer, name + "\n")
         os.replace(pointer, root / LATEST_FILE)
-    except Exception as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
+        if old.exists() and not final.exists():  # stopped between the two renames
+            old.rename(final)
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
+        raise
     return final
 
 

@@ -162,13 +162,15 @@ def run(
     sink: MetricsSink | None = None,
     *,
     rollout_fn: RolloutFn | None = None,
+    progress: Progress | None = None,
 ) -> RunResult:
     """Run a planned job to the end. The match on the plan is exhaustive (checked by mypy).
 
     ``engine`` may be ``None`` only for a training plan that replays saved rollouts
     (``--load-debug-rollout-data``) and evaluates nothing; otherwise :class:`PlanError`.
     ``rollout_fn`` replaces the plan's rollout function (``--rollout-function-path``, else
-    :func:`~rlcore.rollout.default_rollout`).
+    :func:`~rlcore.rollout.default_rollout`). ``progress``, when given, is kept up to date as the
+    run goes, so that a caller can tell what a run that raised had done.
 
     Raises :class:`PlanError` before building anything when the inputs cannot do what the plan
     asks (:func:`check_inputs`, :func:`resume_point`), the rlcore error of a component that fails
@@ -179,7 +181,7 @@ def run(
     checked = (
         engine if engine is None or isinstance(engine, CheckedEngine) else CheckedEngine(engine)
     )
-    progress = Progress()
+    progress = progress if progress is not None else Progress()
     try:
         match plan:
             case EvalPlan():

@@ -6,6 +6,10 @@ hour of training.
   (a read-only or virtual file system, a path that is a file) is refused with its flag, instead
   of failing at the first save and losing the work. The folders it had to create are returned,
   so a run that stops during its other checks can remove them again (:func:`remove_folders`).
+- The save folder (``--save``) is one run's: :func:`save_folder_problems` refuses a run that
+  starts afresh (no ``--load``, or ``--finetune``) into a folder holding checkpoints, unless
+  ``--overwrite-save`` asks for them to go (:func:`remove_earlier_checkpoints`); two runs'
+  checkpoints mixed under one ``latest`` cannot be told apart.
 - A Hugging Face model folder (``--hf-checkpoint``): :func:`check_model_folder` says what is
   missing (``config.json``, weights, tokenizer), whether ``config.json`` is readable JSON, and
   whether every safetensors file is complete (:func:`safetensors_problem` reads only the header
@@ -18,17 +22,21 @@ one :class:`~rlcore.errors.ConfigError`. Standard library only.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.checkpoint_files import find_checkpoint, saved_checkpoints
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem
 
 __all__ = [
     "check_model_folder",
     "prepare_output_folders",
+    "remove_earlier_checkpoints",
     "remove_folders",
+    "save_folder_problems",
     "safetensors_problem",
 ]
 
@@ -96,6 +104,60 @@ def remove_folders(created: Sequence[Path]) -> None:
             folder.rmdir()
         except OSError:
             pass  # not empty (something was written there after all) or already gone
+
+
+def save_folder_problems(
+    save: Path, load: Path | None, *, fresh: bool, overwrite: bool
+) -> list[ConfigProblem]:
+    """Why a run may not save into ``save``: a run that starts afresh (``fresh``: no ``--load``,
+    or ``--finetune``) into a folder that holds checkpoints, without ``overwrite``; or
+    ``overwrite`` asked of the folder that holds the checkpoint ``--load`` names."""
+    earlier = [p for p in saved_checkpoints(save) if p.is_dir()]
+    if not earlier or not fresh:
+        return []
+    where = "checkpoint.save (--save)"
+    if overwrite:
+        loaded = _loaded(load)
+        if loaded is not None and loaded.resolve().parent == save.resolve():
+            return [
+                ConfigProblem(
+                    where,
+                    f"--overwrite-save would remove {loaded}, the checkpoint --load names",
+                    "save into a new folder",
+                )
+            ]
+        return []
+    resume = f"resume that run with --load {save} (without --finetune), " if load is None else ""
+    return [
+        ConfigProblem(
+            where,
+            f"{save} already holds {len(earlier)} checkpoint(s) of another run "
+            f"({earlier[0].name} .. {earlier[-1].name}), and this run starts afresh: its "
+            "checkpoints would mix with them under one 'latest'",
+            f"{resume}save into a new folder, or add --overwrite-save to remove them",
+        )
+    ]
+
+
+def _loaded(load: Path | None) -> Path | None:
+    if load is None:
+        return None
+    try:
+        return find_checkpoint(load)
+    except CheckpointError:
+        return None  # reported by the --load check
+
+
+def remove_earlier_checkpoints(save: Path) -> list[Path]:
+    """``--overwrite-save``: remove the checkpoints (and ``latest``) already in ``save``; returns
+    what it removed."""
+    removed = saved_checkpoints(save)
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
 
 
 # --------------------------------------------------------------------------------------------

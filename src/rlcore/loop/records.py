@@ -76,7 +76,8 @@ class NullSink:
 
 @attrs.define
 class Progress:
-    """What a run has done so far, kept outside its function so Ctrl-C can report it."""
+    """What a run has done so far, kept outside its function so that Ctrl-C, or the caller of a
+    run that failed, can report it."""
 
     trained: list[int] = attrs.field(factory=list)
     saved: list[int] = attrs.field(factory=list)
@@ -85,7 +86,9 @@ class Progress:
     built: tuple[str, ...] = ()
     current: int | None = None
 
-    def result(self) -> RunResult:
+    def result(self, *, interrupted: bool = True) -> RunResult:
+        """What was done, as a result; ``interrupted``: Ctrl-C stopped the run (else it
+        failed)."""
         return RunResult(
             tuple(self.trained),
             tuple(self.saved),
@@ -94,6 +97,6 @@ class Progress:
             {},
             self.built,
             tuple(self.rollouts),
-            interrupted=True,
-            interrupted_at=self.current,
+            interrupted=interrupted,
+            interrupted_at=self.current if interrupted else None,
         )
