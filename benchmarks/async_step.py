@@ -65,8 +65,9 @@ def steps_with(
     from rlcore.loop import run
     from rlcore.loop.plan import TrainPlan, plan
     from rlcore_megatron.cluster import ClusterPlacement
+    from rlcore_megatron.prepare import load_run_data, load_tokenizer, placement_request
     from rlcore_megatron.ray_stacks import RayMegatronBackend
-    from rlcore_megatron.run import _tokenizer, load_run_data, make_engine, placement_request
+    from rlcore_megatron.run import make_engine
 
     # fmt: off
     config = load_config([
@@ -85,7 +86,7 @@ def steps_with(
     if fixed_tokens is not None:
         params = attrs.evolve(the_plan.rollout_params, ignore_eos=True)
         the_plan = attrs.evolve(the_plan, rollout_params=params)
-    tokenizer = _tokenizer(config)
+    tokenizer = load_tokenizer(config)
     data = load_run_data(config, tokenizer)
     clock = _StepClock()
     placement = ClusterPlacement.reserve(placement_request(config, the_plan))

@@ -161,8 +161,9 @@ def rlcore_steps(
     from rlcore.config.flags import load_config
     from rlcore.loop import run
     from rlcore.loop.plan import plan
+    from rlcore_megatron.prepare import load_run_data, load_tokenizer
     from rlcore_megatron.ray_stacks import RayMegatronBackend
-    from rlcore_megatron.run import _tokenizer, load_run_data, make_engine
+    from rlcore_megatron.run import make_engine
 
     config = load_config(
         [
@@ -199,7 +200,7 @@ def rlcore_steps(
             *(["--bf16"] if bf16 else []),
         ]
     )
-    tokenizer = _tokenizer(config)
+    tokenizer = load_tokenizer(config)
     data = load_run_data(config, tokenizer)
     clock = _StepClock()
     # The rank reserves one slot of the node, so it runs with all THREADS of the node's CPUs.

@@ -290,3 +290,42 @@ def test_labels_become_sft_targets_in_context(tmp_path: Path) -> None:
     assert first.target_token_ids == (*tokenizer.encode("321")[1:], tokenizer.eos_token_id)
     assert tokenizer.decode(first.token_ids + first.target_token_ids) == "123>321"
     assert unlabelled.target_token_ids == ()
+
+
+def test_a_character_the_tokenizer_cannot_encode_is_named_with_its_line(tmp_path: Path) -> None:
+    """A word-level vocabulary without an unknown token raises a bare ``Exception`` (it ended a
+    run with a raw traceback); reading the data names the file, line, key and character."""
+    from rlcore.data import HFTokenizer
+    from rlcore.testing.tiny import build_char_tokenizer
+
+    tokenizer = HFTokenizer(build_char_tokenizer(tmp_path / "tok", "0123456789>"))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "12>", "label": "21"}\n{"input": "4é>", "label": "4"}\n')
+    with pytest.raises(DataError) as info:
+        load_prompts(path, tokenizer=tokenizer)
+    assert str(info.value).startswith(
+        f"{path}:2: the tokenizer cannot encode 'input': 'é' (U+00E9) at character 2 (Exception: "
+    )
+    assert "remove the character from the data" in str(info.value)
+    path.write_text('{"input": "12>", "label": "2x"}\n')
+    with pytest.raises(
+        DataError, match=r":1: the tokenizer cannot encode 'label': 'x' \(U\+0078\) at character 2"
+    ):
+        load_prompts(path, tokenizer=tokenizer)
+
+
+def test_prompts_longer_than_the_limit_are_left_out_and_counted(tmp_path: Path) -> None:
+    from rlcore.data import HFTokenizer
+    from rlcore.testing.tiny import build_char_tokenizer
+
+    tokenizer = HFTokenizer(build_char_tokenizer(tmp_path / "tok", "0123456789>"))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "12>"}\n{"input": "123456>"}\n{"input": "9>"}\n')
+    dropped: list[str] = []
+    kept = load_prompts(
+        path, tokenizer=tokenizer, label_key=None, max_prompt_len=4, dropped=dropped
+    )
+    assert [p.text for p in kept] == ["12>", "9>"] and [p.index for p in kept] == [0, 1]
+    assert dropped == [f"{path}:2 (8 tokens)"]  # <bos> and 7 characters
+    with pytest.raises(DataError, match=r"every prompt is longer than 2 tokens \(the first: "):
+        load_prompts(path, tokenizer=tokenizer, label_key=None, max_prompt_len=2)

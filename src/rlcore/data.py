@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, Protocol, cast, final, overload
 
@@ -247,6 +247,8 @@ def load_prompts(
     input_key: str = ...,
     label_key: str | None = ...,
     apply_chat_template: Literal[False] = ...,
+    max_prompt_len: int | None = ...,
+    dropped: list[str] | None = ...,
 ) -> tuple[Prompt, ...]: ...
 
 
@@ -258,6 +260,8 @@ def load_prompts(
     input_key: str = ...,
     label_key: str | None = ...,
     apply_chat_template: bool,
+    max_prompt_len: int | None = ...,
+    dropped: list[str] | None = ...,
 ) -> tuple[Prompt, ...]: ...
 
 
@@ -268,6 +272,8 @@ def load_prompts(
     input_key: str = "input",
     label_key: str | None = "label",
     apply_chat_template: bool = False,
+    max_prompt_len: int | None = None,
+    dropped: list[str] | None = None,
 ) -> tuple[Prompt, ...]:
     """Read and tokenize every prompt in ``path`` (``.jsonl`` or ``.parquet``).
 
@@ -275,14 +281,19 @@ def load_prompts(
     ``None``, a string or number under ``label_key`` (numbers keep their JSON spelling, ``42`` ->
     ``"42"``). With ``apply_chat_template`` the input may also be a list of ``{"role", "content"}``
     messages; a plain string becomes one user message; the prompt's ``text`` is the rendered
-    conversation. Blank lines in JSON lines files are skipped. ``Prompt.index`` is the record's
-    0-based position in the file.
+    conversation. Blank lines in JSON lines files are skipped. Prompts of more than
+    ``max_prompt_len`` tokens are left out (slime's ``--rollout-max-prompt-len``), each one's
+    place (``"path:line (N tokens)"``) appended to ``dropped`` when given. ``Prompt.index`` is
+    the prompt's 0-based position among those kept.
 
     Raises :class:`DataError` naming the file and 1-based line (or row) for: a missing file, an
     unknown extension, invalid JSON, a record that is not an object, a missing key, a wrongly
-    typed value, or a file without any record.
+    typed value, a character the tokenizer cannot encode, a file without any record, or one
+    whose every prompt is too long.
     """
-    return _load_prompts(path, tokenizer, input_key, label_key, apply_chat_template)
+    return _load_prompts(
+        path, tokenizer, input_key, label_key, apply_chat_template, max_prompt_len, dropped
+    )
 
 
 def _target_ids(prompt_ids: Sequence[int], full_ids: Sequence[int], eos: int) -> tuple[int, ...]:
@@ -296,12 +307,44 @@ def _target_ids(prompt_ids: Sequence[int], full_ids: Sequence[int], eos: int) ->
     return (*full_ids[n:], eos)
 
 
+def _encoded(
+    encode: Callable[[str], list[int]], text: str, where: str, key: str, start: int = 0
+) -> list[int]:
+    """``encode(text)``, or :class:`DataError` naming the record, the key and the first character
+    of ``text[start:]`` (the key's value) that the tokenizer refuses. A word-level vocabulary
+    without an unknown token raises a bare ``Exception`` for any character it lacks."""
+    try:
+        return encode(text)
+    except Exception as exc:
+        value = text[start:]
+        bad = next((c for c in dict.fromkeys(value) if not _encodes(encode, c)), None)
+        which = (
+            ""
+            if bad is None
+            else f": {bad!r} (U+{ord(bad):04X}) at character {value.index(bad) + 1}"
+        )
+        raise DataError(
+            f"{where}: the tokenizer cannot encode {key!r}{which} ({type(exc).__name__}: {exc}); "
+            "remove the character from the data, or use a tokenizer whose vocabulary has it"
+        ) from exc
+
+
+def _encodes(encode: Callable[[str], list[int]], text: str) -> bool:
+    try:
+        encode(text)
+    except Exception:
+        return False
+    return True
+
+
 def _load_prompts(
     path: Path,
     tokenizer: Tokenizer,
     input_key: str,
     label_key: str | None,
     apply_chat_template: bool,
+    max_prompt_len: int | None = None,
+    dropped: list[str] | None = None,
 ) -> tuple[Prompt, ...]:
     if apply_chat_template and not isinstance(tokenizer, ChatTokenizer):
         raise DataError(
@@ -310,6 +353,7 @@ def _load_prompts(
             "tokenizer in rlcore.data.HFTokenizer)"
         )
     prompts: list[Prompt] = []
+    too_long: list[str] = []
     for where, record in _read_records(path):
         if not isinstance(record, dict):
             raise DataError(
@@ -327,15 +371,18 @@ def _load_prompts(
             assert isinstance(tokenizer, ChatTokenizer)  # checked above
             messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
             text = tokenizer.render_chat(messages)
-            ids = tokenizer.encode_rendered(text)
-            full = tokenizer.encode_rendered(text + label)
+            encode: Callable[[str], list[int]] = tokenizer.encode_rendered
         else:
             assert isinstance(value, str)  # _prompt_input accepts only strings without a template
             text = value
-            ids = tokenizer.encode(text)
-            full = tokenizer.encode(text + label)
+            encode = tokenizer.encode
+        ids = _encoded(encode, text, where, input_key)
+        full = _encoded(encode, text + label, where, label_key or input_key, start=len(text))
         if not ids:
             raise DataError(f"{where}: the prompt {_excerpt(text)} encodes to no tokens")
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            too_long.append(f"{where} ({len(ids)} tokens)")
+            continue
         prompts.append(
             Prompt(
                 index=len(prompts),
@@ -344,6 +391,14 @@ def _load_prompts(
                 label=label,
                 target_token_ids=_target_ids(ids, full, tokenizer.eos_token_id) if label else (),
             )
+        )
+    if dropped is not None:
+        dropped += too_long
+    if not prompts and too_long:
+        raise DataError(
+            f"{path}: every prompt is longer than {max_prompt_len} tokens (the first: "
+            f"{too_long[0]}); raise --rollout-max-prompt-len (within the model's positions, less "
+            "--rollout-max-response-len) or shorten the prompts"
         )
     if not prompts:
         raise DataError(f"{path}: the file holds no prompts; point the flag at a non-empty file")
@@ -358,6 +413,8 @@ def load_eval_sets(
     input_key: str = ...,
     label_key: str | None = ...,
     apply_chat_template: Literal[False] = ...,
+    max_prompt_len: int | None = ...,
+    dropped: list[str] | None = ...,
 ) -> tuple[EvalSet, ...]: ...
 
 
@@ -369,6 +426,8 @@ def load_eval_sets(
     input_key: str = ...,
     label_key: str | None = ...,
     apply_chat_template: bool,
+    max_prompt_len: int | None = ...,
+    dropped: list[str] | None = ...,
 ) -> tuple[EvalSet, ...]: ...
 
 
@@ -379,10 +438,12 @@ def load_eval_sets(
     input_key: str = "input",
     label_key: str | None = "label",
     apply_chat_template: bool = False,
+    max_prompt_len: int | None = None,
+    dropped: list[str] | None = None,
 ) -> tuple[EvalSet, ...]:
     """Load each ``(name, path)`` pair (``--eval-prompt-data NAME PATH ...``) as an
-    :class:`EvalSet`, in order. Names must be unique (they namespace the metrics,
-    ``eval/NAME/...``)."""
+    :class:`EvalSet`, in order, as :func:`load_prompts` does. Names must be unique (they
+    namespace the metrics, ``eval/NAME/...``)."""
     seen: dict[str, Path] = {}
     for name, path in pairs:
         if not name:
@@ -396,7 +457,15 @@ def load_eval_sets(
     return tuple(
         EvalSet(
             name=name,
-            prompts=_load_prompts(path, tokenizer, input_key, label_key, apply_chat_template),
+            prompts=_load_prompts(
+                path,
+                tokenizer,
+                input_key,
+                label_key,
+                apply_chat_template,
+                max_prompt_len,
+                dropped,
+            ),
         )
         for name, path in pairs
     )

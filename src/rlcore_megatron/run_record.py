@@ -29,6 +29,7 @@ __all__ = [
     "RUN_FILES",
     "interrupted_message",
     "latest_checkpoint",
+    "resume_hint",
     "start_output_folder",
     "write_summary",
 ]
@@ -95,12 +96,15 @@ def interrupted_message(result: RunResult, config: RunConfig) -> str:
         if result.trained
         else "trained nothing"
     )
+    return f"interrupted {where}: {trained}; {resume_hint(config)}; summary in " + str(
+        config.output_dir / "summary.json"
+    )
+
+
+def resume_hint(config: RunConfig) -> str:
+    """Where a stopped run can go on from: ``latest checkpoint DIR/rollout_N (resume with --load
+    DIR)``, or ``no checkpoint``."""
     latest = latest_checkpoint(config)
-    resume = (
-        f"; latest checkpoint {latest} (resume with --load {config.checkpoint.save})"
-        if latest
-        else "; no checkpoint"
-    )
-    return (
-        f"interrupted {where}: {trained}{resume}; summary in {config.output_dir / 'summary.json'}"
-    )
+    if latest is None:
+        return "no checkpoint"
+    return f"latest checkpoint {latest} (resume with --load {config.checkpoint.save})"

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from rlcore.checkpoint_files import CheckpointMeta
+from rlcore.config.flags import load_config
 from rlcore.loop.checkpoints import write_checkpoint
+from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI, model_hub
 
 
@@ -180,3 +182,26 @@ def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) ->
         "--num-rollout above 3 to train on, or evaluate the checkpoint with --num-rollout 0 "
         f"--load {ckpt}\n"
     )
+
+
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_prompts_too_long_for_the_model_are_left_out_or_refused(demo: Path, tmp_path: Path) -> None:
+    """The demo model has 64 positions: with 16 new tokens, prompts of more than 48 tokens are
+    left out when the data is read (said in the log), and a file of nothing else is refused."""
+    data = tmp_path / "long.jsonl"
+    short, long = "407>", "1" * 60 + ">"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in (short, long)))
+    flags = [
+        *_flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model")),
+        "--rollout-max-response-len",
+        "16",
+    ]
+    elsewhere = ["--output-dir", str(tmp_path / "prepared")]  # (prepare keeps what it made)
+    prepared = prepare(load_config([*flags, "--prompt-data", str(data), *elsewhere]))
+    assert [p.text for p in prepared.data.train_prompts] == [short]
+    assert prepared.notes == (
+        f"data: left out 1 of the 2 prompts in {data}: longer than 48 tokens "
+        f"(--rollout-max-prompt-len); the first, {data}:2 (62 tokens)",
+    )
+    err = _refused([*flags, "--prompt-data", str(data), "--rollout-max-prompt-len", "3"], tmp_path)
+    assert err.startswith(f"error: DataError: {data}: every prompt is longer than 3 tokens"), err

@@ -154,7 +154,9 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     finally:
         cli.kill_everything()
     assert code == 1, cli.stderr
-    assert "the grader is down" in cli.stderr.splitlines()[-1], cli.stderr
+    *_, error, hint = cli.stderr.splitlines()
+    assert error.startswith("error: RewardError: ") and "the grader is down" in error, cli.stderr
+    assert hint == f"latest checkpoint {save / 'rollout_000001'} (resume with --load {save})"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "the grader is down" in summary["error"]["message"]

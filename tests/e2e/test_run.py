@@ -19,7 +19,8 @@ from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.run import _tokenizer, execute, main, make_engine
+from rlcore_megatron.prepare import load_tokenizer
+from rlcore_megatron.run import execute, main, make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 
@@ -215,7 +216,7 @@ def test_more_ranks_than_the_machine_has_are_refused_at_once(demo: Path, tmp_pat
         str(ranks),
         timeout=300,
     )
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]  # found before anything started
     # Seconds of start-up (more on a loaded machine), not the 600 s group timeout of before.
     assert time.monotonic() - started < 240
     assert "PlacementError: the run does not fit on this Ray cluster" in run.stderr
@@ -238,7 +239,7 @@ def test_bf16_grpo_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None)
             "--skip-eval-before-train",
         )
     )
-    engine = make_engine(config, _tokenizer(config))
+    engine = make_engine(config, load_tokenizer(config))
     assert isinstance(engine, EmbeddedEngine)
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}  # the trainer's dtype
     engine.close()
@@ -380,7 +381,7 @@ def test_bad_data_stops_before_any_model_is_built(
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "123>", "answer": "321"}\n{"prompt": "45\n')
     code = main(_flags(demo, tmp_path / "out", "--num-rollout", "2", "--prompt-data", str(bad)))
-    assert code == 1
+    assert code == 2  # found before anything started, as configuration problems are
     err = capsys.readouterr().err
     assert f"{bad}:2" in err
     assert not (tmp_path / "out" / "summary.json").exists()

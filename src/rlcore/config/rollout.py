@@ -32,6 +32,13 @@ class RolloutConfig:
     rollout_batch_size: int = option(8, "--rollout-batch-size", "prompts per rollout")
     n_samples_per_prompt: int = option(4, "--n-samples-per-prompt", "responses sampled per prompt")
     max_response_len: int = option(16, "--rollout-max-response-len", "max new tokens per response")
+    max_prompt_len: int | None = option(
+        None,
+        "--rollout-max-prompt-len",
+        "prompts of more tokens are dropped when the data is read (counted in the log; the run "
+        "is refused when none is left); default: the model's maximum positions less "
+        "--rollout-max-response-len",
+    )
     temperature: float = option(1.0, "--rollout-temperature", "sampling temperature")
     top_p: float = option(1.0, "--rollout-top-p", "nucleus sampling threshold (1.0 = off)")
     top_k: int = option(0, "--rollout-top-k", "top-k sampling (0 = off)")
@@ -159,6 +166,8 @@ def rollout_problems(r: RolloutConfig) -> list[ConfigProblem]:
             "dynamic_sampling_max_rounds",
             f"must be >= 1, got {r.dynamic_sampling_max_rounds}",
         )
+    if r.max_prompt_len is not None and r.max_prompt_len < 1:
+        add("max_prompt_len", f"must be >= 1, got {r.max_prompt_len}")
     if r.max_staleness < 0:
         add("max_staleness", f"must be >= 0, got {r.max_staleness}")
     if r.partial_rollout and r.max_staleness < 2:

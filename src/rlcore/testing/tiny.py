@@ -42,7 +42,8 @@ def build_char_tokenizer(
     order (so ``"0123456789+= "`` gives bench-tiny's 16-token vocabulary). Encoding prepends
     ``<bos>``; decoding concatenates characters with no separator; padding is on the left (the
     rollout engine left-pads prompts). There is no ``<unk>``: encoding a character outside the
-    alphabet drops it, as ``WordLevel`` without an unknown token does.
+    alphabet raises ``Exception("WordLevel error: Missing [UNK] token ...")``, as ``WordLevel``
+    without an unknown token does (:func:`rlcore.data.load_prompts` names the character).
 
     With ``alphabet="0123456789+= "`` the saved ``tokenizer.json`` is byte-identical to
     bench-tiny's. Raises ``ValueError`` when the alphabet is empty or repeats a character.

@@ -1,0 +1,333 @@
+"""Everything ``python -m rlcore_megatron.run`` checks before anything starts (:func:`prepare`).
+
+Fail fast, leave nothing behind: :func:`preflight` checks the model folder (its files, every
+safetensors file complete, ``config.json`` read by the Megatron backend's own validator), that
+``--load`` names a checkpoint, that the output folders can be written and that a fresh run does
+not save among another run's checkpoints; then the data is read and checked (a malformed file
+stops the run with the file and line), the plan is made, every ``--...-path`` function imported,
+a ``--load`` that leaves nothing to train refused, and the ranks placed on this machine. A problem
+found here stops the run before Ray or any model starts (the CLI exits with 2), and the folders
+the checks created are removed again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rlcore.checkpoint_files import find_checkpoint
+from rlcore.config import RunConfig, with_flag
+from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
+from rlcore.engines import load_engine
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem
+from rlcore.loop import RunData, check_inputs, resume_point
+from rlcore.loop.plan import Plan, TrainPlan, plan, resolve_num_rollout
+from rlcore.loop.preflight import (
+    check_model_folder,
+    prepare_output_folders,
+    remove_folders,
+    save_folder_problems,
+)
+from rlcore.protocols import RewardFn
+from rlcore.rollout import load_group_filter, load_rollout_function
+from rlcore.rollout.multiturn import (
+    load_custom_generate_function,
+    load_environment_factory,
+    with_env_reward,
+)
+from rlcore.rollout.rewards import get_reward_fn
+from rlcore.samples import Prompt
+from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
+
+__all__ = [
+    "Prepared",
+    "check_user_functions",
+    "load_run_data",
+    "load_tokenizer",
+    "local_node",
+    "placement_request",
+    "prompt_length_limit",
+    "preflight",
+    "prepare",
+]
+
+
+def _model_problems(hf_config: dict[str, Any], path: Path, where: str) -> list[ConfigProblem]:
+    """What the Megatron backend cannot build in ``config.json``, by its own validator (which
+    imports no Megatron)."""
+    from rlcore_megatron.arch import arch_from_hf_config
+
+    try:
+        arch_from_hf_config(hf_config, str(path))
+    except ConfigError as exc:
+        return [
+            ConfigProblem(where, f"{path}: {p.path}: {p.message}", p.hint) for p in exc.problems
+        ]
+    return []
+
+
+def preflight(config: RunConfig) -> list[Path]:
+    """Check, before anything starts, what the run needs from the file system: the model folder
+    (files present, safetensors complete, ``config.json`` buildable), the checkpoint ``--load``
+    names, and that ``--output-dir`` and ``--save`` can be created and written.
+
+    Returns the folders it created. Raises one :class:`ConfigError` listing every problem, after
+    removing them.
+    """
+    problems: list[ConfigProblem] = []
+    where = with_flag("model.hf_checkpoint")
+    folder = config.model.hf_checkpoint
+    if folder is None:
+        problems.append(
+            ConfigProblem(
+                where, "no model given", "point --hf-checkpoint at a Hugging Face model folder"
+            )
+        )
+    else:
+        found, hf_config = check_model_folder(folder, where)
+        problems += found
+        if hf_config:
+            problems += _model_problems(hf_config, folder / "config.json", where)
+    if config.checkpoint.load is not None:
+        try:
+            find_checkpoint(config.checkpoint.load)
+        except CheckpointError as exc:
+            problems.append(ConfigProblem(with_flag("checkpoint.load"), str(exc)))
+    outputs = [(with_flag("output_dir"), config.output_dir)]
+    c = config.checkpoint
+    if c.save is not None:
+        outputs.append((with_flag("checkpoint.save"), c.save))
+        fresh = c.load is None or c.finetune
+        problems += save_folder_problems(c.save, c.load, fresh=fresh, overwrite=c.overwrite_save)
+    created: list[Path] = []
+    try:
+        created = prepare_output_folders(outputs)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        remove_folders(created)
+        raise ConfigError(problems)
+    return created
+
+
+def load_tokenizer(config: RunConfig) -> HFTokenizer:
+    """The model folder's tokenizer, from local files only."""
+    from transformers import AutoTokenizer
+
+    folder = config.model.hf_checkpoint
+    if folder is None:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint (--hf-checkpoint)",
+                    "no model given",
+                    "point --hf-checkpoint at a Hugging Face model folder",
+                )
+            ]
+        )
+    try:
+        # A local folder only: never a model hub lookup (which waits on the network).
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    except OSError as exc:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint (--hf-checkpoint)",
+                    f"no tokenizer in {folder}: {exc}",
+                    "save the tokenizer beside the model",
+                )
+            ]
+        ) from exc
+
+
+def prompt_length_limit(config: RunConfig) -> int | None:
+    """The longest prompt the run takes, in tokens: ``--rollout-max-prompt-len``, else the
+    model's maximum positions (``config.json``) less ``--rollout-max-response-len``, so that a
+    prompt and its answer fit; ``None`` when neither is known."""
+    r = config.rollout
+    if r.max_prompt_len is not None:
+        return r.max_prompt_len
+    folder = config.model.hf_checkpoint
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    hf_config = json.loads((folder / "config.json").read_text())
+    positions = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))
+    if not isinstance(positions, int):
+        return None
+    if positions <= r.max_response_len:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    with_flag("rollout.max_response_len"),
+                    f"{r.max_response_len} new tokens leave no room for a prompt in the "
+                    f"{positions} positions of {folder / 'config.json'}",
+                    f"lower it below {positions}",
+                )
+            ]
+        )
+    return positions - r.max_response_len
+
+
+def load_run_data(
+    config: RunConfig, tokenizer: HFTokenizer, notes: list[str] | None = None
+) -> RunData:
+    """Every prompt the run needs, read and validated before anything heavy is built. Prompts
+    longer than :func:`prompt_length_limit` are left out; ``notes`` receives a line per file
+    that lost some (how many, and the first one's place)."""
+    d = config.data
+    limit = prompt_length_limit(config)
+    dropped: list[str] = []
+
+    def note(where: str, kept: int) -> None:
+        if dropped and notes is not None:
+            notes.append(
+                f"data: left out {len(dropped)} of the {len(dropped) + kept} prompts in {where}: "
+                f"longer than {limit} tokens (--rollout-max-prompt-len); the first, {dropped[0]}"
+            )
+        dropped.clear()
+
+    train: tuple[Prompt, ...] = ()
+    if not config.is_eval_only:
+        if d.prompt_data is None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "data.prompt_data (--prompt-data)",
+                        "a training run needs prompts",
+                        "add --prompt-data FILE.jsonl, or --num-rollout 0 to evaluate only",
+                    )
+                ]
+            )
+        train = load_prompts(
+            d.prompt_data,
+            tokenizer=tokenizer,
+            input_key=d.input_key,
+            label_key=d.label_key,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_len=limit,
+            dropped=dropped,
+        )
+        note(str(d.prompt_data), len(train))
+    eval_sets = load_eval_sets(
+        [(e.name, e.path) for e in config.eval.prompt_data],
+        tokenizer=tokenizer,
+        input_key=d.input_key,
+        label_key=d.label_key,
+        apply_chat_template=d.apply_chat_template,
+        max_prompt_len=limit,
+        dropped=dropped,
+    )
+    kept = sum(len(e.prompts) for e in eval_sets)
+    note("the eval sets " + ", ".join(str(e.path) for e in config.eval.prompt_data), kept)
+    return RunData(train_prompts=train, eval_sets=eval_sets, seed=config.seed)
+
+
+def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
+    """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only)
+    and, when the engine runs servers, the rollout GPUs."""
+    k = config.cluster
+    kind = load_engine(config.rollout.engine)
+    servers = kind.runs_servers(kind.options(config.rollout.engine_options))
+    critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
+    reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    overlaps = isinstance(the_plan, TrainPlan) and the_plan.max_staleness > 0
+    return PlacementRequest(
+        actor_ranks=k.actor_ranks,
+        critic_ranks=k.critic_ranks if critic else 0,
+        reference=reference,
+        rollout_gpus=k.rollout_gpus if servers else 0,
+        gpus_per_engine=k.rollout_num_gpus_per_engine,
+        colocate=k.colocate,
+        # An engine in this process that generates while the ranks train gets a CPU slot of its
+        # own, on the local CPU instance (a joined cluster does not place this process).
+        driver_engine=(
+            overlaps and not servers and config.ray_address is None and local_node().gpus == 0
+        ),
+    )
+
+
+def check_user_functions(config: RunConfig) -> None:
+    """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
+    Ray, the engine or any model starts (a :class:`ConfigError` naming the flag)."""
+    r, a = config.rollout, config.algorithm
+    if r.rollout_function_path is not None:
+        load_rollout_function(r.rollout_function_path)
+    if r.dynamic_sampling_filter_path is not None:
+        load_group_filter(r.dynamic_sampling_filter_path)
+    if config.multiturn.environment_path is not None:
+        load_environment_factory(config.multiturn.environment_path)
+    if config.multiturn.custom_generate_function_path is not None:
+        load_custom_generate_function(config.multiturn.custom_generate_function_path)
+    if config.corrects_off_policy and a.custom_tis_function_path is not None:
+        from rlcore.algorithms.correction import load_is_weight_fn
+
+        load_is_weight_fn(a.custom_tis_function_path)
+
+
+def _ray_started() -> bool:
+    """Ray is initialised in this process (without importing it: importing reads RAY_AUTH_MODE)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def local_node() -> NodeResources:
+    """This machine as the local Ray instance the CLI starts will declare it: its CPUs (at least
+    2, so a rank and a server fit on a 1-core machine) and its CUDA GPUs."""
+    import torch
+
+    cpus = max(os.cpu_count() or 1, 2)
+    return NodeResources("local", "127.0.0.1", cpus, torch.cuda.device_count())
+
+
+@attrs.frozen
+class Prepared:
+    """A run checked and ready to start (:func:`prepare`): nothing is started yet."""
+
+    config: RunConfig
+    plan: Plan
+    tokenizer: HFTokenizer
+    data: RunData
+    reward_fn: RewardFn
+    request: PlacementRequest
+    notes: tuple[str, ...] = ()
+    """What the checks decided that the run's log should say (prompts left out)."""
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Everything a run checks before anything starts: the file system (:func:`preflight`), the
+    data, the plan, the user's functions, ``--load`` and whether the ranks fit this machine.
+
+    Raises the problem found (:class:`ConfigError`, :class:`PlanError`, :class:`DataError`,
+    :class:`PlacementError`, ...) after removing the folders it created.
+    """
+    created = preflight(config)
+    try:
+        tokenizer = load_tokenizer(config)
+        notes: list[str] = []
+        data = load_run_data(config, tokenizer, notes)
+        if not config.is_eval_only:
+            config = resolve_num_rollout(config, len(data.train_prompts))
+        the_plan = plan(config)
+        reward_fn = with_env_reward(
+            get_reward_fn(config.data.rm_type, config.data.custom_rm_path),
+            config.multiturn.env_reward,
+        )
+        check_user_functions(config)
+        check_inputs(the_plan, data)
+        if isinstance(the_plan, TrainPlan):
+            resume_point(the_plan)
+        request = placement_request(config, the_plan)
+        if config.ray_address is None and not _ray_started():
+            # The local instance will hold exactly this machine: refuse a run that cannot fit
+            # now, before Ray starts. (A joined cluster is checked as Ray reports it, in
+            # reserve().)
+            plan_layout(request, [local_node()])
+    except BaseException:
+        remove_folders(created)
+        raise
+    return Prepared(config, the_plan, tokenizer, data, reward_fn, request, tuple(notes))
