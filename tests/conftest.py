@@ -12,4 +12,4 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-pytest_plugins = ["tests.conftest_ray"]
+pytest_plugins = ["tests.conftest_ray", "tests.small_disk"]

@@ -19,6 +19,7 @@ import pytest
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.loop.metrics import read_jsonl_metrics
 from tests.e2e.cli import WatchedCLI, model_hub
+from tests.small_disk import SmallDisk
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 
@@ -168,4 +169,29 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1]
     for name, text in earlier.items():
         assert (out / "previous" / "1" / name).read_text() == text
+    assert cli.survivors(within_s=SURVIVAL_S) == []
+
+
+def test_a_full_disk_stops_the_run_before_a_save_and_keeps_the_last_checkpoint(
+    demo: Path, tmp_path: Path, small_disk: SmallDisk
+) -> None:
+    """--save on a real 2 MiB disk: the first checkpoint (about 1.2 MiB) fits, the second
+    cannot, and the run says so before writing it (exit 1), with the checkpoint kept."""
+    out, save = tmp_path / "out", small_disk(2 * 2**20)
+    cli = WatchedCLI(_flags(demo, out, save), tmp_path / "cli")
+    try:
+        code = cli.wait(timeout_s=600)
+    finally:
+        cli.kill_everything()
+    assert code == 1, cli.stderr
+    kept = save / "rollout_000000"
+    assert (
+        f"error: CheckpointError: not enough space on the disk holding {save} for checkpoint "
+        "rollout_000001: it needs about "
+    ) in cli.stderr
+    assert f"the latest checkpoint is still {kept}" in cli.stderr
+    assert find_checkpoint(save) == kept
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000000"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["latest_checkpoint"] == str(kept)
     assert cli.survivors(within_s=SURVIVAL_S) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint, read_meta
 from rlcore.errors import CheckpointError
 from rlcore.loop.checkpoints import write_checkpoint
+from tests.small_disk import SmallDisk
 
 
 def _writer(text: str) -> Callable[[Path], None]:
@@ -118,3 +120,57 @@ def test_ctrl_c_during_a_save_leaves_no_debris_and_the_last_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == saved
     assert find_checkpoint(tmp_path) == first
     assert (first / "actor" / "weights").read_text() == "a0"
+
+
+def _bytes_writer(size: int) -> Callable[[Path], None]:
+    def save(folder: Path) -> None:
+        (folder / "weights").write_bytes(b"w" * size)
+
+    return save
+
+
+def test_a_save_that_cannot_fit_is_refused_before_it_writes(small_disk: SmallDisk) -> None:
+    """The previous checkpoint's size against the free space, on a real 1 MiB disk."""
+    disk = small_disk(2**20)
+    first = write_checkpoint(
+        disk, CheckpointMeta(0, 4, ("actor",)), {"actor": _bytes_writer(600_000)}
+    )
+    with pytest.raises(CheckpointError) as info:
+        write_checkpoint(disk, CheckpointMeta(1, 8, ("actor",)), {"actor": _bytes_writer(600_000)})
+    assert re.match(
+        f"not enough space on the disk holding {re.escape(str(disk))} for checkpoint "
+        r"rollout_000001: it needs about 586\.\d KiB \(the size of rollout_000000\) and "
+        r"4\d\d\.\d KiB is free",
+        str(info.value),
+    ), str(info.value)
+    assert f"free; the latest checkpoint is still {first}" in str(info.value)
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000000"]
+
+
+@pytest.mark.parametrize("writer_error", ["ENOSPC", "its own words"])
+def test_a_save_that_fills_the_disk_says_so_and_keeps_the_last_checkpoint(
+    small_disk: SmallDisk, writer_error: str
+) -> None:
+    """The kernel's ENOSPC, or a writer that reports it in its own words (Megatron's
+    ``CheckpointException ranks:...``): either way the message says the disk is full."""
+    disk = small_disk(2**20)
+    first = write_checkpoint(disk, CheckpointMeta(0, 4, ("actor",)), {"actor": _bytes_writer(1000)})
+
+    def fill(folder: Path) -> None:
+        try:
+            _bytes_writer(2 * 2**20)(folder)
+        except OSError:
+            if writer_error == "ENOSPC":
+                raise
+            raise RuntimeError("CheckpointException ranks:dict_keys([0])") from None
+        raise AssertionError("2 MiB fit on a 1 MiB disk")
+
+    with pytest.raises(CheckpointError) as info:
+        write_checkpoint(disk, CheckpointMeta(1, 8, ("actor",)), {"actor": fill})
+    message = str(info.value)
+    assert message.startswith(
+        f"saving checkpoint {disk / 'rollout_000001'} failed: no space left on the device "
+        f"holding {disk} ("
+    )
+    assert f"the latest checkpoint is still {first}" in message
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000000"]

@@ -7,10 +7,16 @@ previous checkpoint as ``latest``: a failed save never replaces a good one. A ki
 cannot remove its temporary folder (a whole checkpoint's size), so every save first removes the
 ones an earlier, interrupted save left behind, and logs each: a save folder belongs to one run at
 a time.
+
+Disk space: before writing, a save compares the free space of the save folder's disk with the
+size of the previous checkpoint and refuses at once when it cannot fit (``not enough space on
+the disk holding ...``); a save that fails on a full disk anyway says so (``no space left on the
+device holding ...``), whatever the writer's own error says, and names the checkpoint kept.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -79,6 +85,7 @@ def write_checkpoint(
     remove_interrupted_saves(root)
     name = rollout_dir_name(meta.rollout_id)
     final = root / name
+    _check_space(root, name)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     old = root / f".old-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -100,13 +107,69 @@ def write_checkpoint(
         _fsync_write(pointer, name + "\n")
         os.replace(pointer, root / LATEST_FILE)
     except BaseException as exc:
+        full = isinstance(exc, Exception) and _disk_full(root, exc)  # before freeing tmp's space
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():  # stopped between the two renames
             old.rename(final)
-        if isinstance(exc, Exception):
-            raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
-        raise
+        if not isinstance(exc, Exception):
+            raise
+        if full:
+            raise CheckpointError(
+                f"saving checkpoint {final} failed: no space left on the device holding {root} "
+                f"({_size(shutil.disk_usage(root).free)} free once its partial files were "
+                f"removed); {_kept(root)}. Free some space or point --save at a bigger disk. "
+                f"The writer said: {exc}"
+            ) from exc
+        raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
     return final
+
+
+_FULL_BELOW = 16 * 2**20
+"""Free bytes under which a disk counts as full when a save has just failed on it."""
+
+
+def _disk_full(root: Path, exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is ENOSPC, or the disk is as good as full now."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return shutil.disk_usage(root).free < _FULL_BELOW
+
+
+def _check_space(root: Path, name: str) -> None:
+    """Refuse a save that cannot fit: the previous checkpoint's size against the free space."""
+    try:
+        previous = find_checkpoint(root)
+    except CheckpointError:
+        return  # the first save: nothing to go by
+    need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file())
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise CheckpointError(
+            f"not enough space on the disk holding {root} for checkpoint {name}: it needs about "
+            f"{_size(need)} (the size of {previous.name}) and {_size(free)} is free; "
+            f"{_kept(root)}. Free some space or point --save at a bigger disk"
+        )
+
+
+def _kept(root: Path) -> str:
+    try:
+        return f"the latest checkpoint is still {find_checkpoint(root)}"
+    except CheckpointError:
+        return "no earlier checkpoint was written"
+
+
+def _size(n: int) -> str:
+    value, unit = float(n), "bytes"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 def remove_interrupted_saves(root: Path) -> list[Path]:
