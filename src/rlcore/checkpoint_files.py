@@ -6,14 +6,20 @@ Layout under the ``--save`` folder::
 
     rollout_000003/          one folder per saved rollout
         actor/  critic/      written by each training stack's ``save``
+        manifest.json        every other file's size and a checksum of its first and last MiB
         rlcore.json          rollout id, dataset position, stacks saved, the run's settings
                              (written last: a folder without it is not a checkpoint)
     latest                   text file naming the newest complete rollout folder
+
+:func:`verify_checkpoint` checks a folder against its manifest (a missing, cut or overwritten
+file is named), in time proportional to the number of files, not their size: a run checks what
+``--load`` names before anything starts.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,9 +30,11 @@ from rlcore.errors import CheckpointError
 
 __all__ = [
     "LATEST_FILE",
+    "MANIFEST_FILE",
     "META_FILE",
     "CheckpointMeta",
     "find_checkpoint",
+    "newest_intact_checkpoint",
     "read_meta",
     "saved_checkpoints",
     "rollout_dir_name",
@@ -34,6 +42,9 @@ __all__ = [
 
 META_FILE = "rlcore.json"
 LATEST_FILE = "latest"
+MANIFEST_FILE = "manifest.json"
+_ENDS = 2**20
+"""Bytes at each end of a file that its checksum covers."""
 
 
 @attrs.frozen
@@ -99,3 +110,73 @@ def read_meta(folder: Path) -> CheckpointMeta:
         raise CheckpointError(f"{path} is missing: not a complete checkpoint") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} is corrupt: {exc}") from exc
+
+
+def _checksum(path: Path, size: int) -> str:
+    """CRC-32 of the file's first and last MiB (all of it when it is smaller), as hex."""
+    with path.open("rb") as f:
+        crc = zlib.crc32(f.read(_ENDS))
+        if size > 2 * _ENDS:
+            f.seek(size - _ENDS)
+        crc = zlib.crc32(f.read(), crc)
+    return f"{crc:08x}"
+
+
+def _files(folder: Path) -> list[Path]:
+    skip = {folder / MANIFEST_FILE, folder / META_FILE}
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p not in skip)
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file in the checkpoint folder ``folder`` (but the manifest and
+    ``rlcore.json``): its size and :func:`_checksum`."""
+    entries = {}
+    for path in _files(folder):
+        size = path.stat().st_size
+        entries[path.relative_to(folder).as_posix()] = {
+            "size": size,
+            "crc32": _checksum(path, size),
+        }
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def verify_checkpoint(folder: Path) -> list[str]:
+    """What is wrong with the checkpoint ``folder`` against its manifest: each file that is
+    missing, has another size or another checksum (a line naming it). Empty when all is well, or
+    when the checkpoint predates manifests."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return []
+    try:
+        entries = {name: (int(e["size"]), str(e["crc32"])) for name, e in _read_files(path)}
+    except (ValueError, KeyError, TypeError) as exc:
+        return [f"{path} is corrupt ({exc})"]
+    problems = []
+    for name, (saved_size, crc) in sorted(entries.items()):
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+            continue
+        size = file.stat().st_size
+        if size != saved_size:
+            problems.append(f"{file} has {size} bytes, {saved_size} when it was saved")
+        elif _checksum(file, size) != crc:
+            problems.append(f"{file} has changed since it was saved (its checksum differs)")
+    return problems
+
+
+def _read_files(path: Path) -> list[tuple[str, Any]]:
+    files = json.loads(path.read_text())["files"]
+    if not isinstance(files, dict):
+        raise TypeError(f"'files' is a {type(files).__name__}, not an object")
+    return list(files.items())
+
+
+def newest_intact_checkpoint(save: Path, *, besides: Path) -> Path | None:
+    """The newest complete checkpoint in the save folder ``save``, other than ``besides``, that
+    :func:`verify_checkpoint` finds nothing wrong with."""
+    for folder in reversed(saved_checkpoints(save)):
+        if folder.is_dir() and folder != besides and (folder / META_FILE).is_file():
+            if not verify_checkpoint(folder):
+                return folder
+    return None

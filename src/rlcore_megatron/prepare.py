@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from rlcore.checkpoint_files import find_checkpoint
+from rlcore.checkpoint_files import find_checkpoint, newest_intact_checkpoint, verify_checkpoint
 from rlcore.config import RunConfig, with_flag
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import load_engine
@@ -95,7 +95,7 @@ def preflight(config: RunConfig) -> list[Path]:
             problems += _model_problems(hf_config, folder / "config.json", where)
     if config.checkpoint.load is not None:
         try:
-            find_checkpoint(config.checkpoint.load)
+            problems += _damaged(find_checkpoint(config.checkpoint.load))
         except CheckpointError as exc:
             problems.append(ConfigProblem(with_flag("checkpoint.load"), str(exc)))
     outputs = [(with_flag("output_dir"), config.output_dir)]
@@ -113,6 +113,22 @@ def preflight(config: RunConfig) -> list[Path]:
         remove_folders(created)
         raise ConfigError(problems)
     return created
+
+
+def _damaged(checkpoint: Path) -> list[ConfigProblem]:
+    """The checkpoint ``--load`` names against its manifest, with the newest intact one beside
+    it to load instead."""
+    found = verify_checkpoint(checkpoint)
+    if not found:
+        return []
+    intact = newest_intact_checkpoint(checkpoint.parent, besides=checkpoint)
+    hint = (
+        f"load the newest intact checkpoint instead: --load {intact}"
+        if intact is not None
+        else "no intact checkpoint is left beside it: start afresh"
+    )
+    message = f"checkpoint {checkpoint} is damaged: " + "; ".join(found)
+    return [ConfigProblem(with_flag("checkpoint.load"), message, hint)]
 
 
 def load_tokenizer(config: RunConfig) -> HFTokenizer:

@@ -205,3 +205,26 @@ def test_prompts_too_long_for_the_model_are_left_out_or_refused(demo: Path, tmp_
     )
     err = _refused([*flags, "--prompt-data", str(data), "--rollout-max-prompt-len", "3"], tmp_path)
     assert err.startswith(f"error: DataError: {data}: every prompt is longer than 3 tokens"), err
+
+
+def test_a_damaged_checkpoint_is_refused_with_the_intact_one_to_load(
+    demo: Path, tmp_path: Path
+) -> None:
+    """A shard cut in half: found before anything starts, the file named, and the newest
+    intact checkpoint offered instead."""
+    ckpt = tmp_path / "ckpt"
+
+    def shard_of_4_kib(folder: Path) -> None:
+        (folder / "shard.distcp").write_bytes(b"w" * 4096)
+
+    for rollout in (0, 1):
+        write_checkpoint(ckpt, CheckpointMeta(rollout, 8, ("actor",)), {"actor": shard_of_4_kib})
+    shard = ckpt / "rollout_000001" / "actor" / "shard.distcp"
+    shard.write_bytes(b"w" * 2048)
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused([*flags, "--load", str(ckpt)], tmp_path)
+    assert err.splitlines()[1:] == [
+        f"  - checkpoint.load (--load): checkpoint {ckpt / 'rollout_000001'} is damaged: {shard} "
+        f"has 2048 bytes, 4096 when it was saved (load the newest intact checkpoint instead: "
+        f"--load {ckpt / 'rollout_000000'})"
+    ]

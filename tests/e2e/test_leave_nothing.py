@@ -176,7 +176,8 @@ def test_a_full_disk_stops_the_run_before_a_save_and_keeps_the_last_checkpoint(
     demo: Path, tmp_path: Path, small_disk: SmallDisk
 ) -> None:
     """--save on a real 2 MiB disk: the first checkpoint (about 1.2 MiB) fits, the second
-    cannot, and the run says so before writing it (exit 1), with the checkpoint kept."""
+    cannot, and the run says so before writing it (exit 1), with the checkpoint kept. Then that
+    checkpoint loses Megatron's index file, and loading it is refused before anything starts."""
     out, save = tmp_path / "out", small_disk(2 * 2**20)
     cli = WatchedCLI(_flags(demo, out, save), tmp_path / "cli")
     try:
@@ -195,3 +196,14 @@ def test_a_full_disk_stops_the_run_before_a_save_and_keeps_the_last_checkpoint(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["latest_checkpoint"] == str(kept)
     assert cli.survivors(within_s=SURVIVAL_S) == []
+
+    # Megatron's checkpoint index deleted: --load of it is refused before anything starts.
+    metadata = kept / "actor" / "model" / ".metadata"
+    metadata.unlink()
+    again = WatchedCLI(
+        [*_flags(demo, tmp_path / "out2", tmp_path / "ckpt2"), "--load", str(save)],
+        tmp_path / "cli2",
+    )
+    assert again.wait(timeout_s=300) == 2
+    assert f"checkpoint {kept} is damaged: {metadata} is missing" in again.stderr, again.stderr
+    assert again.seen == {}  # nothing started

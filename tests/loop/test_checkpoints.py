@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -9,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint, read_meta
+from rlcore.checkpoint_files import (
+    MANIFEST_FILE,
+    CheckpointMeta,
+    find_checkpoint,
+    newest_intact_checkpoint,
+    read_meta,
+    verify_checkpoint,
+)
 from rlcore.errors import CheckpointError
 from rlcore.loop.checkpoints import write_checkpoint
 from tests.small_disk import SmallDisk
@@ -174,3 +182,31 @@ def test_a_save_that_fills_the_disk_says_so_and_keeps_the_last_checkpoint(
     )
     assert f"the latest checkpoint is still {first}" in message
     assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000000"]
+
+
+def test_the_manifest_names_a_damaged_file_and_the_newest_intact_checkpoint(
+    tmp_path: Path,
+) -> None:
+    saved = [
+        write_checkpoint(
+            tmp_path, CheckpointMeta(i, 4, ("actor",)), {"actor": _bytes_writer(3 * 2**20)}
+        )
+        for i in range(3)
+    ]
+    assert [verify_checkpoint(c) for c in saved] == [[], [], []]
+    assert json.loads((saved[0] / MANIFEST_FILE).read_text())["files"].keys() == {"actor/weights"}
+    last, middle = saved[2] / "actor" / "weights", saved[1] / "actor" / "weights"
+    with last.open("r+b") as f:  # a shard cut in half
+        f.truncate(3 * 2**19)
+    assert verify_checkpoint(saved[2]) == [
+        f"{last} has {3 * 2**19} bytes, {3 * 2**20} when it was saved"
+    ]
+    with middle.open("r+b") as f:  # the same size, other bytes at the end
+        f.seek(3 * 2**20 - 1)
+        f.write(b"x")
+    assert verify_checkpoint(saved[1]) == [
+        f"{middle} has changed since it was saved (its checksum differs)"
+    ]
+    assert newest_intact_checkpoint(tmp_path, besides=saved[2]) == saved[0]
+    middle.unlink()
+    assert verify_checkpoint(saved[1]) == [f"{middle} is missing"]

@@ -33,6 +33,7 @@ from rlcore.checkpoint_files import (
     find_checkpoint,
     read_meta,
     rollout_dir_name,
+    write_manifest,
 )
 from rlcore.config import RunConfig, with_flag
 from rlcore.config.resume import SettingChange, refusal, resume_changes, saved_config
@@ -95,6 +96,7 @@ def write_checkpoint(
             part = tmp / stack_name
             part.mkdir()
             save(part)
+        write_manifest(tmp)
         _fsync_write(tmp / META_FILE, json.dumps(attrs.asdict(meta), indent=1))
         if final.exists():  # re-saving the same rollout id: move the old one aside first
             shutil.rmtree(old, ignore_errors=True)
