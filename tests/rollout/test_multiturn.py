@@ -286,6 +286,19 @@ def test_a_failing_environment_or_generate_function_is_named() -> None:
     with pytest.raises(RolloutError, match="environment Broken raised KeyError"):
         wrapped.generate([prompt("x")], PARAMS)
 
+    class ReturnsADict:
+        async def step(self, turn: Turn) -> StepResult:
+            return {"observation": "no", "done": True}  # type: ignore[return-value]  # the misuse
+
+    wrapped = EpisodeEngine(engine, TOK, max_turns=2, make_environment=lambda p, t: ReturnsADict())
+    with pytest.raises(RolloutError) as info:
+        wrapped.generate([prompt("x")], PARAMS)
+    assert (
+        f"environment {__name__}.test_a_failing_environment_or_generate_function_is_named.<locals>"
+        ".ReturnsADict.step returned dict \"{'observation': 'no', 'done': True}\" at turn 0 of "
+        "prompt 0, not a StepResult; return rlcore.rollout.environments.StepResult("
+    ) in str(info.value)
+
     async def too_long(ctx: GenerateContext, p: Prompt) -> Generation:
         return Generation((65,) * 9, (0.0,) * 9, "A" * 9)
 

@@ -46,7 +46,7 @@ from rlcore.protocols import (
     receive_weights_midway,
     takes_weights_midway,
 )
-from rlcore.rollout.environments import EnvironmentFactory
+from rlcore.rollout.environments import EnvironmentFactory, StepResult
 from rlcore.rollout.rewards import AsyncReward, AsyncRewardFn, _run_coroutine
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams, Turn
 from rlcore.specs import EnvRewardMode
@@ -212,6 +212,15 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
                 f"environment {type(env).__name__} raised {type(exc).__name__}: {exc} at turn "
                 f"{turn_index} of prompt {prompt.index}; report tool problems as observations"
             ) from exc
+        if not isinstance(result, StepResult):
+            kind = type(env)
+            raise RolloutError(
+                f"environment {kind.__module__}.{kind.__qualname__}.step returned "
+                f"{type(result).__name__} {str(result)[:80]!r} at turn {turn_index} of prompt "
+                f"{prompt.index}, not a StepResult; return "
+                "rlcore.rollout.environments.StepResult(observation_ids, observation, reward, "
+                "done), or StepResult.of_text(tokenizer, text)"
+            )
         if result.reward is not None:
             env_reward = (env_reward or 0.0) + result.reward
         if result.done:
