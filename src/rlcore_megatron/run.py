@@ -33,9 +33,7 @@ from rlcore.errors import ConfigError, PlanError, RLCoreError
 from rlcore.loop import RunInterrupted, RunResult, run
 from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan
-from rlcore.loop.preflight import (
-    remove_earlier_checkpoints,
-)
+from rlcore.loop.preflight import remove_earlier_checkpoints
 from rlcore.loop.records import Progress
 from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rollout.multiturn import (

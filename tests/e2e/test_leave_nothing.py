@@ -131,7 +131,8 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     demo: Path, tmp_path: Path
 ) -> None:
     """A run that fails after start-up (here its reward, at rollout 2) exits 1 and says why on
-    stderr, at the end of run.log and in summary.json. The earlier run that wrote into the same
+    stderr, at the end of run.log and in summary.json (with --save-retain 1, the one checkpoint
+    kept is the latest). The earlier run that wrote into the same
     output folder keeps its files, moved aside; the new metrics file holds this run alone."""
     out, save = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
@@ -148,7 +149,13 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
         "    return 0.0\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    flags = [*_flags(demo, out, save), "--custom-rm-path", "flaky_grader:reward"]
+    flags = [
+        *_flags(demo, out, save),
+        "--custom-rm-path",
+        "flaky_grader:reward",
+        "--save-retain",
+        "1",
+    ]
     cli = WatchedCLI(flags, tmp_path / "cli", env)
     try:
         code = cli.wait(timeout_s=600)
@@ -163,6 +170,7 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     assert "the grader is down" in summary["error"]["message"]
     assert summary["trained"] == [0, 1] and summary["last_trained"] == 1
     assert summary["latest_checkpoint"] == str(save / "rollout_000001")
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000001"]  # retain 1
     last_line = (out / "run.log").read_text().splitlines()[-1]
     assert " ERROR rlcore: run failed: " in last_line and "the grader is down" in last_line
     rows = read_jsonl_metrics(out / "metrics.jsonl")

@@ -210,3 +210,30 @@ def test_the_manifest_names_a_damaged_file_and_the_newest_intact_checkpoint(
     assert newest_intact_checkpoint(tmp_path, besides=saved[2]) == saved[0]
     middle.unlink()
     assert verify_checkpoint(saved[1]) == [f"{middle} is missing"]
+
+
+def test_save_retain_keeps_the_newest_and_the_loaded_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loaded = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("a")})
+    (tmp_path / "rollout_000009").mkdir()  # an incomplete folder is not a checkpoint: left alone
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        for rollout in (1, 2, 3):
+            write_checkpoint(
+                tmp_path,
+                CheckpointMeta(rollout, 4, ("actor",)),
+                {"actor": _writer("b")},
+                retain=2,
+                keep=loaded,
+            )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "rollout_000000",  # the one the run loaded
+        "rollout_000002",
+        "rollout_000003",
+        "rollout_000009",
+    ]
+    assert find_checkpoint(tmp_path) == tmp_path / "rollout_000003"
+    assert f"checkpoints: removed {tmp_path / 'rollout_000001'} (--save-retain 2)" in [
+        r.getMessage() for r in caplog.records
+    ]

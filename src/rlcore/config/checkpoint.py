@@ -34,6 +34,13 @@ class CheckpointConfig:
     save_interval: int | None = option(
         None, "--save-interval", "save every N rollouts (and always after the last)"
     )
+    save_retain: int | None = option(
+        None,
+        "--save-retain",
+        "keep only the newest N checkpoints in --save: older ones are removed once a new one is "
+        "'latest' (never the one --load names); default: keep all (verl's "
+        "max_actor_ckpt_to_keep)",
+    )
     load: Path | None = option(
         None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
     )
@@ -113,6 +120,8 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
         add("save_interval", f"must be >= 1, got {c.save_interval}")
     if c.start_rollout_id is not None and c.start_rollout_id < 0:
         add("start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
+    if c.save_retain is not None and c.save_retain < 1:
+        add("save_retain", f"must be >= 1, got {c.save_retain}", "leave it out to keep them all")
     if c.save_interval is not None and c.save is None:
         add("save", "--save-interval is set but there is no save folder", "add --save DIR")
     if c.load is None:

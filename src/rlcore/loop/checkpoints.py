@@ -33,6 +33,7 @@ from rlcore.checkpoint_files import (
     find_checkpoint,
     read_meta,
     rollout_dir_name,
+    saved_checkpoints,
     write_manifest,
 )
 from rlcore.config import RunConfig, with_flag
@@ -53,6 +54,7 @@ __all__ = [
     "remove_interrupted_saves",
     "resume",
     "resume_point",
+    "retire_old_checkpoints",
     "save_checkpoint",
     "write_checkpoint",
 ]
@@ -74,6 +76,9 @@ def write_checkpoint(
     root: Path,
     meta: CheckpointMeta,
     save_stacks: Mapping[str, Callable[[Path], None]],
+    *,
+    retain: int | None = None,
+    keep: Path | None = None,
 ) -> Path:
     """Save every stack (``save_stacks[name](folder)``, each given a folder of its own that this
     function has created, empty) into one new checkpoint, atomically.
@@ -81,6 +86,9 @@ def write_checkpoint(
     Returns the final folder. On any failure the temporary folder is removed, ``latest`` is left
     as it was, and :class:`CheckpointError` (naming the folder) is raised from the cause. Ctrl-C
     (or any ``BaseException``) during the save cleans up the same way and goes on up as it is.
+
+    ``retain``: once the new checkpoint is ``latest``, only the newest ``retain`` checkpoints
+    stay (:func:`retire_old_checkpoints`), never ``keep`` (the one the run loaded).
     """
     root.mkdir(parents=True, exist_ok=True)
     remove_interrupted_saves(root)
@@ -123,7 +131,27 @@ def write_checkpoint(
                 f"The writer said: {exc}"
             ) from exc
         raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
+    if retain is not None:
+        retire_old_checkpoints(root, retain, keep=keep)
     return final
+
+
+def retire_old_checkpoints(root: Path, retain: int, keep: Path | None = None) -> list[Path]:
+    """Remove all but the newest ``retain`` complete checkpoints in ``root`` (and never
+    ``keep``); returns what it removed. Each goes by a rename to a hidden name first, so that a
+    kill half-way through leaves a folder the next save removes, not a damaged checkpoint."""
+    complete = [p for p in saved_checkpoints(root) if (p / META_FILE).is_file()]
+    protected = {keep.resolve()} if keep is not None else set()
+    retired = []
+    for folder in complete[: max(len(complete) - retain, 0)]:
+        if folder.resolve() in protected:
+            continue
+        hidden = root / f".old-{folder.name}-{os.getpid()}"
+        folder.rename(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        log.info("checkpoints: removed %s (--save-retain %d)", folder, retain)
+        retired.append(folder)
+    return retired
 
 
 _FULL_BELOW = 16 * 2**20
@@ -200,16 +228,18 @@ def save_checkpoint(
     consumed: int,
     carried: tuple[Group, ...],
     pending: Mapping[int, RolloutOutput] | None = None,
+    keep: Path | None = None,
 ) -> Path:
     """The save stage: every training stack, the prompt position ``consumed``, the groups
     ``carried`` into the next rollout to generate, the rollouts generated ahead of training
     (``pending``) and the run's settings, as checkpoint ``rollout_id`` in ``plan.save_dir``,
-    written atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`). Returns its
-    folder."""
+    written atomically (:func:`~rlcore.loop.checkpoints.write_checkpoint`); with
+    ``plan.save_retain`` older checkpoints go, never ``keep`` (the one the run loaded). Returns
+    its folder."""
     assert plan.save_dir is not None  # should_save is True only with a save folder
     meta = CheckpointMeta(rollout_id, consumed, tuple(stacks.training()), plan.settings)
     savers = _savers(stacks, rollout_id, carried, pending or {})
-    return write_checkpoint(plan.save_dir, meta, savers)
+    return write_checkpoint(plan.save_dir, meta, savers, retain=plan.save_retain, keep=keep)
 
 
 def _savers(
@@ -345,6 +375,8 @@ class Resumed:
     consumed: int
     carried: tuple[Group, ...] = ()
     pending: Mapping[int, RolloutOutput] = attrs.field(factory=dict)
+    loaded: Path | None = None
+    """The checkpoint folder the run loaded (``--save-retain`` never removes it)."""
 
 
 def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
@@ -371,12 +403,13 @@ def resume(plan: TrainPlan, stacks: TrainStacks) -> Resumed:
     for line in point.describe():
         log.info("%s", line)
     if plan.finetune:
-        return Resumed(point.first, point.consumed)
+        return Resumed(point.first, point.consumed, loaded=folder)
     return Resumed(
         point.first,
         point.consumed,
         read_carried(folder, meta.rollout_id),
         read_pending(folder),
+        loaded=folder,
     )
 
 

@@ -207,6 +207,7 @@ def run_overlapped_training(
                             sampler.consumed,
                             generator.carried,
                             generator.pending(),
+                            keep=resumed.loaded,
                         )
                         progress.saved.append(rollout_id)
                     t2 = time.perf_counter()

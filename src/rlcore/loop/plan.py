@@ -136,6 +136,8 @@ class TrainPlan:
     partial_rollout: bool = False
     """New weights interrupt in-flight generation (``--partial-rollout``, with ``max_staleness``
     > 1)."""
+    save_retain: int | None = None
+    """Keep only the newest ``save_retain`` checkpoints in ``save_dir`` (``--save-retain``)."""
     settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
     recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
@@ -355,6 +357,7 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         finetune=c.finetune,
         max_staleness=r.max_staleness,
         partial_rollout=r.partial_rollout,
+        save_retain=c.save_retain,
         settings=settings_data(config),
     )
 

@@ -102,7 +102,9 @@ def run_training(
             if should_save(
                 rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
             ):
-                save_checkpoint(plan, stacks, rollout_id, sampler.consumed, carried)
+                save_checkpoint(
+                    plan, stacks, rollout_id, sampler.consumed, carried, keep=resumed.loaded
+                )
                 progress.saved.append(rollout_id)
             t2 = time.perf_counter()
             metrics["perf/save_s"] = t2 - t1
