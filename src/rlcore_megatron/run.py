@@ -52,7 +52,15 @@ from rlcore_megatron.run_record import (
 )
 from rlcore_megatron.watchdog import watch_tree
 
-__all__ = ["engine_dtype", "episodes", "execute", "launch", "main", "make_engine"]
+__all__ = [
+    "engine_dtype",
+    "episodes",
+    "execute",
+    "launch",
+    "main",
+    "make_engine",
+    "stop_on_signals",
+]
 
 log = logging.getLogger("rlcore")
 
@@ -184,6 +192,39 @@ def _no_second_interrupt(active: bool) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Preemption (``kill``, ``scancel``, a Kubernetes eviction) and SLURM's ``--signal=USR1@T``."""
+STOPPED_EXIT = 143
+"""The exit status of a run stopped by one of :data:`STOP_SIGNALS` after saving (128 + SIGTERM)."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(progress: Progress) -> Iterator[None]:
+    """The first SIGTERM or SIGUSR1 asks the run to stop once the rollout being trained is
+    saved (:attr:`Progress.stop`); a second one stops it at once, as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        del frame
+        if progress.stop.is_set():
+            raise KeyboardInterrupt
+        progress.stop.set()
+        log.warning(
+            "%s: the run stops once the rollout being trained is saved (send it again to stop "
+            "at once, without saving)",
+            signal.Signals(signum).name,
+        )
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
     """:func:`prepare`, then :func:`launch`: run one configured job to the end."""
     return launch(prepare(config), notes)
@@ -244,7 +285,8 @@ def launch(prepared: Prepared, notes: Sequence[str] = ()) -> RunResult:
         replays = config.debug.replays
         engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
         engine = episodes(config, engine, tokenizer)
-        result = run(the_plan, backend, engine, reward_fn, data, sink, progress=progress)
+        with stop_on_signals(progress):
+            result = run(the_plan, backend, engine, reward_fn, data, sink, progress=progress)
     except RunInterrupted as exc:
         interrupted = exc
         result = exc.result
@@ -298,7 +340,8 @@ def _offline_and_quiet() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code: 2 for a problem found before anything starts
     (the flags, the paths, the data, a checkpoint, ranks that do not fit this machine), 1 for an
-    error once the run has started, 130 after Ctrl-C."""
+    error once the run has started, 130 after Ctrl-C, 143 after SIGTERM or SIGUSR1 (stopped
+    once the rollout being trained was saved)."""
     args = list(sys.argv[1:] if argv is None else argv)
     _offline_and_quiet()
     parser = build_parser(description=DESCRIPTION)
@@ -335,6 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunInterrupted as exc:
         print(interrupted_message(exc.result, prepared.config), file=sys.stderr)
         return 130
+    if result.stopped:
+        print(
+            f"stopped on request after rollout {result.trained[-1]}: "
+            f"{resume_hint(prepared.config)}",
+            file=sys.stderr,
+        )
+        return STOPPED_EXIT
     evals = {k: round(v, 4) for k, v in result.last_eval.items()}
     if result.trained:
         trained = f"rollouts {result.trained[0]}..{result.trained[-1]}"

@@ -1,10 +1,11 @@
 """What a run of ``python -m rlcore_megatron.run`` leaves in its output folder (``--output-dir``),
 however it ends.
 
-- ``summary.json``, on every exit the process lives through: ``status`` (``"ok"``, ``"failed"``
-  or ``"interrupted"``), for a failed run the error's type and message, what the run built,
-  trained, saved and evaluated (``last_trained``: the last rollout whose training finished), its
-  last metrics and the latest checkpoint in ``--save``.
+- ``summary.json``, on every exit the process lives through: ``status`` (``"ok"``, ``"failed"``,
+  ``"interrupted"`` by Ctrl-C, or ``"stopped"`` by SIGTERM after a save), for a failed run the
+  error's type and message, what the run built, trained, saved and evaluated (``last_trained``:
+  the last rollout whose training finished), its last metrics and the latest checkpoint in
+  ``--save``.
 - ``run.log`` ends with a failed run's error, as the console does.
 - One run per ``metrics.jsonl``: a run that does not continue the run recorded in the folder
   (anything but a training run resumed with ``--load``) first moves that run's files into
@@ -37,7 +38,7 @@ __all__ = [
 RUN_FILES = ("metrics.jsonl", "run.log", "summary.json")
 """The files a run writes into its output folder that belong to that run alone."""
 
-Status = Literal["ok", "failed", "interrupted"]
+Status = Literal["ok", "failed", "interrupted", "stopped"]
 
 
 def start_output_folder(output_dir: Path, *, continues: bool) -> Path | None:
@@ -74,6 +75,8 @@ def write_summary(
     status: Status = "failed" if error is not None else "ok"
     if result.interrupted:
         status = "interrupted"
+    elif result.stopped:
+        status = "stopped"
     summary = {"status": status, **attrs.asdict(result)}
     if error is not None:
         summary["error"] = {"type": type(error).__name__, "message": str(error)}

@@ -12,12 +12,17 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.loop.metrics import read_jsonl_metrics
+from rlcore.loop.records import Progress
+from rlcore_megatron.run import stop_on_signals
 from tests.e2e.cli import WatchedCLI, model_hub
 from tests.small_disk import SmallDisk
 
@@ -215,3 +220,73 @@ def test_a_full_disk_stops_the_run_before_a_save_and_keeps_the_last_checkpoint(
     assert again.wait(timeout_s=300) == 2
     assert f"checkpoint {kept} is damaged: {metadata} is missing" in again.stderr, again.stderr
     assert again.seen == {}  # nothing started
+
+
+def _trained_rows(out: Path) -> list[dict[str, float]]:
+    path = out / "metrics.jsonl"
+    rows = read_jsonl_metrics(path) if path.exists() else []
+    return [r for r in rows if "train/actor/loss" in r]
+
+
+def test_sigterm_saves_then_stops_and_the_resumed_run_goes_on_exactly(
+    demo: Path, tmp_path: Path
+) -> None:
+    """Preemption: SIGTERM to the driver mid-run. The rollout being trained is saved (the save
+    interval would not have), the run exits with 143 and the resume command, nothing is left
+    running; resumed from that save it trains what an uninterrupted run trains."""
+    out, save = tmp_path / "out", tmp_path / "ckpt"
+    cli = WatchedCLI([*_flags(demo, out, save), "--save-interval", "50"], tmp_path / "cli")
+    try:
+        deadline = time.monotonic() + 600
+        while len(_trained_rows(out)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cli.process.send_signal(signal.SIGTERM)
+        code = cli.wait(timeout_s=300)
+    finally:
+        cli.kill_everything()
+    assert code == 143, cli.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    k = summary["last_trained"]
+    assert summary["status"] == "stopped" and summary["saved"] == [k] and k >= 1
+    saved = save / f"rollout_{k:06d}"
+    assert cli.stderr.splitlines()[-1] == (
+        f"stopped on request after rollout {k}: latest checkpoint {saved} (resume with --load "
+        f"{save})"
+    )
+    assert (
+        "SIGTERM: the run stops once the rollout being trained is saved"
+        in (out / "run.log").read_text()
+    )
+    assert cli.survivors(within_s=SURVIVAL_S) == []
+    assert cli.shared_memory_left() == []
+
+    end = ["--num-rollout", str(k + 3)]
+    straight = tmp_path / "straight"
+    for flags in (
+        [*_flags(demo, straight, straight / "ckpt"), *end],
+        [*_flags(demo, out, save), *end, "--load", str(save)],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "rlcore_megatron.run", *flags],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    keys = ("step", "rollout/reward", "train/actor/loss", "train/actor/grad_norm")
+    resumed = [[r[key] for key in keys] for r in _trained_rows(out)]
+    assert resumed[-2:] == [[r[key] for key in keys] for r in _trained_rows(straight)][k + 1 :]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_second_stop_signal_stops_at_once(sig: signal.Signals) -> None:
+    """The first asks for a stop after the next save; the second is Ctrl-C's immediate stop.
+    The handlers are the process's own again afterwards."""
+    progress = Progress()
+    before = signal.getsignal(sig)
+    with pytest.raises(KeyboardInterrupt), stop_on_signals(progress):
+        os.kill(os.getpid(), sig)
+        assert progress.stop.is_set()
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises before this ends
+    assert signal.getsignal(sig) == before

@@ -5,7 +5,7 @@ run had done."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -13,10 +13,12 @@ from typing import Any
 import attrs
 import pytest
 
+from rlcore.checkpoint_files import find_checkpoint
 from rlcore.config import RunConfig, structure_config
 from rlcore.errors import BackendError, CheckpointError, PlanError, RolloutError
 from rlcore.loop import RunData, RunInterrupted, run
 from rlcore.loop.plan import EvalPlan, plan
+from rlcore.loop.records import Progress
 from rlcore.protocols import WeightSink
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams
 from rlcore.specs import EvalSpec, TrainSpec
@@ -323,3 +325,44 @@ def test_a_rollout_trained_before_ctrl_c_keeps_its_metrics(tmp_path: Path) -> No
     assert [step for step, _ in trained_rows] == [0, 1]
     # Rollout 1 saved, then was interrupted in its weight sync: no sync time, no new version.
     assert "perf/save_s" in trained_rows[1][1] and "perf/weight_sync_s" not in trained_rows[1][1]
+
+
+class StopsAfter(RecordingSink):
+    """Asks the run to stop early (as the CLI's SIGTERM handler does) once rollout ``at`` is
+    logged."""
+
+    def __init__(self, progress: Progress, at: int) -> None:
+        super().__init__()
+        self.progress, self.at = progress, at
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        super().log(step, metrics)
+        if step == self.at and "train/actor/loss" in metrics:
+            self.progress.stop.set()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_a_stop_request_saves_the_next_rollout_and_stops(
+    tmp_path: Path, max_staleness: int
+) -> None:
+    """Requested while rollout 0 is logged (after its save and sync), the stop is seen once
+    rollout 1 is trained: 1 is saved although --save-interval says 10, then the run returns."""
+    config = _config(
+        tmp_path,
+        rollout__num_rollout=6,
+        rollout__max_staleness=max_staleness,
+        checkpoint__save_interval=10,
+    )
+    progress = Progress()
+    sink = StopsAfter(progress, at=0)
+    result = run(
+        plan(config), FakeBackend(), ScriptedEngine(), label_reward, DATA, sink, progress=progress
+    )
+    assert result.stopped and not result.interrupted
+    assert result.trained == (0, 1) and result.saved == (1,)
+    assert find_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "rollout_000001"
+    # Not asked: the run goes to the end, and says it was not stopped.
+    finished = run(
+        plan(_config(tmp_path / "b")), FakeBackend(), ScriptedEngine(), label_reward, DATA
+    )
+    assert not finished.stopped and finished.trained == (0, 1, 2, 3)

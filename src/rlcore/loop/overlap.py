@@ -182,9 +182,10 @@ def run_overlapped_training(
                 metrics["perf/engine_idle_s"] = produced.engine_idle_s
             progress.trained.append(rollout_id)
             version = rollout_id + 1
+            stopping = progress.stop.is_set()  # asked to stop early: save this rollout, stop
             saving = should_save(
                 rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
-            )
+            ) or (stopping and plan.save_dir is not None)
             evaluating = should_eval(rollout_id, plan.num_rollout, plan.eval_interval)
             with contextlib.ExitStack() as hold:
                 try:
@@ -225,6 +226,8 @@ def run_overlapped_training(
                     sink.log(rollout_id, metrics)
                 if evaluating:
                     last_eval = run_eval(rollout_id)
+            if stopping:
+                break
     finally:
         generator.close()
     return RunResult(
@@ -235,4 +238,5 @@ def run_overlapped_training(
         last_train,
         stacks.built(),
         tuple(progress.rollouts),
+        stopped=progress.trained[-1:] != [plan.num_rollout - 1] and progress.stop.is_set(),
     )

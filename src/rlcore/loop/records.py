@@ -2,11 +2,13 @@
 
 :class:`RunData` is the prompts, :class:`RunResult` what happened, :class:`RunInterrupted` the
 ``KeyboardInterrupt`` that carries a partial result, and :class:`Progress` what a job has done so
-far (kept outside the job's function, so that Ctrl-C can report it).
+far (kept outside the job's function, so that Ctrl-C can report it), with the request to stop
+early (:attr:`Progress.stop`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import attrs
@@ -45,6 +47,9 @@ class RunResult:
     interrupted_at: int | None = None
     """When interrupted: the rollout id it was working on (its training, save, weight sync or
     eval; ``trained`` says whether its training finished); ``None`` before the first rollout."""
+    stopped: bool = False
+    """The run stopped early on request (:attr:`Progress.stop`: SIGTERM in the CLI), after its
+    last trained rollout was saved."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -85,6 +90,10 @@ class Progress:
     rollouts: list[int] = attrs.field(factory=list)
     built: tuple[str, ...] = ()
     current: int | None = None
+    stop: threading.Event = attrs.field(factory=threading.Event)
+    """Set it (from a signal handler or another thread) to stop the training run at the next
+    rollout boundary: the rollout being trained finishes, is saved (with a save folder) and the
+    run returns with ``stopped``."""
 
     def result(self, *, interrupted: bool = True) -> RunResult:
         """What was done, as a result; ``interrupted``: Ctrl-C stopped the run (else it

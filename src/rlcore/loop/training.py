@@ -5,6 +5,7 @@
     build -> resume -> sync -> [eval]
     -> for each rollout id: rollout (or a warm-start batch) -> train -> save (interval, and
                             always after the last) -> sync -> eval (interval)
+                            [-> save and stop, when asked to stop early]
 
 Each stage waits for the one before: the engine is idle while the stacks train and the stacks
 are idle while the engine generates. What a rollout trains on is generated with the weights of
@@ -97,11 +98,12 @@ def run_training(
             metrics = train_on_rollout(plan, stacks, rollout_id, output)
             metrics["perf/generate_s"] = generate_s
         progress.trained.append(rollout_id)
+        stopping = progress.stop.is_set()  # asked to stop early: save this rollout, then stop
         try:
             t1 = time.perf_counter()
             if should_save(
                 rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
-            ):
+            ) or (stopping and plan.save_dir is not None):
                 save_checkpoint(
                     plan, stacks, rollout_id, sampler.consumed, carried, keep=resumed.loaded
                 )
@@ -119,6 +121,8 @@ def run_training(
             sink.log(rollout_id, metrics)
         if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             last_eval = run_eval(rollout_id)
+        if stopping:
+            break
     return RunResult(
         tuple(progress.trained),
         tuple(progress.saved),
@@ -127,4 +131,5 @@ def run_training(
         last_train,
         stacks.built(),
         tuple(progress.rollouts),
+        stopped=progress.trained[-1:] != [plan.num_rollout - 1] and progress.stop.is_set(),
     )
