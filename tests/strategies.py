@@ -126,7 +126,7 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     has_eval = num_rollout == 0 or eval_interval is not None or draw(st.booleans())
     save_interval = draw(st.one_of(st.none(), st.integers(min_value=1, max_value=4)))
     has_save = save_interval is not None or draw(st.booleans())
-    start = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=num_rollout)))
+    start = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=max(num_rollout - 1, 0))))
     data: dict[str, Any] = {
         "rollout": {
             "num_rollout": num_rollout,
