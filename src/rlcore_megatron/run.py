@@ -330,6 +330,16 @@ def _engine_threads(threads: int) -> None:
     log.info("rollout engine in this process: %d torch thread(s)", threads)
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops the run however it was started. A background job of a
+    non-interactive shell (a CI script, ``cmd &`` in a script) inherits SIGINT *ignored*, and
+    Python then installs no ``KeyboardInterrupt`` handler: ``kill -INT`` was lost and the run
+    trained to its end (the "lost SIGINT" of the Ctrl-C test, which failed only where CI
+    started it so)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _offline_and_quiet() -> None:
     """This process and what it starts (Ray's workers, SGLang servers) read model folders from
     disk only and draw no download progress bars."""
@@ -344,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     once the rollout being trained was saved)."""
     args = list(sys.argv[1:] if argv is None else argv)
     _offline_and_quiet()
+    _interruptible()
     parser = build_parser(description=DESCRIPTION)
     try:
         if not args:

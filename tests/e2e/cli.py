@@ -19,12 +19,24 @@ import psutil
 _POLL_S = 0.2
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class WatchedCLI:
     """The CLI in a subprocess, its own session and process group (as a shell runs a foreground
-    job); stdout and stderr go to files in ``folder``. Every descendant seen while it runs is
+    job; ``sigint_ignored``: with SIGINT ignored, as a shell script's background job inherits
+    it); stdout and stderr go to files in ``folder``. Every descendant seen while it runs is
     recorded by pid and start time (so a reused pid is not mistaken for a survivor)."""
 
-    def __init__(self, flags: Sequence[str], folder: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        flags: Sequence[str],
+        folder: Path,
+        env: dict[str, str] | None = None,
+        *,
+        sigint_ignored: bool = False,
+    ):
         folder.mkdir(parents=True, exist_ok=True)
         self._out = (folder / "stdout.txt").open("w")
         self._err_path = folder / "stderr.txt"
@@ -36,6 +48,8 @@ class WatchedCLI:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            # As a background job of a non-interactive shell starts it (a CI script's `cmd &`).
+            preexec_fn=_ignore_sigint if sigint_ignored else None,
         )
         self.seen: dict[int, float] = {}
         self._root = psutil.Process(self.process.pid)

@@ -81,22 +81,29 @@ def test_kill_9_of_the_driver_leaves_no_process(demo: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "schedule",
-    [[], ["--max-staleness", "2", "--partial-rollout"]],
-    ids=["synchronous", "free-running-generator"],
+    ("schedule", "sigint_ignored"),
+    [([], False), (["--max-staleness", "2", "--partial-rollout"], False), ([], True)],
+    ids=["synchronous", "free-running-generator", "started-as-a-background-job"],
 )
 def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
-    demo: Path, tmp_path: Path, schedule: list[str]
+    demo: Path, tmp_path: Path, schedule: list[str], sigint_ignored: bool
 ) -> None:
-    """Synchronous, and with the generator running ahead in its own thread (which must stop
-    too, mid-generation, without leaving the run hanging or a process behind)."""
+    """Synchronous; with the generator running ahead in its own thread (which must stop too,
+    mid-generation, without leaving the run hanging or a process behind); and started with
+    SIGINT ignored, as a script's background job inherits it (the SIGINT was lost there, and
+    the run trained to its end)."""
     save = tmp_path / "ckpt"
     # What a save killed half-way left here earlier: a temporary checkpoint folder.
     debris = save / ".tmp-rollout_000007-4242"
     shutil.copytree(demo / "model", debris / "actor")
     out = tmp_path / "out"
     with model_hub() as (env, requests):
-        cli = WatchedCLI([*_flags(demo, out, save), *schedule], tmp_path / "cli", env)
+        cli = WatchedCLI(
+            [*_flags(demo, out, save), *schedule],
+            tmp_path / "cli",
+            env,
+            sigint_ignored=sigint_ignored,
+        )
         try:
             cli.wait_for(save / "rollout_000001" / "rlcore.json", timeout_s=600)
             cli.interrupt()
