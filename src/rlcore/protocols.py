@@ -51,6 +51,7 @@ __all__ = [
     "EvalStack",
     "Group",
     "GroupFilter",
+    "HFExporter",
     "HostedProcess",
     "Message",
     "MetricsSink",
@@ -165,6 +166,21 @@ class TrainingStack(ModelStack, Protocol):
         """Write model, optimizer and scheduler state and ``rollout_id`` into the folder ``path``.
         The caller has created ``path`` (an empty folder inside a temporary checkpoint folder,
         which it later moves into place atomically)."""
+        ...
+
+
+@runtime_checkable
+class HFExporter(Protocol):
+    """A training stack that can also write its model as a Hugging Face folder, for
+    ``--save-hf`` (an optional capability: a run asking for it refuses a stack without it before
+    training starts)."""
+
+    def save_hf(self, folder: Path) -> None:
+        """Write the model's weights (safetensors) and ``config.json`` into the folder ``folder``,
+        in the dtype the model trains in, so that
+        ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads it. The caller has
+        created ``folder`` (empty, inside a temporary folder it later moves into place) and adds
+        the tokenizer's files itself."""
         ...
 
 

@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Final, Literal, TypeVar, final
 import ray
 
 from rlcore.errors import CheckpointError
-from rlcore.protocols import Backend, EvalStack, ModelStack, NamedTensors, TrainingStack, WeightSink
+from rlcore.protocols import (
+    Backend,
+    EvalStack,
+    HFExporter,
+    ModelStack,
+    NamedTensors,
+    TrainingStack,
+    WeightSink,
+)
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
@@ -61,6 +69,7 @@ __all__ = [
     "forward",
     "load",
     "save",
+    "save_hf",
     "send_weights",
     "state_dict_of",
     "train_step",
@@ -111,6 +120,12 @@ def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetri
 def save(group: RankGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
     """Every rank writes its shard (model, optimizer, scheduler) and ``rollout_id``."""
     group.run_on_all_ranks(_save, os.fspath(path), rollout_id)
+
+
+def save_hf(group: RankGroup[TrainingStack], folder: os.PathLike[str]) -> None:
+    """Every rank takes part in the export (it gathers over tensor and expert parallel); rank 0
+    writes the Hugging Face folder ``folder`` (on its machine)."""
+    group.run_on_all_ranks(_save_hf, os.fspath(folder))
 
 
 def load(group: RankGroup[S], path: os.PathLike[str]) -> int:
@@ -197,6 +212,15 @@ def _train_step(context: RankContext[TrainingStack], shard: TrainBatch) -> Train
 
 def _save(context: RankContext[TrainingStack], path: str, rollout_id: int) -> None:
     context.stack.save(Path(path), rollout_id)
+
+
+def _save_hf(context: RankContext[TrainingStack], folder: str) -> None:
+    stack = context.stack
+    if not isinstance(stack, HFExporter):
+        raise RayGroupError(
+            f"the {type(stack).__name__} on rank {context.rank} cannot write a Hugging Face folder"
+        )
+    stack.save_hf(Path(folder))
 
 
 def _load(context: RankContext[ModelStack], path: str) -> int:
@@ -335,6 +359,11 @@ class RayTrainingStack:
     def save(self, path: Path, rollout_id: int) -> None:
         save(self._group, path, rollout_id)
 
+    def save_hf(self, folder: Path) -> None:
+        """The actor as a Hugging Face folder (:class:`~rlcore.protocols.HFExporter`), written
+        by rank 0."""
+        save_hf(self._group, folder)
+
     def load(self, path: Path) -> int:
         return load(self._group, path)
 
@@ -401,6 +430,6 @@ if TYPE_CHECKING:
 
     def _conforms(
         training: RayTrainingStack, evaluation: RayEvalStack, backend: RayMegatronBackend
-    ) -> tuple[TrainingStack, EvalStack, Backend]:
+    ) -> tuple[TrainingStack, HFExporter, EvalStack, Backend]:
         """mypy checks here that the proxies and the backend satisfy the protocols."""
-        return training, evaluation, backend
+        return training, training, evaluation, backend

@@ -36,7 +36,7 @@ from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore.weights import deliver
 from rlcore_megatron import checkpoint, moe
 from rlcore_megatron.arch import ModelArch
-from rlcore_megatron.hf_weights import ExportBuffers, export_hf_weights
+from rlcore_megatron.hf_weights import ExportBuffers, export_hf_weights, save_hf
 from rlcore_megatron.model import uses_sequence_parallel
 
 if TYPE_CHECKING:
@@ -313,6 +313,12 @@ class MegatronTrainingStack:
                 group["betas"] = (o.adam_beta1, o.adam_beta2)
                 group["eps"] = o.adam_eps
         self._scheduler.step(increment=0)  # this step's learning rate, from the above
+
+    def save_hf(self, folder: Path) -> None:
+        """The model as a Hugging Face folder (:class:`~rlcore.protocols.HFExporter`), in the
+        dtype it trains in. Every rank calls it (the export gathers over tensor and expert
+        parallel); rank 0 writes."""
+        save_hf(self, folder, self.arch)
 
     def save(self, path: Path, rollout_id: int) -> None:
         info = model_info(self.arch, self.spec.role)

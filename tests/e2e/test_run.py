@@ -25,10 +25,10 @@ from rlcore_megatron.run import execute, main, make_engine
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 
 
-def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
+def _flags(demo: Path, out: Path, *extra: str, model: Path | None = None) -> list[str]:
     return [
         "--hf-checkpoint",
-        str(demo / "model"),
+        str(model or demo / "model"),
         "--prompt-data",
         str(demo / "train.jsonl"),
         "--input-key",
@@ -236,6 +236,8 @@ def test_bf16_grpo_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None)
             "2",
             "--save",
             str(tmp_path / "c"),
+            "--save-hf",
+            str(tmp_path / "hf"),
             "--skip-eval-before-train",
         )
     )
@@ -277,6 +279,31 @@ def test_bf16_grpo_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None)
     )
     assert code == 0
     assert _summary(tmp_path / "e")["built"] == ["eval:actor"]  # no mixed-precision optimizer
+
+    # The Hugging Face export of the last rollout (written by rank 0 of the Ray group) is the
+    # same model in bf16 with the tokenizer: evaluated from it, greedy answers are the same.
+    export = tmp_path / "hf" / "rollout_000001"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (export / "tokenizer.json").read_bytes() == (
+        demo / "model" / "tokenizer.json"
+    ).read_bytes()
+    code = main(
+        _flags(
+            demo,
+            tmp_path / "f",
+            "--bf16",
+            "--num-rollout",
+            "0",
+            "--eval-interval",
+            "1",
+            model=export,
+        )
+    )
+    assert code == 0
+    from_checkpoint = read_jsonl_metrics(tmp_path / "e" / "metrics.jsonl")[0]
+    from_export = read_jsonl_metrics(tmp_path / "f" / "metrics.jsonl")[0]
+    for key in ("eval/heldout/reward", "eval/heldout/response_len"):
+        assert from_export[key] == from_checkpoint[key], key
 
 
 _RAY_HEAD = """

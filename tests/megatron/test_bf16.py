@@ -20,7 +20,7 @@ from rlcore.samples import Sample, TrainBatch
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision, Role
 from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import export_hf_weights, load_hf_weights, save_hf
+from rlcore_megatron.hf_weights import export_hf_weights, load_hf_weights
 from rlcore_megatron.model import build_gpt
 from rlcore_megatron.stacks import MegatronTrainingStack
 from tests.families import FAMILIES, Family, FamilyModels
@@ -244,7 +244,8 @@ def test_every_family_trains_and_exports_in_bf16(
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
     assert any(not torch.equal(t, before[name]) for name, t in exported.items())  # trained
 
-    out = save_hf(stack, tmp_path / "hf", stack.arch)
+    out = tmp_path / "hf"
+    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.HFExporter)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     arch = read_hf_config(out)
     again = build_gpt(arch, "actor", torch.device("cpu"), precision="bfloat16")

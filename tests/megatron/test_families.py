@@ -24,7 +24,6 @@ from rlcore_megatron.hf_weights import (
     HFReader,
     export_hf_weights,
     load_hf_weights,
-    save_hf,
 )
 from rlcore_megatron.model import build_gpt, check_parallel
 from tests.families import FAMILIES, PUBLISHED, Family, FamilyModels, tiny_config
@@ -143,7 +142,8 @@ def test_trained_model_exports_a_checkpoint_transformers_loads(
     assert exported.keys() == original.names()  # the published checkpoint's tensor names
     assert any(not torch.equal(t, original.get(n)) for n, t in exported.items())  # trained
 
-    out = save_hf(stack, tmp_path / "hf", stack.arch)
+    out = tmp_path / "hf"
+    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.HFExporter)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [stack.arch.architecture]
     assert (config["model_type"], config["dtype"]) == (family, "float32")

@@ -41,6 +41,18 @@ class CheckpointConfig:
         "'latest' (never the one --load names); default: keep all (verl's "
         "max_actor_ckpt_to_keep)",
     )
+    save_hf: str | None = option(
+        None,
+        "--save-hf",
+        "also write the actor as a Hugging Face folder (safetensors, config.json, the model "
+        "folder's tokenizer files) into DIR/rollout_NNNNNN, or PATH with '{rollout_id}' replaced "
+        "(slime's flag); at --save-hf-interval and after the last rollout",
+    )
+    save_hf_interval: int | None = option(
+        None,
+        "--save-hf-interval",
+        "export every N rollouts with --save-hf (default: --save-interval; always after the last)",
+    )
     load: Path | None = option(
         None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
     )
@@ -122,6 +134,24 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
         add("start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
     if c.save_retain is not None and c.save_retain < 1:
         add("save_retain", f"must be >= 1, got {c.save_retain}", "leave it out to keep them all")
+    if c.save_hf_interval is not None and c.save_hf_interval < 1:
+        add("save_hf_interval", f"must be >= 1, got {c.save_hf_interval}")
+    if c.save_hf_interval is not None and c.save_hf is None:
+        add(
+            "save_hf_interval",
+            "is set but there is no Hugging Face export folder",
+            "add --save-hf DIR",
+        )
+    if c.save_hf is not None and "{" in c.save_hf:
+        try:
+            c.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            add(
+                "save_hf",
+                f"{c.save_hf!r} is not a path template with only '{{rollout_id}}' in braces "
+                f"({type(exc).__name__}: {exc})",
+                "write DIR (exports go to DIR/rollout_NNNNNN) or a path with {rollout_id}",
+            )
     if c.save_interval is not None and c.save is None:
         add("save", "--save-interval is set but there is no save folder", "add --save DIR")
     if c.load is None:

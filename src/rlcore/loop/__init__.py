@@ -12,7 +12,8 @@ checkpoints and evaluations.
   anything is built.
 - :mod:`~rlcore.loop.records`: :class:`RunData`, :class:`RunResult`, :class:`RunInterrupted`.
 - :mod:`~rlcore.loop.checkpoints`: the save and resume stages (atomic checkpoint folders, and
-  what a resumed run may change), :mod:`~rlcore.loop.contracts`
+  what a resumed run may change), :mod:`~rlcore.loop.hf_export` (the actor as a Hugging Face
+  folder, ``--save-hf``), :mod:`~rlcore.loop.contracts`
   (every call into a backend, stack or engine, checked), :mod:`~rlcore.loop.metrics` (sinks),
   :mod:`~rlcore.loop.backends` (backends by name), :mod:`~rlcore.loop.preflight` (what the file
   system must hold before a run starts).

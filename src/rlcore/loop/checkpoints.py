@@ -57,6 +57,7 @@ __all__ = [
     "retire_old_checkpoints",
     "save_checkpoint",
     "write_checkpoint",
+    "write_folder",
 ]
 
 _DEBRIS = (".tmp-rollout_*", ".old-rollout_*", f".{LATEST_FILE}.tmp")
@@ -95,27 +96,60 @@ def write_checkpoint(
     name = rollout_dir_name(meta.rollout_id)
     final = root / name
     _check_space(root, name)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    old = root / f".old-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+
+    def fill(tmp: Path) -> None:
         for stack_name, save in save_stacks.items():
             part = tmp / stack_name
             part.mkdir()
             save(part)
         write_manifest(tmp)
         _fsync_write(tmp / META_FILE, json.dumps(attrs.asdict(meta), indent=1))
-        if final.exists():  # re-saving the same rollout id: move the old one aside first
+
+    write_folder(
+        final,
+        fill,
+        "checkpoint",
+        kept=lambda: _kept(root),
+        hint="Free some space or point --save at a bigger disk",
+    )
+    try:
+        pointer = root / f".{LATEST_FILE}.tmp"
+        _fsync_write(pointer, name + "\n")
+        os.replace(pointer, root / LATEST_FILE)
+    except OSError as exc:
+        raise CheckpointError(
+            f"saving checkpoint {final} failed: could not point {root / LATEST_FILE} at it: {exc}"
+        ) from exc
+    if retain is not None:
+        retire_old_checkpoints(root, retain, keep=keep)
+    return final
+
+
+def write_folder(
+    final: Path, fill: Callable[[Path], None], what: str, *, kept: Callable[[], str], hint: str
+) -> Path:
+    """Build the folder ``final`` by ``fill(tmp)`` (``tmp`` a hidden sibling, created empty) and
+    rename it into place; an earlier ``final`` is replaced only once the new one is complete.
+
+    On any failure the temporary folder is removed, an earlier ``final`` stays, and
+    :class:`CheckpointError` names ``what`` and the folder; on a full disk it says so, whatever
+    the writer said, with ``kept()`` (what is still there) and ``hint`` (what to do). Ctrl-C (or
+    any ``BaseException``) cleans up the same way and goes on up as it is. Returns ``final``.
+    """
+    root = final.parent
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    old = root / f".old-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        if final.exists():  # re-saving the same folder: move the old one aside first
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        pointer = root / f".{LATEST_FILE}.tmp"
-        _fsync_write(pointer, name + "\n")
-        os.replace(pointer, root / LATEST_FILE)
     except BaseException as exc:
         full = isinstance(exc, Exception) and _disk_full(root, exc)  # before freeing tmp's space
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,14 +159,11 @@ def write_checkpoint(
             raise
         if full:
             raise CheckpointError(
-                f"saving checkpoint {final} failed: no space left on the device holding {root} "
+                f"saving {what} {final} failed: no space left on the device holding {root} "
                 f"({_size(shutil.disk_usage(root).free)} free once its partial files were "
-                f"removed); {_kept(root)}. Free some space or point --save at a bigger disk. "
-                f"The writer said: {exc}"
+                f"removed); {kept()}. {hint}. The writer said: {exc}"
             ) from exc
-        raise CheckpointError(f"saving checkpoint {final} failed: {exc}") from exc
-    if retain is not None:
-        retire_old_checkpoints(root, retain, keep=keep)
+        raise CheckpointError(f"saving {what} {final} failed: {exc}") from exc
     return final
 
 

@@ -27,6 +27,7 @@ from rlcore.errors import BackendContractError, BackendError, RLCoreError, Rollo
 from rlcore.protocols import (
     Backend,
     EvalStack,
+    HFExporter,
     ModelStack,
     Optimizer,
     RolloutEngine,
@@ -42,6 +43,7 @@ from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 __all__ = [
     "CheckedEngine",
     "CheckedEvalStack",
+    "CheckedHFExporter",
     "CheckedTrainingStack",
     "build_eval_stack",
     "build_training_stack",
@@ -159,6 +161,30 @@ class CheckedTrainingStack(_Checked):
     def save(self, path: Path, rollout_id: int) -> None:
         with self._call("save"):
             self._training.save(path, rollout_id)
+
+    def hf_exporter(self) -> CheckedHFExporter:
+        """The stack's Hugging Face export (:class:`~rlcore.protocols.HFExporter`), checked.
+        Raises :class:`~rlcore.errors.BackendContractError` when the stack has none."""
+        if not isinstance(self._training, HFExporter):
+            raise BackendContractError(
+                f"--save-hf writes the actor as a Hugging Face folder, but {self._what} has no "
+                "save_hf(folder) method (rlcore.protocols.HFExporter): implement it, or drop "
+                "--save-hf"
+            )
+        return CheckedHFExporter(self._training, self._what)
+
+
+@final
+class CheckedHFExporter:
+    """An :class:`~rlcore.protocols.HFExporter` whose errors are named (see the module)."""
+
+    def __init__(self, stack: HFExporter, what: str) -> None:
+        self._stack = stack
+        self._what = what
+
+    def save_hf(self, folder: Path) -> None:
+        with _translated(f"{self._what}.save_hf", BackendError, "HFExporter"):
+            self._stack.save_hf(folder)
 
 
 def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingStack:

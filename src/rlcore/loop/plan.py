@@ -138,6 +138,12 @@ class TrainPlan:
     > 1)."""
     save_retain: int | None = None
     """Keep only the newest ``save_retain`` checkpoints in ``save_dir`` (``--save-retain``)."""
+    save_hf: str | None = None
+    """Where the actor is also written as a Hugging Face folder (``--save-hf``): a folder, whose
+    exports are ``rollout_NNNNNN`` inside it, or a path template with ``{rollout_id}``
+    (:func:`rlcore.loop.hf_export.hf_folder`)."""
+    save_hf_interval: int | None = None
+    """Export every ``save_hf_interval`` rollouts (and always after the last one)."""
     settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
     recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
@@ -223,6 +229,8 @@ def _eval_plan(config: RunConfig) -> EvalPlan:
         )
     if a.uses_kl:
         skipped.append("reference model: KL settings given, but an eval-only run computes no KL")
+    if config.checkpoint.save_hf is not None:
+        skipped.append("Hugging Face export (--save-hf): an eval-only run trains nothing")
     return EvalPlan(
         actor=EvalSpec(model=_model(config, "actor")),
         eval_params=_eval_params(config),
@@ -358,6 +366,8 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         max_staleness=r.max_staleness,
         partial_rollout=r.partial_rollout,
         save_retain=c.save_retain,
+        save_hf=c.save_hf,
+        save_hf_interval=c.save_hf_interval or c.save_interval,
         settings=settings_data(config),
     )
 
@@ -373,6 +383,8 @@ def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:
         skipped.append("evaluation: --debug-rollout-only only generates training rollouts")
     if a.sft_warmup_rollouts:
         skipped.append("--sft-warmup-rollouts: every rollout is generated")
+    if config.checkpoint.save_hf is not None:
+        skipped.append("Hugging Face export (--save-hf): nothing is trained")
     return RolloutOnlyPlan(
         actor=EvalSpec(model=_model(config, "actor")),
         rollout=_rollout_spec(config),

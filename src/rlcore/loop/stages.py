@@ -1,7 +1,8 @@
 """The stages of a run, each a function that can be called (and tested) alone.
 
 A training run is these stages, arranged by a schedule (:mod:`rlcore.loop.training`); the save
-and resume stages are in :mod:`rlcore.loop.checkpoints`::
+and resume stages are in :mod:`rlcore.loop.checkpoints`, the export in
+:mod:`rlcore.loop.hf_export`::
 
     build      build_stacks      the planned stacks (actor, critic only when planned, reference
                                  only when KL needs it)
@@ -11,6 +12,7 @@ and resume stages are in :mod:`rlcore.loop.checkpoints`::
     train      train_on_rollout  advantages, then critic and actor optimizer steps
                warm_start        or, for a supervised warm-start rollout, one step on the labels
     save       save_checkpoint   atomically, on the interval and after the last rollout
+    export     export_hf         the actor as a Hugging Face folder (--save-hf), likewise
     sync       push_weights      the actor's weights to the rollout engine, as a new version
     eval       evaluate          every eval set with the engine
 
@@ -36,6 +38,7 @@ from rlcore.protocols import (
     DynamicSampling,
     EvalStack,
     Group,
+    HFExporter,
     PromptSource,
     RewardFn,
     RolloutContext,
@@ -109,6 +112,8 @@ class TrainStacks:
     actor: TrainingStack
     critic: TrainingStack | None
     reference: EvalStack | None
+    hf_exporter: HFExporter | None = None
+    """The actor's Hugging Face export, when the plan asks for one (``--save-hf``)."""
 
     def built(self) -> tuple[str, ...]:
         roles = [f"train:{name}" for name in self.training()]
@@ -122,10 +127,15 @@ class TrainStacks:
 
 
 def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
+    """The plan's stacks; a plan that exports to Hugging Face (``--save-hf``) is refused here,
+    before anything trains, when the actor's stack cannot."""
+    actor = build_training_stack(backend, plan.actor)
+    exporter = actor.hf_exporter() if plan.save_hf is not None else None
     return TrainStacks(
-        actor=build_training_stack(backend, plan.actor),
+        actor=actor,
         critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
         reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
+        hf_exporter=exporter,
     )
 
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import resume, save_checkpoint
+from rlcore.loop.hf_export import export_hf, should_export_hf
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.records import Progress, RunData, RunResult
 from rlcore.loop.stages import (
@@ -108,6 +109,8 @@ def run_training(
                     plan, stacks, rollout_id, sampler.consumed, carried, keep=resumed.loaded
                 )
                 progress.saved.append(rollout_id)
+            if stacks.hf_exporter is not None and should_export_hf(plan, rollout_id):
+                export_hf(plan, stacks.hf_exporter, rollout_id)
             t2 = time.perf_counter()
             metrics["perf/save_s"] = t2 - t1
             if engine is not None:

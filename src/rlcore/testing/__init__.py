@@ -129,6 +129,7 @@ class FakeTrainingStack:
         self._scheduler = FakeScheduler(spec)
         self.batches: list[TrainBatch] = []
         self.saved: list[tuple[Path, int]] = []
+        self.exported: list[Path] = []
 
     @property
     def spec(self) -> ModelSpec:
@@ -164,6 +165,12 @@ class FakeTrainingStack:
         }
         (path / _STATE_FILE).write_text(json.dumps(state))
         self.saved.append((path, rollout_id))
+
+    def save_hf(self, folder: Path) -> None:
+        """A Hugging Face folder of sorts: ``config.json`` with the optimizer's step count (no
+        weights); each folder written is recorded in ``exported``."""
+        (folder / "config.json").write_text(json.dumps({"steps": self._optimizer.steps}))
+        self.exported.append(folder)
 
     def load(self, path: Path) -> int:
         state = _load_state(path)
