@@ -39,7 +39,8 @@ Failures: a call fails as soon as one rank fails. Errors a stack raises on purpo
 :class:`~rlcore.errors.RLCoreError`) reach the caller as themselves; anything else becomes a
 :class:`RayGroupError` naming the rank. When a rank's actor died, a call timed out, or other
 ranks were still busy (stuck in a collective) after a failure, the group is *broken*: later calls
-raise at once, and the only way on is :meth:`RankGroup.close` and a new group. A timeout's error
+raise at once, and the only way on is :meth:`RankGroup.close` and a new group. A dead or silent
+rank is a :class:`RankLostError` (what ``--max-restarts`` restarts on). A timeout's error
 carries the late ranks' Python stacks, read through the actors' second concurrency group.
 """
 
@@ -72,6 +73,7 @@ __all__ = [
     "MegatronRuntime",
     "RankContext",
     "RankGroup",
+    "RankLostError",
     "RankRuntime",
     "RayGroupError",
     "split_evenly",
@@ -90,6 +92,13 @@ class RayGroupError(RLCoreError):
 
     Errors the stacks raise on purpose (a :class:`~rlcore.errors.CheckpointError`, ...) pass
     through as themselves; this wraps everything else, ``from`` Ray's exception.
+    """
+
+
+class RankLostError(RayGroupError):
+    """A rank's actor died (killed, out of memory, its machine gone) or stopped answering (a call
+    timed out): the group cannot go on, but nothing says that a new one would fail the same way.
+    ``--max-restarts`` rebuilds the run's groups from the latest checkpoint on this error only.
     """
 
 
@@ -498,7 +507,7 @@ class RankGroup(Generic[S]):
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
                 self._broken = f"{what}: ranks {late} did not finish in time"
-                raise RayGroupError(self._broken + self._stacks_of(late))
+                raise RankLostError(self._broken + self._stacks_of(late))
             rank = rank_of[ready[0]]
             try:
                 ray.get(ready[0])
@@ -509,7 +518,7 @@ class RankGroup(Generic[S]):
                 raise RayGroupError(f"{what} failed on rank {rank}: {exc.cause!r}") from exc
             except RayActorError as exc:
                 self._broken = f"{what}: rank {rank}'s actor died"
-                raise RayGroupError(f"{self._broken}: {exc}") from exc
+                raise RankLostError(f"{self._broken}: {exc}") from exc
         return list(ray.get(list(refs)))
 
     def _stacks_of(self, ranks: Sequence[int]) -> str:

@@ -46,7 +46,9 @@ from rlcore_megatron.console import ProgressSink, WandbSink, log_to_file, setup_
 from rlcore_megatron.prepare import Prepared, local_node, prepare
 from rlcore_megatron.run_record import (
     interrupted_message,
+    restart_config,
     resume_hint,
+    rewind_metrics,
     start_output_folder,
     write_summary,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "episodes",
     "execute",
     "launch",
+    "launch_restarting",
     "main",
     "make_engine",
     "stop_on_signals",
@@ -226,14 +229,43 @@ def stop_on_signals(progress: Progress) -> Iterator[None]:
 
 
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
-    """:func:`prepare`, then :func:`launch`: run one configured job to the end."""
-    return launch(prepare(config), notes)
+    """:func:`prepare`, then :func:`launch_restarting`: run one configured job to the end."""
+    return launch_restarting(prepare(config), notes)
 
 
-def launch(prepared: Prepared, notes: Sequence[str] = ()) -> RunResult:
+def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResult:
+    """:func:`launch`, and with ``--max-restarts N`` up to N more times when a training rank is
+    lost (:class:`~rlcore_megatron.ray_group.RankLostError`): every piece is closed, then the run
+    is prepared again from the latest checkpoint in ``--save`` (its metrics rows after it
+    dropped) or, with none yet, from its start. Each restart is logged, and counted in
+    ``summary.json``."""
+    from rlcore_megatron.ray_group import RankLostError
+
+    restarts = 0
+    while True:
+        try:
+            return launch(prepared, notes, restarts=restarts)
+        except RankLostError as exc:
+            limit = prepared.config.checkpoint.max_restarts
+            if restarts >= limit:
+                raise
+            restarts += 1
+            config, through = restart_config(prepared.config)
+            if through is None:
+                where = "from the start: no checkpoint yet"
+            else:
+                dropped = rewind_metrics(config.output_dir / "metrics.jsonl", through)
+                where = f"from {config.checkpoint.load} after rollout {through}"
+                where += f" ({dropped} metrics rows after it dropped)" if dropped else ""
+            reason = str(exc).splitlines()[0]
+            log.warning("restart %d of %d (%s): %s", restarts, limit, reason, where)
+            prepared = prepare(config)
+
+
+def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> RunResult:
     """Start and run a prepared job to the end; the pieces are closed whatever happens.
     ``notes`` go to the run's log first (what :func:`~rlcore.config.flags.load_config` reported
-    taking from a checkpoint).
+    taking from a checkpoint); ``restarts`` counts the earlier attempts (for ``summary.json``).
 
     Raises the rlcore error of a failing component and :class:`RunInterrupted` after Ctrl-C;
     ``summary.json`` is written either way.
@@ -313,7 +345,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = ()) -> RunResult:
             if watchdog is not None:
                 watchdog.stop()
         try:
-            write_summary(config.output_dir / "summary.json", result, config, failure)
+            write_summary(config.output_dir / "summary.json", result, config, failure, restarts)
         except OSError as exc:  # a full disk, say: the run's own error matters more
             log.warning("could not write summary.json: %s", exc)
     if interrupted is not None:
@@ -381,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted before the run started", file=sys.stderr)
         return 130
     try:
-        result = launch(prepared, notes)
+        result = launch_restarting(prepared, notes)
     except RLCoreError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(resume_hint(prepared.config), file=sys.stderr)

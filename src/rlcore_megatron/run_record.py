@@ -11,17 +11,21 @@ however it ends.
   (anything but a training run resumed with ``--load``) first moves that run's files into
   ``previous/N/`` (:func:`start_output_folder`), so that no metrics file holds two runs with
   their steps starting again half-way.
+- A restart (``--max-restarts``) goes on from the latest checkpoint (:func:`restart_config`) and
+  first drops the rows the lost attempt logged after it (:func:`rewind_metrics`): every rollout
+  appears in ``metrics.jsonl`` once, as the run that carried on trained it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
 import attrs
 
-from rlcore.checkpoint_files import find_checkpoint
+from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config import RunConfig
 from rlcore.errors import CheckpointError
 from rlcore.loop import RunResult
@@ -30,7 +34,9 @@ __all__ = [
     "RUN_FILES",
     "interrupted_message",
     "latest_checkpoint",
+    "restart_config",
     "resume_hint",
+    "rewind_metrics",
     "start_output_folder",
     "write_summary",
 ]
@@ -67,11 +73,50 @@ def latest_checkpoint(config: RunConfig) -> Path | None:
         return None
 
 
+def restart_config(config: RunConfig) -> tuple[RunConfig, int | None]:
+    """What a restart runs, and the rollout id it goes on after: the run resumed from the latest
+    checkpoint in ``--save`` (its own, so with none of the resume flags a first ``--load`` may
+    have needed), or, with no checkpoint yet, ``config`` itself from its start (``None``)."""
+    latest = latest_checkpoint(config)
+    if latest is None:
+        return config, None
+    checkpoint = attrs.evolve(
+        config.checkpoint,
+        load=config.checkpoint.save,
+        start_rollout_id=None,
+        overwrite_save=False,
+        override_opt_param_scheduler=False,
+        no_load_optim=False,
+        no_load_rng=False,
+        finetune=False,
+    )
+    return attrs.evolve(config, checkpoint=checkpoint), read_meta(latest).rollout_id
+
+
+def rewind_metrics(path: Path, through: int) -> int:
+    """Drop the rows of the metrics file ``path`` logged after rollout ``through`` (steps above
+    it: that training was lost with the attempt); returns how many went. Rewritten atomically."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= through]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 def write_summary(
-    path: Path, result: RunResult, config: RunConfig, error: BaseException | None = None
+    path: Path,
+    result: RunResult,
+    config: RunConfig,
+    error: BaseException | None = None,
+    restarts: int = 0,
 ) -> None:
     """``summary.json`` for ``result``; ``error`` is what ended a failed run (a Ctrl-C's
-    interruption is in ``result``)."""
+    interruption is in ``result``); ``restarts``: how many times ``--max-restarts`` rebuilt
+    the run."""
     status: Status = "failed" if error is not None else "ok"
     if result.interrupted:
         status = "interrupted"
@@ -81,6 +126,7 @@ def write_summary(
     if error is not None:
         summary["error"] = {"type": type(error).__name__, "message": str(error)}
     summary["last_trained"] = result.trained[-1] if result.trained else None
+    summary["restarts"] = restarts
     latest = latest_checkpoint(config)
     summary["latest_checkpoint"] = None if latest is None else str(latest)
     path.write_text(json.dumps(summary, indent=1) + "\n")

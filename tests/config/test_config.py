@@ -467,6 +467,25 @@ def test_off_policy_schedule_flags_are_checked() -> None:
     )
 
 
+def test_restarts_need_a_checkpoint_to_go_on_from() -> None:
+    restarts = ["--max-restarts", "1"]
+    assert _problems([*TRAIN, *restarts]) == [
+        "checkpoint.max_restarts (--max-restarts): restarts resume from the run's latest "
+        "checkpoint, but there is no save folder (add --save DIR, with --save-interval N to lose "
+        "at most N rollouts to a restart)"
+    ]
+    assert any(
+        p.startswith("checkpoint.max_restarts (--max-restarts): must be >= 0")
+        for p in _problems([*TRAIN, "--max-restarts", "-1"])
+    )
+    eval_only = ["--num-rollout", "0", "--eval-prompt-data", "e", __file__, "--save", "c"]
+    assert any("--num-rollout 0 trains nothing" in p for p in _problems([*eval_only, *restarts]))
+    rollout_only = [*TRAIN, "--debug-rollout-only", "--save", "c", *restarts]
+    assert any("this run only generates" in p for p in _problems(rollout_only))
+    config = load_config([*TRAIN, "--save", "c", *restarts])
+    assert config.checkpoint.max_restarts == 1
+
+
 @pytest.mark.parametrize("value", ["-1e-6", "-0.5", "-3", "-.5", "-inf"])
 def test_a_negative_value_reaches_its_own_check(value: str) -> None:
     """``--lr -1e-6`` was read by argparse as a flag of its own and reported as ``--lr``

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
@@ -297,3 +298,50 @@ def test_a_second_stop_signal_stops_at_once(sig: signal.Signals) -> None:
         os.kill(os.getpid(), sig)
         time.sleep(5)  # the handler raises before this ends
     assert signal.getsignal(sig) == before
+
+
+def _rank_processes(cli: WatchedCLI) -> list[psutil.Process]:
+    """The CLI's rank actors (Ray names their processes after the actor class)."""
+    ranks = []
+    for child in psutil.Process(cli.process.pid).children(recursive=True):
+        try:
+            if "_RankWorker" in " ".join(child.cmdline()):
+                ranks.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_finishes(
+    demo: Path, tmp_path: Path
+) -> None:
+    """``--max-restarts 1``: kill -9 of a rank's actor after the first checkpoint. The run closes
+    everything, resumes from the latest checkpoint and finishes with exit 0; every rollout is in
+    metrics.jsonl once, nothing is left running."""
+    out, save = tmp_path / "out", tmp_path / "ckpt"
+    flags = [*_flags(demo, out, save), "--num-rollout", "6", "--save-interval", "2"]
+    cli = WatchedCLI([*flags, "--max-restarts", "1"], tmp_path / "cli")
+    try:
+        cli.wait_for(save / "latest", timeout_s=600)
+        ranks = _rank_processes(cli)
+        assert len(ranks) == 1, ranks
+        ranks[0].kill()
+        code = cli.wait(timeout_s=600)
+    finally:
+        cli.kill_everything()
+    assert code == 0, cli.stderr[-3000:]
+    log = (out / "run.log").read_text()
+    restarted = re.search(
+        r"WARNING rlcore: restart 1 of 1 \(\w+: rank 0's actor died.*\): from (\S+) after "
+        r"rollout (\d+)$",
+        log,
+        re.MULTILINE,
+    )
+    assert restarted is not None, log[-3000:]
+    assert restarted.group(1) == str(save) and int(restarted.group(2)) in (1, 3)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["restarts"], summary["last_trained"]) == ("ok", 1, 5)
+    assert [r["step"] for r in _trained_rows(out)] == [0, 1, 2, 3, 4, 5]
+    assert read_meta(find_checkpoint(save)).rollout_id == 5
+    assert cli.survivors(within_s=SURVIVAL_S) == []
+    assert cli.shared_memory_left() == []

@@ -44,6 +44,7 @@ from rlcore_megatron.ray_group import (
     MegatronRuntime,
     RankContext,
     RankGroup,
+    RankLostError,
     RankNode,
     RayGroupError,
     _local_ranks,
@@ -286,13 +287,16 @@ def test_a_group_on_its_own_reserves_and_gives_back_its_slots(ray_cluster: None)
 def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
     samples = [_sample(0, (1,), (2,)), _sample(1, (1,), (2,))]
     with _echo_group((7, 5), failing=frozenset({1})) as group:
-        with pytest.raises(RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"):
+        with pytest.raises(
+            RayGroupError, match=r"forward failed on rank 1: ValueError\('boom'\)"
+        ) as raised:
             forward(group, samples)
+        assert not isinstance(raised.value, RankLostError)  # an error in code: not restarted
         # rank 0 had finished: the group still works, and a disagreement names ranks and ids
         match = r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"
         with pytest.raises(CheckpointError, match=match):
             load(group, Path("/ckpt/iter_7"))
-        with pytest.raises(RayGroupError, match="rank 1's actor died"):
+        with pytest.raises(RankLostError, match="rank 1's actor died"):  # --max-restarts
             group.run_on_all_ranks(_crash_on_rank, 1)
         with pytest.raises(RayGroupError, match="broken"):
             group.call_ranks(_rank_of, {0: ()})
@@ -300,7 +304,7 @@ def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
 
 def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -> None:
     with _echo_group((0, 0), call_timeout_s=5) as group:
-        with pytest.raises(RayGroupError) as caught:
+        with pytest.raises(RankLostError) as caught:  # a silent rank: --max-restarts restarts
             group.run_on_all_ranks(_wait_for_a_peer_that_never_comes, 1)
         message = str(caught.value)
         assert "ranks [1] did not finish in time" in message

@@ -53,6 +53,13 @@ class CheckpointConfig:
         "--save-hf-interval",
         "export every N rollouts with --save-hf (default: --save-interval; always after the last)",
     )
+    max_restarts: int = option(
+        0,
+        "--max-restarts",
+        "when a training rank's process dies, rebuild the run from the latest "
+        "checkpoint in --save (or from its start when there is none yet), up to N times "
+        "(TorchElastic's --max-restarts); 0: the run fails at once",
+    )
     load: Path | None = option(
         None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
     )
@@ -134,6 +141,20 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
         add("start_rollout_id", f"must be >= 0, got {c.start_rollout_id}")
     if c.save_retain is not None and c.save_retain < 1:
         add("save_retain", f"must be >= 1, got {c.save_retain}", "leave it out to keep them all")
+    if c.max_restarts < 0:
+        add("max_restarts", f"must be >= 0, got {c.max_restarts}")
+    elif c.max_restarts > 0 and num_rollout == 0:
+        add(
+            "max_restarts",
+            "restarts resume training from a checkpoint; --num-rollout 0 trains nothing",
+            "drop --max-restarts (run the evaluation again if a rank dies)",
+        )
+    elif c.max_restarts > 0 and c.save is None:
+        add(
+            "max_restarts",
+            "restarts resume from the run's latest checkpoint, but there is no save folder",
+            "add --save DIR, with --save-interval N to lose at most N rollouts to a restart",
+        )
     if c.save_hf_interval is not None and c.save_hf_interval < 1:
         add("save_hf_interval", f"must be >= 1, got {c.save_hf_interval}")
     if c.save_hf_interval is not None and c.save_hf is None:
@@ -177,7 +198,11 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
 
 
 def debug_problems(
-    d: DebugConfig, eval_interval: int | None, eval_only: bool, max_staleness: int = 0
+    d: DebugConfig,
+    eval_interval: int | None,
+    eval_only: bool,
+    max_staleness: int = 0,
+    max_restarts: int = 0,
 ) -> list[ConfigProblem]:
     """The debug flags: which combinations mean something (with the eval interval, and whether
     the run only evaluates)."""
@@ -216,6 +241,13 @@ def debug_problems(
             f"--max-staleness {max_staleness} overlaps generation with training, but this run "
             "only " + ("generates" if d.debug_rollout_only else "replays saved rollouts"),
             "drop --max-staleness",
+        )
+    if d.debug_rollout_only and max_restarts > 0:
+        add(
+            "debug_rollout_only",
+            f"--max-restarts {max_restarts} resumes training from a checkpoint, but this run only "
+            "generates",
+            "drop --max-restarts",
         )
     if d.replays and eval_interval is not None:
         add(

@@ -158,7 +158,11 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     if not problems_under(problems, "cluster."):
         problems += parallel_problems(m, ranks_by_role(config))
     problems += debug_problems(
-        config.debug, config.eval.interval, config.is_eval_only, r.max_staleness
+        config.debug,
+        config.eval.interval,
+        config.is_eval_only,
+        r.max_staleness,
+        config.checkpoint.max_restarts,
     )
     if r.num_rollout is None and r.num_epoch is None:
         problems.append(
