@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import attrs
 
 from rlcore.checkpoint_files import find_checkpoint, newest_intact_checkpoint, verify_checkpoint
 from rlcore.config import RunConfig, with_flag
+from rlcore.config.cluster import ClusterConfig
+from rlcore.config.convert import converter
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import load_engine
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem
@@ -42,7 +45,12 @@ from rlcore.rollout.multiturn import (
 )
 from rlcore.rollout.rewards import get_reward_fn
 from rlcore.samples import Prompt
-from rlcore_megatron.placement import NodeResources, PlacementRequest, plan_layout
+from rlcore_megatron.placement import (
+    NodeResources,
+    PlacementError,
+    PlacementRequest,
+    plan_layout,
+)
 
 __all__ = [
     "Prepared",
@@ -50,6 +58,7 @@ __all__ = [
     "load_run_data",
     "load_tokenizer",
     "local_node",
+    "placement_problem",
     "placement_request",
     "prompt_length_limit",
     "preflight",
@@ -265,6 +274,30 @@ def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
             overlaps and not servers and config.ray_address is None and local_node().gpus == 0
         ),
     )
+
+
+def placement_problem(settings: Mapping[str, Any]) -> PlacementError | None:
+    """Whether the training ranks that ``settings`` (:func:`~rlcore.config.flags.read_settings`)
+    ask for cannot fit this machine, read from the cluster settings alone: when the config has
+    other problems too, this is the one to say first (no other fix makes the run start). Only the
+    actor's and the critic's ranks are counted, so a refusal here is never wrong; ``None`` when
+    they fit, when the settings cannot be read, or when the run joins a cluster."""
+    if settings.get("ray_address") is not None or _ray_started():
+        return None
+    try:
+        cluster = converter.structure(settings.get("cluster", {}), ClusterConfig)
+        algorithm = settings.get("algorithm", {})
+        critic = algorithm.get("use_critic") or algorithm.get("advantage_estimator") == "ppo"
+        request = PlacementRequest(
+            actor_ranks=cluster.actor_ranks, critic_ranks=cluster.critic_ranks if critic else 0
+        )
+    except Exception:  # unreadable settings: the config's own error says what is wrong
+        return None
+    try:
+        plan_layout(request, [local_node()])
+    except PlacementError as exc:
+        return exc
+    return None
 
 
 def check_user_functions(config: RunConfig) -> None:

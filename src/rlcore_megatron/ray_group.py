@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import sys
 import threading
@@ -58,7 +59,7 @@ from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVa
 
 import attrs
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import OutOfMemoryError, RayActorError, RayError, RayTaskError
 
 from rlcore.errors import RLCoreError
 from rlcore.protocols import Backend, EvalStack, ModelStack, TrainingStack
@@ -516,9 +517,9 @@ class RankGroup(Generic[S]):
                 if isinstance(exc.cause, RLCoreError):
                     raise exc.cause from exc
                 raise RayGroupError(f"{what} failed on rank {rank}: {exc.cause!r}") from exc
-            except RayActorError as exc:
+            except (RayActorError, OutOfMemoryError) as exc:
                 self._broken = f"{what}: rank {rank}'s actor died"
-                raise RankLostError(f"{self._broken}: {exc}") from exc
+                raise RankLostError(f"{self._broken}: {_death(exc)}") from exc
         return list(ray.get(list(refs)))
 
     def _stacks_of(self, ranks: Sequence[int]) -> str:
@@ -541,6 +542,21 @@ class RankGroup(Generic[S]):
         _, busy = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
         if busy:
             self._broken = f"{failure} while ranks {sorted(rank_of[r] for r in busy)} kept waiting"
+
+
+def _death(exc: RayError) -> str:
+    """Ray's page-long account of a dead actor, in a sentence (the whole one stays in the
+    exception's ``__cause__``)."""
+    text = str(exc)
+    if isinstance(exc, OutOfMemoryError) or "low on memory" in text or "memory pressure" in text:
+        return (
+            "Ray's memory monitor killed it: the machine ran low on memory. Lower "
+            "--micro-batch-size or --rollout-batch-size, run fewer ranks per machine, or give "
+            "the run more memory"
+        )
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    exit_type = re.search(r"Worker exit type: (\w+)", text)
+    return first + (f" (worker exit type {exit_type.group(1)})" if exit_type else "")
 
 
 def _name(fn: Callable[..., object]) -> str:

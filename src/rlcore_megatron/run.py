@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rlcore.config import RunConfig
-from rlcore.config.flags import build_parser, load_config
+from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import ConfigError, PlanError, RLCoreError
@@ -43,7 +43,7 @@ from rlcore.rollout.multiturn import (
 )
 from rlcore.specs import Precision
 from rlcore_megatron.console import ProgressSink, WandbSink, log_to_file, setup_logging
-from rlcore_megatron.prepare import Prepared, local_node, prepare
+from rlcore_megatron.prepare import Prepared, local_node, placement_problem, prepare
 from rlcore_megatron.run_record import (
     interrupted_message,
     restart_config,
@@ -404,6 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(note, file=sys.stderr)
         prepared = prepare(config)
     except (ConfigError, PlanError) as exc:
+        # Ranks that cannot fit this machine first: no other fix would make the run start.
+        with contextlib.suppress(ConfigError):  # a file that cannot be read: said below
+            unplaceable = placement_problem(read_settings(args, parser))
+            if unplaceable is not None:
+                print(f"error: {type(unplaceable).__name__}: {unplaceable}", file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RLCoreError as exc:  # the data, the placement: found before anything started

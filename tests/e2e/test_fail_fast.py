@@ -143,6 +143,40 @@ def test_a_negative_number_is_the_value_of_its_flag(demo: Path, tmp_path: Path) 
     assert err.splitlines()[1:] == ["  - optim.lr (--lr): must be > 0, got -1e-06"]
 
 
+def test_ranks_that_cannot_fit_this_machine_are_said_first(demo: Path, tmp_path: Path) -> None:
+    """64 ranks on this machine, with a batch that 64 ranks cannot split either: the placement
+    refusal comes first (no batch size would make the run start), then the config's problems."""
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    err = _refused([*flags, "--actor-num-gpus-per-node", "64"], tmp_path)
+    lines = err.splitlines()
+    assert lines[0].startswith("error: PlacementError: the run does not fit on this Ray cluster"), (
+        err
+    )
+    assert "it needs 64 CPU slots" in err
+    problems = [line for line in lines if line.startswith("error: ")]
+    assert problems[1:] == ["error: 1 configuration problem(s) in flags:"], err
+    assert "= 4 x 64 (pick sizes that divide)" in err  # the batch problem, still said
+    # The same ranks with a batch that splits: the placement alone, as before.
+    split = _refused(
+        [
+            *flags,
+            "--actor-num-gpus-per-node",
+            "64",
+            "--global-batch-size",
+            "256",
+            "--micro-batch-size",
+            "4",
+            "--rollout-batch-size",
+            "128",
+        ],
+        tmp_path,
+    )
+    assert (
+        split.startswith("error: PlacementError: the run does not fit")
+        and len([line for line in split.splitlines() if line.startswith("error: ")]) == 1
+    ), split
+
+
 def test_a_fresh_run_refuses_a_save_folder_with_another_runs_checkpoints(
     demo: Path, tmp_path: Path
 ) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 import attrs
 import pytest
 import ray
+from ray.exceptions import OutOfMemoryError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlcore.errors import CheckpointError
@@ -47,6 +48,7 @@ from rlcore_megatron.ray_group import (
     RankLostError,
     RankNode,
     RayGroupError,
+    _death,
     _local_ranks,
     split_evenly,
 )
@@ -296,10 +298,26 @@ def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
         match = r"ranks \[1\] read rollout id 5; ranks \[0\] read rollout id 7"
         with pytest.raises(CheckpointError, match=match):
             load(group, Path("/ckpt/iter_7"))
-        with pytest.raises(RankLostError, match="rank 1's actor died"):  # --max-restarts
+        with pytest.raises(RankLostError, match="rank 1's actor died") as died:  # --max-restarts
             group.run_on_all_ranks(_crash_on_rank, 1)
+        # Ray's page-long account in a line; the whole of it stays in the cause.
+        assert len(str(died.value).splitlines()) == 1, str(died.value)
+        assert "(worker exit type" in str(died.value)
+        assert "Some common causes" in str(died.value.__cause__)
         with pytest.raises(RayGroupError, match="broken"):
             group.call_ranks(_rank_of, {0: ()})
+
+
+def test_a_rank_killed_for_memory_says_so_and_what_to_lower() -> None:
+    oom = OutOfMemoryError(  # type: ignore[no-untyped-call]  # Ray does not annotate it
+        "Task was killed due to the node running low on memory.\nMemory on the node (IP: "
+        "10.0.0.1) where the task was running was 23.1GB / 24.0GB (0.96), which exceeds the "
+        "memory usage threshold of 0.95.\n" + "Top 10 memory users:\n" * 12
+    )
+    assert _death(oom) == (
+        "Ray's memory monitor killed it: the machine ran low on memory. Lower --micro-batch-size "
+        "or --rollout-batch-size, run fewer ranks per machine, or give the run more memory"
+    )
 
 
 def test_a_timed_out_call_says_where_the_late_rank_is_stuck(ray_cluster: None) -> None:

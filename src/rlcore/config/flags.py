@@ -35,7 +35,7 @@ from rlcore.config.saved import (
 from rlcore.engines import KNOWN_ENGINES, load_engine
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
 
-__all__ = ["build_parser", "load_config", "read_toml"]
+__all__ = ["build_parser", "load_config", "read_settings", "read_toml"]
 
 USAGE = "%(prog)s [--config FILE.toml] [--FLAG VALUE ...]"
 
@@ -239,15 +239,7 @@ def load_config(
     (``--prompt-data``, ``--eval-prompt-data``: a path is checked here, its contents when the
     data is read), an eval-only ``--load`` that names no checkpoint.
     """
-    parser = parser or build_parser()
-    namespace, unknown = parser.parse_known_args(_negative_values_joined(argv, parser))
-    problems = _unknown_flag_problems(unknown, parser)
-    overrides, pair_problems = _overrides(namespace)
-    problems += pair_problems
-    config_path: Path | None = getattr(namespace, "config", None)
-    base = read_toml(config_path) if config_path is not None else {}
-    source = str(config_path) if config_path is not None else "flags"
-    data = _merge(base, overrides)
+    data, source, problems = _read(argv, parser or build_parser())
     config = _build(data, source, problems)
     if config.is_eval_only and config.checkpoint.load is not None:
         folder, saved = read_saved_settings(config.checkpoint.load)
@@ -257,6 +249,29 @@ def load_config(
                 lines = describe(data, saved, config, EVAL_ONLY_SETTINGS)
                 report += [f"eval-only run of {folder}: {line}" for line in lines]
     return config
+
+
+def read_settings(
+    argv: Sequence[str], parser: argparse.ArgumentParser | None = None
+) -> dict[str, Any]:
+    """What the flags (and the ``--config`` file they name) set, as plain data by section, before
+    anything is checked: for a caller that wants to look at some settings of a config that
+    :func:`load_config` refuses. Raises :class:`ConfigError` only when the file cannot be read."""
+    return _read(argv, parser or build_parser())[0]
+
+
+def _read(
+    argv: Sequence[str], parser: argparse.ArgumentParser
+) -> tuple[dict[str, Any], str, list[ConfigProblem]]:
+    """The settings by section, where they come from, and the flags' own problems."""
+    namespace, unknown = parser.parse_known_args(_negative_values_joined(argv, parser))
+    problems = _unknown_flag_problems(unknown, parser)
+    overrides, pair_problems = _overrides(namespace)
+    problems += pair_problems
+    config_path: Path | None = getattr(namespace, "config", None)
+    base = read_toml(config_path) if config_path is not None else {}
+    source = str(config_path) if config_path is not None else "flags"
+    return _merge(base, overrides), source, problems
 
 
 def _build(data: dict[str, Any], source: str, problems: list[ConfigProblem]) -> RunConfig:
