@@ -283,8 +283,34 @@ def test_a_failing_environment_or_generate_function_is_named() -> None:
 
     engine = stop_script({"x": ["hi"]})
     wrapped = EpisodeEngine(engine, TOK, max_turns=2, make_environment=lambda p, t: Broken())
-    with pytest.raises(RolloutError, match="environment Broken raised KeyError"):
+    with pytest.raises(
+        RolloutError,
+        match=r"environment tests\.rollout\.test_multiturn\..*"
+        r"\.Broken\.step raised KeyError: 'state' at turn 0 of prompt 0",
+    ):
         wrapped.generate([prompt("x")], PARAMS)
+
+    def no_room(p: Prompt, t: object) -> Broken:
+        raise RuntimeError("no sandbox left")
+
+    wrapped = EpisodeEngine(engine, TOK, max_turns=2, make_environment=no_room)
+    with pytest.raises(RolloutError) as info:
+        wrapped.generate([prompt("x")], PARAMS)
+    assert str(info.value).startswith(
+        f"environment factory {__name__}.test_a_failing_environment_or_generate_function_is_named"
+        ".<locals>.no_room raised RuntimeError: no sandbox left for prompt 0; fix "
+        "--environment-path"
+    ), str(info.value)
+
+    async def raises(ctx: GenerateContext, p: Prompt) -> Generation:
+        raise ValueError("my bug")
+
+    with pytest.raises(
+        RolloutError,
+        match=r"generate function .*raises raised ValueError: my "
+        r"bug for prompt 0; fix --custom-generate-function-path",
+    ):
+        EpisodeEngine(engine, TOK, max_turns=1, generate_fn=raises).generate([prompt("x")], PARAMS)
 
     class ReturnsADict:
         async def step(self, turn: Turn) -> StepResult:

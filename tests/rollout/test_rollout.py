@@ -11,8 +11,11 @@ from pathlib import Path
 import attrs
 import pytest
 
+from rlcore.config import load_config
 from rlcore.data import PromptSampler
 from rlcore.errors import ConfigError, DataError, RolloutError
+from rlcore.loop import RunData, run
+from rlcore.loop.plan import plan
 from rlcore.protocols import WeightSink
 from rlcore.rollout import (
     DynamicSampling,
@@ -26,7 +29,7 @@ from rlcore.rollout import (
 )
 from rlcore.rollout.replay import load_rollout_data, rollout_data_path, save_rollout_data
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams
-from rlcore.testing import ScriptedEngine, label_reward
+from rlcore.testing import FakeBackend, ScriptedEngine, label_reward
 
 PROMPTS = tuple(
     Prompt(index=i, text=f"{i}?", token_ids=(1, i + 3), label=str(i)) for i in range(12)
@@ -176,6 +179,32 @@ def test_the_output_check_names_the_function() -> None:
         check_rollout_output(RolloutOutput((sample[0][:1], *sample[1:])), "mine", 4, 2)
     with pytest.raises(RolloutError, match="mine returned list, not a RolloutOutput"):
         check_rollout_output(list(sample), "mine", 4, 2)
+
+
+def test_a_rollout_function_that_raises_is_named_with_the_rollout(tmp_path: Path) -> None:
+    def mine(ctx: RolloutContext) -> RolloutOutput:
+        raise ZeroDivisionError("oops")
+
+    config = load_config(
+        [
+            *("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
+            *("--global-batch-size", "4", "--micro-batch-size", "1"),
+        ]
+    )
+    with pytest.raises(RolloutError) as info:
+        run(
+            plan(config),
+            FakeBackend(),
+            ScriptedEngine(),
+            label_reward,
+            RunData(PROMPTS),
+            rollout_fn=mine,
+        )
+    assert str(info.value) == (
+        "rollout function test_a_rollout_function_that_raises_is_named_with_the_rollout.<locals>"
+        ".mine raised ZeroDivisionError: oops at rollout 0; fix the rollout function given to "
+        "rlcore.run"
+    )
 
 
 def test_the_built_in_filter_drops_groups_whose_rewards_all_equal() -> None:

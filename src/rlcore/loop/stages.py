@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from rlcore.errors import PlanError
+from rlcore.errors import PlanError, RLCoreError, RolloutError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
 from rlcore.protocols import (
@@ -181,10 +181,13 @@ def rollout_source(
     spec = plan.rollout
     if rollout_fn is not None:
         fn, name = rollout_fn, getattr(rollout_fn, "__qualname__", type(rollout_fn).__qualname__)
+        fix = "fix the rollout function given to rlcore.run"
     elif spec.function_path is not None:
         fn, name = load_rollout_function(spec.function_path), spec.function_path
+        fix = "fix the function --rollout-function-path names"
     else:
         fn, name = default_rollout, "rlcore.rollout:default_rollout"
+        fix = "this is a bug in rlcore: please report it with the traceback in run.log"
     sampling = DynamicSampling(
         over_sampling_batch_size=spec.over_sampling_batch_size or size,
         max_rounds=spec.max_rounds,
@@ -207,7 +210,16 @@ def rollout_source(
             sampling=sampling,
             carried=carried,
         )
-        output = check_rollout_output(fn(ctx), name, size, n)
+        try:
+            returned = fn(ctx)
+        except RLCoreError:
+            raise
+        except Exception as exc:
+            raise RolloutError(
+                f"rollout function {name} raised {type(exc).__name__}: {exc} at rollout "
+                f"{rollout_id}; {fix}"
+            ) from exc
+        output = check_rollout_output(returned, name, size, n)
         if spec.save_debug_data is not None:
             save_rollout_data(spec.save_debug_data, rollout_id, output.groups)
         return output

@@ -36,7 +36,7 @@ from typing import Protocol, final
 
 import attrs
 
-from rlcore.errors import RolloutError
+from rlcore.errors import RLCoreError, RolloutError
 from rlcore.imports import load_function
 from rlcore.protocols import (
     RewardFn,
@@ -182,7 +182,14 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
             "(a factory building an rlcore.rollout.environments.Environment from a prompt), or a "
             "--custom-generate-function-path"
         )
-    env = ctx.make_environment(prompt, ctx.tokenizer)
+    try:
+        env = ctx.make_environment(prompt, ctx.tokenizer)
+    except Exception as exc:
+        raise RolloutError(
+            f"environment factory {_name(ctx.make_environment)} raised {type(exc).__name__}: "
+            f"{exc} for prompt {prompt.index}; fix --environment-path (a factory "
+            "(prompt, tokenizer) -> Environment)"
+        ) from exc
     budget = ctx.params.max_new_tokens
     ids: list[int] = []
     log_probs: list[float] = []
@@ -207,15 +214,16 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
             break  # out of budget mid-turn: truncated
         try:
             result = await env.step(model_turn)
+        except RLCoreError:
+            raise
         except Exception as exc:
             raise RolloutError(
-                f"environment {type(env).__name__} raised {type(exc).__name__}: {exc} at turn "
+                f"environment {_name(type(env))}.step raised {type(exc).__name__}: {exc} at turn "
                 f"{turn_index} of prompt {prompt.index}; report tool problems as observations"
             ) from exc
         if not isinstance(result, StepResult):
-            kind = type(env)
             raise RolloutError(
-                f"environment {kind.__module__}.{kind.__qualname__}.step returned "
+                f"environment {_name(type(env))}.step returned "
                 f"{type(result).__name__} {str(result)[:80]!r} at turn {turn_index} of prompt "
                 f"{prompt.index}, not a StepResult; return "
                 "rlcore.rollout.environments.StepResult(observation_ids, observation, reward, "
@@ -321,7 +329,15 @@ class EpisodeEngine:
                 task.cancel()
 
     async def _one(self, ctx: GenerateContext, prompt: Prompt) -> Generation:
-        gen = await self.generate_fn(ctx, prompt)
+        try:
+            gen = await self.generate_fn(ctx, prompt)
+        except RLCoreError:
+            raise
+        except Exception as exc:
+            raise RolloutError(
+                f"generate function {_name(self.generate_fn)} raised {type(exc).__name__}: {exc} "
+                f"for prompt {prompt.index}; fix --custom-generate-function-path"
+            ) from exc
         if not isinstance(gen, Generation):
             raise RolloutError(
                 f"generate function {_name(self.generate_fn)} returned {type(gen).__name__} for "
@@ -359,7 +375,10 @@ def with_env_reward(reward_fn: RewardFn | AsyncRewardFn, mode: EnvRewardMode) ->
 
 
 def _name(fn: object) -> str:
-    return str(getattr(fn, "__qualname__", type(fn).__qualname__))
+    """``module.qualname`` of a user's function or class (of its type, for other objects)."""
+    owner = fn if hasattr(fn, "__qualname__") else type(fn)
+    module = getattr(owner, "__module__", None)
+    return f"{module}.{owner.__qualname__}" if module else str(owner.__qualname__)
 
 
 def load_custom_generate_function(path: str) -> CustomGenerateFn:
