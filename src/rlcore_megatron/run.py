@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from rlcore.config import RunConfig
 from rlcore.config.flags import build_parser, load_config, read_settings
@@ -66,6 +67,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlcore")
+E = TypeVar("E", bound=BaseException)
 
 DEMO_FOLDER = Path("runs/demo")
 DESCRIPTION = (
@@ -245,9 +247,11 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
     while True:
         try:
             return launch(prepared, notes, restarts=restarts)
-        except RankLostError as exc:
+        except RLCoreError as exc:
+            # A rank lost during a save reaches here as the save's CheckpointError, from it.
+            lost = _cause_of_type(exc, RankLostError)
             limit = prepared.config.checkpoint.max_restarts
-            if restarts >= limit:
+            if lost is None or restarts >= limit:
                 raise
             restarts += 1
             config, through = restart_config(prepared.config)
@@ -257,9 +261,19 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
                 dropped = rewind_metrics(config.output_dir / "metrics.jsonl", through)
                 where = f"from {config.checkpoint.load} after rollout {through}"
                 where += f" ({dropped} metrics rows after it dropped)" if dropped else ""
-            reason = str(exc).splitlines()[0]
+            reason = str(lost).splitlines()[0]
             log.warning("restart %d of %d (%s): %s", restarts, limit, reason, where)
             prepared = prepare(config)
+
+
+def _cause_of_type(exc: BaseException, kind: type[E]) -> E | None:
+    """``exc`` or the first exception of type ``kind`` in its chain of causes."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> RunResult:
