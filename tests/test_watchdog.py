@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.engines.test_hosts import GROUP_SCRIPT
+
 # A parent that starts a watchdog, a process in its own session (as a launched server is), a
 # multiprocessing child with its resource tracker (as Megatron's checkpoint writer does), and a
 # tensor in shared memory with torch's file_system strategy (as a CPU rank's parameters are, which
@@ -102,3 +104,57 @@ def test_a_stopped_watchdog_kills_nothing(tmp_path: Path) -> None:
     finally:
         for pid in _alive(children, within_s=0):
             os.kill(pid, signal.SIGKILL)
+
+
+# A run's driver with a watchdog and a launched server (LocalProcessHost: its own session, and
+# a reaper for its shared memory); prints the server's pid once the reaper has seen its files.
+SERVER_PARENT = """
+import sys, time
+from pathlib import Path
+from rlcore.engines import hosts
+from rlcore_megatron.watchdog import watch_tree
+
+dog = watch_tree(interval_s=0.2)
+hosts._REAPER_INTERVAL_S = 0.1
+script, prefix, log = sys.argv[1:]
+process = hosts.LocalProcessHost().start(
+    [sys.executable, "-c", script, prefix, "parent", script], {}, Path(log)
+)
+while len(process.log_tail(5)) < 2:
+    time.sleep(0.1)
+time.sleep(1.0)  # several ticks of the watchdog and the reaper
+print(process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_the_watchdog_kills_leaves_no_shared_memory(tmp_path: Path) -> None:
+    """``kill -9`` of a run with a launched server: the watchdog kills the server's processes
+    and the server's reaper, nobody's descendant, removes what they mapped in /dev/shm (a
+    stand-in for SGLang's load-snapshot file and semaphore)."""
+    prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SERVER_PARENT, GROUP_SCRIPT, prefix, str(tmp_path / "l.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert parent.stdout is not None
+    try:
+        with parent.stdout:
+            server = int(parent.stdout.readline())
+        assert len(_test_shm()) == 4  # own, shared, child, semaphore
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert _alive([server], within_s=10) == []
+        deadline = time.monotonic() + 20
+        while _test_shm() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _test_shm() == []
+    finally:
+        for path in _test_shm():
+            path.unlink()
+
+
+def _test_shm() -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"*rlcore-test-{os.getpid()}-*"))

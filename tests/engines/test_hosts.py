@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.engines.hosts import LocalProcessHost
+from rlcore.engines import hosts
+from rlcore.engines.hosts import LocalProcess, LocalProcessHost
 from rlcore.errors import RolloutError
 
 
@@ -65,13 +67,50 @@ def test_a_program_that_cannot_start_is_a_rollout_error(tmp_path: Path) -> None:
         LocalProcessHost().start(["/no/such/program"], {}, tmp_path / "l.log")
 
 
+# A process that maps shared memory as an SGLang server does, and prints "<role> ready" when it
+# has: a file of its own, one the test maps too, a POSIX semaphore (made by sem_open under a
+# temporary name and then linked to sem.rlcore-test-*, as the multiprocessing locks of SGLang's
+# scheduler are), and, as role "parent", a child that maps a file too ("child ready").
+# Arguments: the name prefix, the role ("parent" or "alone"), this script.
+GROUP_SCRIPT = textwrap.dedent(
+    """
+    import _multiprocessing, mmap, os, subprocess, sys, time
+
+    def mapped(path):
+        fd = os.open(path, os.O_CREAT | os.O_RDWR)
+        os.ftruncate(fd, 4096)
+        view = mmap.mmap(fd, 4096)
+        os.close(fd)
+        return view
+
+    prefix, role = sys.argv[1], sys.argv[2]
+    if role == "child":
+        kept = [mapped(prefix + "-child")]
+    else:
+        kept = [mapped(prefix + "-own"), mapped(prefix + "-shared")]
+        name = "/" + os.path.basename(prefix) + "-semaphore"
+        kept.append(_multiprocessing.SemLock(1, 1, 1, name, False))  # kind, value, max, unlink
+        if role == "parent":
+            subprocess.Popen([sys.executable, "-c", sys.argv[3], prefix, "child"])
+    print(role, "ready", flush=True)
+    time.sleep(600)
+    """
+)
+SEMAPHORE = "sem.rlcore-test-{pid}-semaphore"
+
+
 PARENT = """
 import sys, time
 from pathlib import Path
-from rlcore.engines.hosts import LocalProcessHost
+from rlcore.engines import hosts
 
-host = LocalProcessHost(die_with_parent=True)
-process = host.start([sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
+hosts._REAPER_INTERVAL_S = 0.1
+host = hosts.LocalProcessHost(die_with_parent=True)
+script, prefix, log = sys.argv[1:]
+process = host.start([sys.executable, "-c", script, prefix, "alone", script], {}, Path(log))
+while process.log_tail(1) != ["alone ready"]:
+    time.sleep(0.1)
+time.sleep(1.0)  # several reaper ticks
 print(process.pid, flush=True)
 time.sleep(600)
 """
@@ -79,65 +118,90 @@ time.sleep(600)
 
 def test_a_process_started_to_die_with_its_parent_does(tmp_path: Path) -> None:
     """What a cluster's rollout host relies on: when the host actor is killed outright, the
-    server it started goes too (it runs in its own session, so nothing else would stop it).
-    Linux's parent-death signal, which is what CI runs on."""
+    server it started goes too (it runs in its own session, so nothing else would stop it), and
+    so does the shared memory it mapped (its reaper outlives the host). Linux's parent-death
+    signal, which is what CI runs on."""
+    prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(tmp_path / "l.log")],
+        [sys.executable, "-c", PARENT, GROUP_SCRIPT, prefix, str(tmp_path / "l.log")],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert parent.stdout is not None
-    with parent.stdout:
-        pid = int(parent.stdout.readline())
-        assert _alive(pid)
-        parent.kill()
-        parent.wait(timeout=30)
-    assert _wait_gone(pid)
+    try:
+        with parent.stdout:
+            pid = int(parent.stdout.readline())
+            assert _alive(pid)
+            assert {p.name for p in _ours()} == {
+                f"rlcore-test-{os.getpid()}-own",
+                f"rlcore-test-{os.getpid()}-shared",
+                SEMAPHORE.format(pid=os.getpid()),
+            }
+            parent.kill()
+            parent.wait(timeout=30)
+        assert _wait_gone(pid)
+        deadline = time.monotonic() + 20
+        while _ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ours() == []
+    finally:
+        for path in _ours():
+            path.unlink()
+
+
+def _start_group(host: LocalProcessHost, prefix: str, log: Path) -> LocalProcess:
+    process = host.start(
+        [sys.executable, "-c", GROUP_SCRIPT, prefix, "parent", GROUP_SCRIPT], {}, log
+    )
+    deadline = time.monotonic() + 60
+    while len(process.log_tail(5)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(process.log_tail(5)) == ["child ready", "parent ready"]
+    return process
 
 
 def test_stop_removes_the_shared_memory_only_the_group_mapped(tmp_path: Path) -> None:
-    """What a killed SGLang server leaves in /dev/shm (files its processes mapped) is removed
-    when it is stopped; a file that another process still maps, or that the group never mapped,
-    stays."""
+    """What a killed SGLang server leaves in /dev/shm (files its processes mapped, semaphores
+    mapped under a name since deleted) is removed when it is stopped; a file that another
+    process still maps, or that the group never mapped, stays."""
     prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
-    script = textwrap.dedent(
-        """
-        import mmap, os, subprocess, sys, time
-
-        def mapped(path):
-            fd = os.open(path, os.O_CREAT | os.O_RDWR)
-            os.ftruncate(fd, 4096)
-            view = mmap.mmap(fd, 4096)
-            os.close(fd)
-            return view
-
-        prefix, role = sys.argv[1], sys.argv[2]
-        if role == "child":
-            kept = [mapped(prefix + "-child")]
-        else:
-            kept = [mapped(prefix + "-own"), mapped(prefix + "-shared")]
-            subprocess.Popen([sys.executable, "-c", sys.argv[3], prefix, "child"])
-        print(role, "ready", flush=True)
-        time.sleep(600)
-        """
-    )
     shared = _mapped_here(prefix + "-shared")
     Path(prefix + "-unrelated").write_bytes(b"x")
     try:
-        process = LocalProcessHost().start(
-            [sys.executable, "-c", script, prefix, "parent", script], {}, tmp_path / "l.log"
-        )
-        deadline = time.monotonic() + 60
-        while len(process.log_tail(5)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert sorted(process.log_tail(5)) == ["child ready", "parent ready"]
+        process = _start_group(LocalProcessHost(), prefix, tmp_path / "l.log")
+        assert {p.name for p in _ours()} >= {SEMAPHORE.format(pid=os.getpid())}
         process.stop(5.0)
-        left = {p.name.removeprefix(f"rlcore-test-{os.getpid()}-") for p in _ours(prefix)}
-        assert left == {"shared", "unrelated"}
+        assert {p.name for p in _ours()} == {
+            f"rlcore-test-{os.getpid()}-shared",
+            f"rlcore-test-{os.getpid()}-unrelated",
+        }
     finally:
         shared.close()
-        for path in _ours(prefix):
+        for path in _ours():
+            path.unlink()
+
+
+def test_a_group_killed_outright_leaves_no_shared_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server killed by someone else (a crash, the OOM killer) maps nothing by the time it is
+    stopped: the reaper recorded its files while it ran and removes them once it is gone."""
+    monkeypatch.setattr(hosts, "_REAPER_INTERVAL_S", 0.1)
+    prefix = f"/dev/shm/rlcore-test-{os.getpid()}"
+    shared = _mapped_here(prefix + "-shared")
+    try:
+        process = _start_group(LocalProcessHost(), prefix, tmp_path / "l.log")
+        time.sleep(1.0)  # several reaper ticks
+        os.killpg(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while len(_ours()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # no stop yet: the reaper does it alone
+        assert [p.name for p in _ours()] == [f"rlcore-test-{os.getpid()}-shared"]
+        process.stop(5.0)
+    finally:
+        shared.close()
+        for path in _ours():
             path.unlink()
 
 
@@ -149,5 +213,6 @@ def _mapped_here(path: str) -> mmap.mmap:
     return view
 
 
-def _ours(prefix: str) -> list[Path]:
-    return sorted(Path("/dev/shm").glob(Path(prefix).name + "-*"))
+def _ours() -> list[Path]:
+    """This test process's files in /dev/shm (semaphores are named ``sem.<name>``)."""
+    return sorted(Path("/dev/shm").glob(f"*rlcore-test-{os.getpid()}-*"))

@@ -55,6 +55,33 @@ def mapped_files(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
     return found
 
 
+def shared_memory_files(servers: Sequence[SGLangServer]) -> set[str]:
+    """The files in /dev/shm that the servers' processes map, found by inode: a POSIX semaphore
+    (``sem.mp-*``) is mapped under the temporary name ``sem_open`` made it with, since deleted.
+    Recorded while they run, so that these are theirs and not another process's of the moment."""
+    inodes: set[int] = set()
+    for server in servers:
+        assert server.process is not None
+        root = psutil.Process(server.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                maps = Path(f"/proc/{process.pid}/maps").read_text()
+            except OSError:
+                continue  # a helper process that exited meanwhile
+            for line in maps.splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset device inode path
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+    found = set()
+    for path in Path("/dev/shm").iterdir():
+        try:
+            if path.stat().st_ino in inodes:
+                found.add(str(path))
+        except OSError:
+            continue  # another process's file, removed meanwhile
+    return found
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread() -> Iterator[None]:
     """The transformers references here are tiny: one thread, no contention with the servers."""

@@ -15,6 +15,7 @@ from rlcore.samples import SamplingParams
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import SGLangServer
+from tests.sglang.conftest import shared_memory_files
 from tests.sglang.test_generate import prompts
 
 pytestmark = pytest.mark.sglang
@@ -29,6 +30,10 @@ def test_killed_server_mid_rollout_raises_with_its_log_tail(victim_server: SGLan
     assert engine.generate(prompts(2), SamplingParams(max_new_tokens=2))  # alive and serving
     process = victim_server.process
     assert process is not None
+    shared_memory = shared_memory_files([victim_server])
+    names = sorted(Path(f).name for f in shared_memory)
+    assert any(name.startswith("sglang_loads_") for name in names), names  # its load snapshot
+    assert any(name.startswith("sem.mp-") for name in names), names  # its scheduler's semaphore
 
     def kill_soon() -> None:
         time.sleep(1.0)
@@ -58,3 +63,9 @@ def test_killed_server_mid_rollout_raises_with_its_log_tail(victim_server: SGLan
     engine.close()
     with pytest.raises(RolloutError, match="closed"):
         engine.generate(prompts(1), params)
+
+    # What it mapped in /dev/shm goes too, before anyone stops it (its reaper sees it die).
+    deadline = time.monotonic() + 30
+    while [f for f in shared_memory if Path(f).exists()] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [f for f in shared_memory if Path(f).exists()] == []

@@ -31,7 +31,7 @@ from tests.families import (
     greedy_reference,
     tiny_config,
 )
-from tests.sglang.conftest import STARTUP_TIMEOUT_S, mapped_files
+from tests.sglang.conftest import STARTUP_TIMEOUT_S, shared_memory_files
 
 pytestmark = pytest.mark.sglang
 
@@ -113,10 +113,13 @@ def test_a_stopped_server_leaves_nothing_in_shared_memory(
     family_servers: dict[Family, tuple[SGLangServer, Path]],
 ) -> None:
     """After this module's other tests (it stops one of their servers): SGLang's processes are
-    killed, so what they map in /dev/shm (its load-snapshot file, which SGLang never unlinks)
-    is removed by the stop."""
+    killed, so what they map in /dev/shm (its load-snapshot file, which SGLang never unlinks, and
+    the scheduler's semaphore, which its killed resource tracker would have unlinked) is removed
+    by the stop."""
     server, _ = family_servers[FAMILIES[-1]]
-    files = mapped_files([server], "/dev/shm/")
-    assert any(Path(f).name.startswith("sglang_loads_") for f in files)
+    files = shared_memory_files([server])
+    names = [Path(f).name for f in files]
+    assert any(name.startswith("sglang_loads_") for name in names), names
+    assert any(name.startswith("sem.mp-") for name in names), names
     server.shutdown()
     assert [f for f in files if Path(f).exists()] == []

@@ -3,7 +3,7 @@ read its log, stop it and everything it started, and remove the shared-memory fi
 
 A cluster's hosts (``rlcore_megatron.cluster``) run a :class:`LocalProcessHost` on the node they
 reserved and forward calls to it, so a server started on another node is handled the same way.
-Standard library only (and rlcore's errors).
+Standard library only (and rlcore's errors and :mod:`rlcore.engines._shm`).
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, final
 
+from rlcore.engines import _shm
 from rlcore.errors import RolloutError
 
 __all__ = ["LocalProcess", "LocalProcessHost", "free_port"]
@@ -39,17 +41,29 @@ class LocalProcess:
     that :meth:`stop` ends it and every child it forked (a server's scheduler, its detokenizer).
 
     Killed processes cannot unlink their shared memory, and a server's group is killed (SGLang
-    kills its own children too): :meth:`stop` removes the ``/dev/shm`` files the group had mapped
-    when asked to stop and that no process maps once it is gone (SGLang leaves a 16 KB
-    ``sglang_loads_*`` file per server otherwise). Files that others still map (a weight
-    sender's) stay. Not covered: a 32-byte ``sem.mp-*`` semaphore per SGLang server, which no
-    process maps by the time the server is stopped.
+    kills its own children too, its ``multiprocessing`` resource tracker among them): the
+    ``/dev/shm`` files the group mapped and that no process maps once it is gone are removed.
+    For an SGLang server: its 16 KB ``sglang_loads_*`` load snapshot, which SGLang never unlinks,
+    and its 32-byte ``sem.mp-*`` semaphore (tqdm's ``multiprocessing.RLock`` in the scheduler,
+    which only the scheduler's clean exit or the killed resource tracker would unlink). Files
+    that others still map (a weight sender's) stay. :meth:`stop` records the mappings before it
+    signals the group and removes the files once the group is gone; a reaper process
+    (:mod:`rlcore.engines._shm`) records them every second while the group
+    runs, so that a group that dies without :meth:`stop` (killed outright, or killed with a
+    parent that started it with ``die_with_parent``) leaves nothing either.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, log_file: IO[bytes]) -> None:
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        log_path: Path,
+        log_file: IO[bytes],
+        reaper: subprocess.Popen[bytes] | None = None,
+    ) -> None:
         self._popen = popen
         self.log_path = log_path
         self._log_file: IO[bytes] | None = log_file
+        self._reaper = reaper
         self._stopped = False
         # It runs in its own session, so it would outlive a caller that dies without stopping it:
         # stop it at interpreter exit too (a no-op once stopped).
@@ -63,12 +77,13 @@ class LocalProcess:
         return self._popen.poll()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the process group, SIGKILL after ``timeout_s``. Safe to call twice."""
+        """SIGTERM to the process group, SIGKILL after ``timeout_s``; then the shared memory it
+        left. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
         process = self._popen
-        files = _shared_memory_mapped(_group_members(process.pid))
+        files = _shm.mapped(_shm.group_members(process.pid))
         if process.poll() is None:
             _signal_group(process, signal.SIGTERM)
             try:
@@ -78,8 +93,11 @@ class LocalProcess:
                 process.wait(timeout=timeout_s)
         # Children may outlive the parent: end the group anyway.
         _signal_group(process, signal.SIGKILL)
-        if files and _wait_group_gone(process.pid, min(timeout_s, 5.0)):
-            _remove_unmapped(files)
+        gone = _wait_group_gone(process.pid, min(timeout_s, 5.0))
+        if gone:
+            _shm.remove_unmapped(files)
+        if self._reaper is not None:
+            _finish_reaper(self._reaper, 5.0 if gone else 0.0)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -146,7 +164,46 @@ class LocalProcessHost:
         except OSError as exc:
             log_file.close()
             raise RolloutError(f"could not start {argv[0]!r}: {exc}") from exc
-        return LocalProcess(popen, log_path, log_file)
+        return LocalProcess(popen, log_path, log_file, _start_reaper(popen.pid))
+
+
+_REAPER_INTERVAL_S = 1.0
+
+
+def _start_reaper(pgid: int) -> subprocess.Popen[bytes] | None:
+    """Start the reaper of group ``pgid`` (see :mod:`rlcore.engines._shm`); ``None`` where it
+    cannot run (no ``/proc``)."""
+    if not os.path.isdir("/proc") or not os.path.isdir(_shm.SHM_DIR) or not sys.executable:
+        return None
+    try:
+        reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", _shm.__file__, str(pgid), str(_REAPER_INTERVAL_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            # Its own session: not in the group it watches (which gets killed), nor in the
+            # caller's (a Ctrl-C to the terminal's group must not end it).
+            start_new_session=True,
+        )
+        reaper.wait(timeout=60)  # the first process forks the reaper and exits
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return reaper
+
+
+def _finish_reaper(reaper: subprocess.Popen[bytes], wait_s: float) -> None:
+    """Ask the reaper to look at its group now and wait up to ``wait_s`` for it to end (it ends
+    once the group is gone, after removing what the group left)."""
+    assert reaper.stdin is not None and reaper.stdout is not None
+    try:
+        reaper.stdin.write(b"\n")
+        reaper.stdin.close()
+    except OSError:
+        pass  # it has ended
+    if wait_s > 0:
+        # Its stdout closes when it ends.
+        select.select([reaper.stdout], [], [], wait_s)
+    reaper.stdout.close()
 
 
 def _kill_me_with_my_parent() -> None:
@@ -164,60 +221,11 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         pass
 
 
-_SHM_DIR = "/dev/shm/"
-
-
-def _pids() -> list[int]:
-    try:
-        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:  # not Linux
-        return []
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The processes of process group ``pgid`` that have not exited (zombies excluded)."""
-    members = []
-    for pid in _pids():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]  # after "pid (comm) "
-        if int(group) == pgid and state != "Z":
-            members.append(pid)
-    return members
-
-
-def _shared_memory_mapped(pids: Iterable[int]) -> set[str]:
-    """The ``/dev/shm`` files (still linked) that the processes ``pids`` map."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            fields = line.split(maxsplit=5)  # address perms offset device inode path
-            if len(fields) == 6 and fields[5].startswith(_SHM_DIR):
-                if not fields[5].endswith(" (deleted)"):
-                    found.add(fields[5])
-    return found
-
-
 def _wait_group_gone(pgid: int, wait_s: float) -> bool:
     """Whether every process of group ``pgid`` has exited, waiting up to ``wait_s``."""
     deadline = time.monotonic() + wait_s
-    while _group_members(pgid):
+    while _shm.group_members(pgid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
-
-
-def _remove_unmapped(files: set[str]) -> None:
-    """Remove those of ``files`` that no process maps."""
-    for path in files - _shared_memory_mapped(_pids()):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass  # removed meanwhile
