@@ -27,6 +27,7 @@ __all__ = [
     "LRSchedule",
     "LossSpec",
     "ModelSpec",
+    "OPDSpec",
     "OptimizerSpec",
     "ParallelSpec",
     "Precision",
@@ -39,7 +40,7 @@ __all__ = [
     "schedule_length_problem",
 ]
 
-Role = Literal["actor", "critic", "reference"]
+Role = Literal["actor", "critic", "reference", "teacher"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 AdvantageEstimator = Literal[
     "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
@@ -325,6 +326,17 @@ class EvalSpec:
     """An eval-only model: weights and a forward pass, nothing to train."""
 
     model: ModelSpec
+
+
+@attrs.frozen
+class OPDSpec:
+    """On-policy distillation: ``teacher`` scores the student's sampled tokens, and each token's
+    advantage loses ``kl_coef`` times the student's log-prob minus the teacher's
+    (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an :class:`EvalSpec`: it is
+    built as an eval stack, which has no optimizer."""
+
+    teacher: EvalSpec
+    kl_coef: float = 1.0
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ rollout GPUs, ``K`` GPUs per engine):
 ===================  ==================================  =====================================
 actor                slots ``0 .. A-1``                   slots ``0 .. A-1``
 reference model      the actor's slots                    the actor's slots
+OPD teacher          the actor's slots                    the actor's slots
 critic               its own slots ``A .. A+C-1``         slots ``0 .. C-1`` (shared)
 rollout engines      ``R / K`` engines of ``K``           the same, counting CPU slots
                      consecutive slots after the others;
@@ -48,7 +49,7 @@ __all__ = [
     "plan_layout",
 ]
 
-SlotRole = Literal["actor", "critic", "reference", "rollout"]
+SlotRole = Literal["actor", "critic", "reference", "teacher", "rollout"]
 _RESOLUTION: Final = 1e-4
 """Ray's resource granularity: fractions are rounded down to it so shares never exceed a slot."""
 
@@ -86,6 +87,7 @@ class PlacementRequest:
     actor_ranks: int
     critic_ranks: int = 0
     reference: bool = False
+    teacher: bool = False
     rollout_gpus: int = 0
     gpus_per_engine: int = 1
     colocate: bool = False
@@ -163,6 +165,8 @@ def plan_layout(
     roles: dict[SlotRole, tuple[int, ...]] = {"actor": tuple(range(a))}
     if request.reference:
         roles["reference"] = roles["actor"]
+    if request.teacher:
+        roles["teacher"] = roles["actor"]
     if gpu:
         if c:
             roles["critic"] = tuple(range(a, a + c))

@@ -80,6 +80,44 @@ def _model_problems(hf_config: dict[str, Any], path: Path, where: str) -> list[C
     return []
 
 
+_TOKENIZER_FILE = "tokenizer.json"
+
+
+def _teacher_problems(
+    teacher: Path, student: Path, student_config: dict[str, Any]
+) -> list[ConfigProblem]:
+    """The OPD teacher's folder: a model the backend can build, whose token ids mean what the
+    student's do (the same vocabulary size and, when both folders have one, the same
+    ``tokenizer.json``): the teacher scores the student's token ids."""
+    where = with_flag("opd.opd_teacher_hf_checkpoint")
+    found, hf_config = check_model_folder(teacher, where)
+    if found or not hf_config:
+        return found
+    problems = _model_problems(hf_config, teacher / "config.json", where)
+    hint = "distill from a teacher with the student's tokenizer"
+    vocab, student_vocab = hf_config.get("vocab_size"), student_config.get("vocab_size")
+    if student_config and vocab != student_vocab:
+        problems.append(
+            ConfigProblem(
+                where,
+                f"the teacher's vocabulary has {vocab} tokens and the student's {student_vocab} "
+                f"({student}): the teacher must score the student's token ids",
+                hint,
+            )
+        )
+    mine, theirs = teacher / _TOKENIZER_FILE, student / _TOKENIZER_FILE
+    if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
+        problems.append(
+            ConfigProblem(
+                where,
+                f"{mine} differs from the student's {theirs}: the two models do not share a "
+                "tokenizer, so the same token id means different text to them",
+                hint,
+            )
+        )
+    return problems
+
+
 def preflight(config: RunConfig) -> list[Path]:
     """Check, before anything starts, what the run needs from the file system: the model folder
     (files present, safetensors complete, ``config.json`` buildable), the checkpoint ``--load``
@@ -102,6 +140,9 @@ def preflight(config: RunConfig) -> list[Path]:
         problems += found
         if hf_config:
             problems += _model_problems(hf_config, folder / "config.json", where)
+        teacher = config.opd.opd_teacher_hf_checkpoint
+        if config.opd.use_opd and teacher is not None and not config.is_eval_only:
+            problems += _teacher_problems(teacher, folder, hf_config)
     if config.checkpoint.load is not None:
         try:
             problems += _damaged(find_checkpoint(config.checkpoint.load))
@@ -260,11 +301,13 @@ def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
     servers = kind.runs_servers(kind.options(config.rollout.engine_options))
     critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
     reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    teacher = isinstance(the_plan, TrainPlan) and the_plan.opd is not None
     overlaps = isinstance(the_plan, TrainPlan) and the_plan.max_staleness > 0
     return PlacementRequest(
         actor_ranks=k.actor_ranks,
         critic_ranks=k.critic_ranks if critic else 0,
         reference=reference,
+        teacher=teacher,
         rollout_gpus=k.rollout_gpus if servers else 0,
         gpus_per_engine=k.rollout_num_gpus_per_engine,
         colocate=k.colocate,

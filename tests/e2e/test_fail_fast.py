@@ -177,6 +177,30 @@ def test_ranks_that_cannot_fit_this_machine_are_said_first(demo: Path, tmp_path:
     ), split
 
 
+def test_a_teacher_that_cannot_score_the_students_tokens_is_refused(
+    demo: Path, tmp_path: Path
+) -> None:
+    """--use-opd: a teacher folder that does not exist, or whose vocabulary or tokenizer is not
+    the student's, is refused before anything starts."""
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"), "--use-opd")
+    missing = tmp_path / "nowhere"
+    err = _refused([*flags, "--opd-teacher-hf-checkpoint", str(missing)], tmp_path)
+    assert (
+        f"opd.opd_teacher_hf_checkpoint (--opd-teacher-hf-checkpoint): {missing} does not exist"
+        in err
+    )
+
+    other = tmp_path / "other"
+    shutil.copytree(demo / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 99}))
+    (other / "tokenizer.json").write_text('{"version": "a different tokenizer"}')
+    err = _refused([*flags, "--opd-teacher-hf-checkpoint", str(other)], tmp_path)
+    assert f"the teacher's vocabulary has 99 tokens and the student's {config['vocab_size']}" in err
+    assert f"{other / 'tokenizer.json'} differs from the student's" in err
+    assert "distill from a teacher with the student's tokenizer" in err
+
+
 def test_a_fresh_run_refuses_a_save_folder_with_another_runs_checkpoints(
     demo: Path, tmp_path: Path
 ) -> None:

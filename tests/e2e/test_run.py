@@ -565,6 +565,22 @@ def test_one_step_off_policy_through_the_cli_is_deterministic(
     assert "slot 1: node" in log and "the driver's rollout engine" in log
 
 
+def test_on_policy_distillation_from_a_teacher_in_the_actors_slots(
+    demo: Path, tmp_path: Path, ray_cluster: None
+) -> None:
+    """--use-opd through the CLI's Ray backend: the teacher (here the student's own starting
+    weights) is an eval stack in the actor's slots; the first rollout's reverse KL is 0."""
+    flags = _flags(demo, tmp_path, "--num-rollout", "2", "--skip-eval-before-train")
+    teacher = ["--use-opd", "--opd-teacher-hf-checkpoint", str(demo / "model")]
+    result = execute(load_config([*flags, *teacher, "--opd-kl-coef", "0.5"]))
+    assert result.built == ("train:actor", "eval:teacher")
+    rows = [r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl") if "opd/kl_mean" in r]
+    assert len(rows) == 2 and abs(rows[0]["opd/kl_mean"]) < 1e-5
+    assert rows[0]["opd/teacher_logprob_mean"] < 0 and rows[0]["perf/teacher_s"] > 0
+    log = (tmp_path / "run.log").read_text()
+    assert "teacher: 1 rank(s) on CPU slots 0" in log and "actor, teacher" in log
+
+
 def test_a_resume_with_a_changed_lr_is_refused_then_applied_with_the_override(
     demo: Path, tmp_path: Path, ray_cluster: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,7 +21,7 @@ from rlcore.loop.plan import plan
 from rlcore.protocols import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
 from rlcore.specs import EvalSpec, TrainSpec
-from rlcore.testing import ScriptedEngine, label_reward
+from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.stacks import MegatronTrainingStack
@@ -42,6 +42,7 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.inner = MegatronBackend()
         self.training: dict[str, TrainingStack] = {}
+        self.eval_stacks: list[EvalStack] = []
 
     def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
         stack = self.inner.build_training_stack(spec)
@@ -49,7 +50,8 @@ class RecordingBackend:
         return stack
 
     def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
-        return self.inner.build_eval_stack(spec)
+        self.eval_stacks.append(self.inner.build_eval_stack(spec))
+        return self.eval_stacks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,36 @@ def test_hf_exports_hold_the_actor_at_each_interval(
         got = actor.gpt(tokens, torch.arange(9).expand_as(tokens), None)[..., :128].float()
     atol = 1e-5 if precision == "float32" else 0.04  # bf16: two implementations' rounding
     torch.testing.assert_close(got, expected, rtol=0 if precision != "float32" else 1e-5, atol=atol)
+
+
+def test_a_teacher_is_a_megatron_eval_stack_whose_reverse_kl_reaches_the_advantages(
+    char_llama: Path, tmp_path: Path
+) -> None:
+    """``--use-opd`` with Megatron: the teacher is built as an eval stack (no optimizer), scores
+    every rollout, and the reverse KL is 0 against a teacher that is the student's own start and
+    not 0 against another model."""
+    other = tmp_path / "other"
+    build_tiny_llama(other, **{**TINY, "vocab_size": 128}, seed=7)
+
+    def distill(teacher: Path) -> tuple[list[float], RecordingBackend]:
+        data: dict[str, Any] = {
+            "model": {"hf_checkpoint": str(char_llama)},
+            "rollout": {"num_rollout": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+            "optim": {"lr": 1e-3},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2},
+            "opd": {"use_opd": True, "opd_teacher_hf_checkpoint": str(teacher)},
+        }
+        backend, sink = RecordingBackend(), RecordingSink()
+        result = run(
+            plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA, sink
+        )
+        assert result.built == ("train:actor", "eval:teacher")
+        return [m["opd/kl_mean"] for _, m in sink.records if "opd/kl_mean" in m], backend
+
+    same, backend = distill(char_llama)
+    (teacher,) = backend.eval_stacks
+    assert teacher.spec.role == "teacher" and not hasattr(teacher, "optimizer")
+    assert len(same) == 2 and abs(same[0]) < 1e-5  # rollout 0: the student is still the teacher
+    assert abs(same[1]) > 1e-4  # one step later it is not
+    different, _ = distill(other)
+    assert abs(different[0]) > 1e-3

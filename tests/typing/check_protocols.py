@@ -22,6 +22,7 @@ from rlcore import (
     TrainPlan,
     TrainSpec,
 )
+from rlcore.loop.stages import TrainStacks
 from rlcore.protocols import (
     Backend,
     GroupFilter,
@@ -109,6 +110,16 @@ def rollout_only_plan_has_no_training_parts(p: RolloutOnlyPlan, backend: Backend
 def train_plan_critic_is_optional(p: TrainPlan) -> None:
     assert_type(p.critic, TrainSpec | None)
     assert_type(p.reference, EvalSpec | None)
+
+
+def a_teacher_is_an_eval_stack(stacks: TrainStacks, p: TrainPlan, backend: Backend) -> None:
+    """On-policy distillation's teacher has no optimizer, scheduler or training step, by type."""
+    if stacks.teacher is not None:
+        _ = stacks.teacher.optimizer  # type: ignore[attr-defined]
+        _ = stacks.teacher.train_step  # type: ignore[attr-defined]
+    if p.opd is not None:
+        assert_type(p.opd.teacher, EvalSpec)
+        backend.build_training_stack(p.opd.teacher)  # type: ignore[arg-type]
 
 
 def match_is_exhaustive(p: Plan) -> str:

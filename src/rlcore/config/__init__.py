@@ -8,7 +8,7 @@ slime's names or a TOML file.
   :mod:`~rlcore.config.algorithm` (``[algorithm]``), :mod:`~rlcore.config.optim` (``[optim]``,
   ``[train]``), :mod:`~rlcore.config.cluster` (``[model]``, ``[cluster]``),
   :mod:`~rlcore.config.data` (``[data]``, ``[eval]``), :mod:`~rlcore.config.checkpoint`
-  (``[checkpoint]``, ``[debug]``).
+  (``[checkpoint]``, ``[debug]``), :mod:`~rlcore.config.distill` (``[opd]``).
 - :mod:`~rlcore.config.fields`: how a field declares its flag (:func:`option`) and how a problem
   names it.
 - :mod:`~rlcore.config.convert`: the converter and how its errors name fields;
@@ -26,6 +26,7 @@ from rlcore.config.checkpoint import CheckpointConfig, DebugConfig
 from rlcore.config.cluster import ClusterConfig, ModelConfig
 from rlcore.config.convert import converter, structure_config, with_flag
 from rlcore.config.data import DataConfig, EvalConfig, EvalDataConfig
+from rlcore.config.distill import OPDConfig
 from rlcore.config.fields import option
 from rlcore.config.flags import build_parser, load_config, read_toml
 from rlcore.config.optim import OptimizerConfig, TrainConfig
@@ -42,6 +43,7 @@ __all__ = [
     "EvalDataConfig",
     "ModelConfig",
     "MultiTurnConfig",
+    "OPDConfig",
     "OptimizerConfig",
     "RolloutConfig",
     "RunConfig",

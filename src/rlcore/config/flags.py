@@ -51,6 +51,7 @@ _SECTIONS: dict[str, str] = {
     "checkpoint": "checkpoints",
     "debug": "debug (saving and replaying rollouts)",
     "multiturn": "multi-turn and tools",
+    "opd": "on-policy distillation",
 }
 
 

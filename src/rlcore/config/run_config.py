@@ -32,6 +32,7 @@ from rlcore.config.cluster import (
     parallel_problems,
 )
 from rlcore.config.data import DataConfig, EvalConfig, eval_problems
+from rlcore.config.distill import OPDConfig, opd_problems
 from rlcore.config.fields import option, problem, problems_under
 from rlcore.config.optim import (
     OptimizerConfig,
@@ -68,6 +69,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     debug: DebugConfig = DebugConfig()
     multiturn: MultiTurnConfig = MultiTurnConfig()
+    opd: OPDConfig = OPDConfig()
     seed: int = option(1234, "--seed", "random seed")
     output_dir: Path = option(
         Path("runs/latest"), "--output-dir", "run folder for metrics and logs"
@@ -154,6 +156,7 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     problems += train_size_problems(config.train)
     problems += model_problems(m)
     problems += eval_problems(config.eval)
+    problems += opd_problems(config.opd)
     problems += checkpoint_problems(config.checkpoint, r.num_rollout)
     if not problems_under(problems, "cluster."):
         problems += parallel_problems(m, ranks_by_role(config))

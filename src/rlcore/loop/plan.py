@@ -29,6 +29,7 @@ from rlcore.specs import (
     LossSpec,
     LRSchedule,
     ModelSpec,
+    OPDSpec,
     OptimizerSpec,
     ParallelSpec,
     Role,
@@ -144,6 +145,9 @@ class TrainPlan:
     (:func:`rlcore.loop.hf_export.hf_folder`)."""
     save_hf_interval: int | None = None
     """Export every ``save_hf_interval`` rollouts (and always after the last one)."""
+    opd: OPDSpec | None = None
+    """On-policy distillation (``--use-opd``): the teacher (an eval stack, built beside the actor)
+    and the weight of its reverse KL in the advantage."""
     settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
     recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
@@ -191,8 +195,8 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 
 
 def _model(config: RunConfig, role: Role) -> ModelSpec:
-    """The reference model is split like the actor (it shares the actor's GPUs); the critic has
-    its own rank count (``--critic-num-nodes`` x ``--critic-num-gpus-per-node``)."""
+    """The reference model and a teacher are split like the actor (they share the actor's GPUs);
+    the critic has its own rank count (``--critic-num-nodes`` x ``--critic-num-gpus-per-node``)."""
     m, k = config.model, config.cluster
     ranks = k.critic_ranks if role == "critic" else k.actor_ranks
     parallel = ParallelSpec(
@@ -229,6 +233,8 @@ def _eval_plan(config: RunConfig) -> EvalPlan:
         )
     if a.uses_kl:
         skipped.append("reference model: KL settings given, but an eval-only run computes no KL")
+    if config.opd.use_opd:
+        skipped.append("teacher (--use-opd): an eval-only run distills nothing")
     if config.checkpoint.save_hf is not None:
         skipped.append("Hugging Face export (--save-hf): an eval-only run trains nothing")
     return EvalPlan(
@@ -368,8 +374,19 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
         save_retain=c.save_retain,
         save_hf=c.save_hf,
         save_hf_interval=c.save_hf_interval or c.save_interval,
+        opd=_opd_spec(config),
         settings=settings_data(config),
     )
+
+
+def _opd_spec(config: RunConfig) -> OPDSpec | None:
+    o = config.opd
+    if not o.use_opd:
+        return None
+    assert o.opd_teacher_hf_checkpoint is not None  # the [opd] check requires it
+    # Split like the actor, in whose slots it runs (as the reference model does).
+    teacher = attrs.evolve(_model(config, "teacher"), hf_checkpoint=o.opd_teacher_hf_checkpoint)
+    return OPDSpec(teacher=EvalSpec(model=teacher), kl_coef=o.opd_kl_coef)
 
 
 def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:
@@ -385,6 +402,8 @@ def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:
         skipped.append("--sft-warmup-rollouts: every rollout is generated")
     if config.checkpoint.save_hf is not None:
         skipped.append("Hugging Face export (--save-hf): nothing is trained")
+    if config.opd.use_opd:
+        skipped.append("teacher (--use-opd): nothing is trained")
     return RolloutOnlyPlan(
         actor=EvalSpec(model=_model(config, "actor")),
         rollout=_rollout_spec(config),

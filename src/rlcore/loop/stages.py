@@ -114,10 +114,16 @@ class TrainStacks:
     reference: EvalStack | None
     hf_exporter: HFExporter | None = None
     """The actor's Hugging Face export, when the plan asks for one (``--save-hf``)."""
+    teacher: EvalStack | None = None
+    """The on-policy distillation teacher (``--use-opd``): an eval stack, never trained."""
 
     def built(self) -> tuple[str, ...]:
         roles = [f"train:{name}" for name in self.training()]
-        return (*roles, "eval:reference") if self.reference is not None else tuple(roles)
+        if self.reference is not None:
+            roles.append("eval:reference")
+        if self.teacher is not None:
+            roles.append("eval:teacher")
+        return tuple(roles)
 
     def training(self) -> dict[str, TrainingStack]:
         stacks = {"actor": self.actor}
@@ -136,6 +142,7 @@ def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
         critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
         reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
         hf_exporter=exporter,
+        teacher=build_eval_stack(backend, plan.opd.teacher) if plan.opd is not None else None,
     )
 
 
@@ -272,30 +279,55 @@ def make_train_batch(
     """Score the samples with the planned stacks and turn rewards into advantages.
 
     The actor's own log-probs are recomputed only when needed: for several optimizer steps per
-    rollout (the ratio is no longer 1) or for a KL reward penalty. With
-    ``--use-rollout-logprobs`` the engine's log-probs are the old ones instead (no recompute for the
-    ratio). The reference model runs only when KL is planned; the critic only when it exists. The
-    engine's log-probs always go into the batch (``rollout_log_probs``), for the mismatch metric
-    and its correction.
+    rollout (the ratio is no longer 1), for a KL reward penalty, or for on-policy distillation (the
+    student's log-probs against the teacher's, :func:`~rlcore.algorithms.distill.opd_advantages`).
+    With ``--use-rollout-logprobs`` the engine's log-probs are the old ones instead (no recompute
+    for the ratio). The reference model runs only when KL is planned, the teacher only with OPD,
+    the critic only when it exists. The engine's log-probs always go into the batch
+    (``rollout_log_probs``), for the mismatch metric and its correction.
     """
     from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
+    from rlcore.algorithms.distill import opd_advantages
 
     engine_log_probs = tuple(s.response.log_probs for s in samples)
     use_engine = plan.actor.loss.use_rollout_logprobs
-    needs_old = (plan.actor.steps_per_rollout > 1 and not use_engine) or plan.advantage.kl_coef != 0
+    needs_old = (
+        (plan.actor.steps_per_rollout > 1 and not use_engine)
+        or plan.advantage.kl_coef != 0
+        or plan.opd is not None
+    )
     old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
     ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
     values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
     adv = estimate_advantages(
         samples, plan.advantage, values=values, log_probs=old_log_probs, ref_log_probs=ref_log_probs
     )
+    metrics = {"rollout/kl_penalty": adv.kl}
+    advantages = adv.advantages
+    if stacks.teacher is not None and plan.opd is not None:
+        t0 = time.perf_counter()
+        teacher_log_probs = stacks.teacher.forward(samples)
+        metrics["perf/teacher_s"] = time.perf_counter() - t0
+        masked = any(s.response.loss_mask for s in samples)
+        distilled = opd_advantages(
+            advantages,
+            old_log_probs,
+            teacher_log_probs,
+            plan.opd.kl_coef,
+            tuple(s.response.loss_mask or (1,) * len(s.response.token_ids) for s in samples)
+            if masked
+            else (),
+        )
+        advantages = distilled.advantages
+        metrics["opd/kl_mean"] = distilled.kl_mean
+        metrics["opd/teacher_logprob_mean"] = distilled.teacher_logprob_mean
     if use_engine:
         ratio_old = engine_log_probs
     else:
         ratio_old = old_log_probs if plan.actor.steps_per_rollout > 1 else ()
     batch = TrainBatch(
         samples=tuple(samples),
-        advantages=adv.advantages,
+        advantages=advantages,
         returns=adv.returns if stacks.critic is not None else (),
         old_log_probs=ratio_old,
         ref_log_probs=ref_log_probs if plan.actor.loss.use_kl_loss else (),
@@ -303,7 +335,7 @@ def make_train_batch(
         rollout_id=rollout_id,
         rollout_log_probs=engine_log_probs,
     )
-    return batch, {"rollout/kl_penalty": adv.kl}
+    return batch, metrics
 
 
 def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:

@@ -1,0 +1,137 @@
+"""On-policy distillation through the loop (fake backend): the teacher is built as an eval stack
+only when a training run distills, scores every rollout's samples, and its reverse KL moves each
+token's advantage; eval-only and rollout-only runs never build it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import attrs
+import pytest
+
+from rlcore.config import load_config
+from rlcore.errors import ConfigError
+from rlcore.loop import RunData, run
+from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
+from rlcore.samples import EvalSet, Prompt, Sample
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.testing import (
+    FakeBackend,
+    FakeEvalStack,
+    FakeTrainingStack,
+    RecordingSink,
+    ScriptedEngine,
+    label_reward,
+)
+from rlcore.weights import WeightSink
+
+PROMPTS = tuple(Prompt(index=i, text=f"{i}?", token_ids=(1, i + 3), label=str(i)) for i in range(8))
+DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("heldout", PROMPTS[:2]),), seed=5)
+TEACHER_LOGP: Final = -0.75
+
+
+def _flags(rollouts: int, *extra: str) -> list[str]:
+    return [
+        *("--num-rollout", str(rollouts), "--rollout-batch-size", "2"),
+        *("--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "1"),
+        *extra,
+    ]
+
+
+OPD = ("--use-opd", "--opd-teacher-hf-checkpoint", "teacher")
+
+
+class _Teacher:
+    """A teacher that gives every sampled token the log-prob ``TEACHER_LOGP``."""
+
+    kind: Final = "eval"
+
+    def __init__(self, spec: EvalSpec) -> None:
+        self.spec: ModelSpec = spec.model
+        self.scored = 0
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        self.scored += len(samples)
+        return [(TEACHER_LOGP,) * len(s.response.token_ids) for s in samples]
+
+    def load(self, path: Path) -> int:
+        raise AssertionError("a teacher from an HF folder is not loaded from a checkpoint")
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        raise AssertionError("a teacher's weights go nowhere")
+
+
+class _Backend:
+    """Fake training stacks; the teacher is a :class:`_Teacher`, other eval stacks fakes."""
+
+    def __init__(self) -> None:
+        self.inner = FakeBackend()
+        self.teachers: list[_Teacher] = []
+
+    def build_training_stack(self, spec: TrainSpec) -> FakeTrainingStack:
+        return self.inner.build_training_stack(spec)
+
+    def build_eval_stack(self, spec: EvalSpec) -> FakeEvalStack | _Teacher:
+        if spec.model.role == "teacher":
+            self.teachers.append(_Teacher(spec))
+            return self.teachers[-1]
+        return self.inner.build_eval_stack(spec)
+
+
+def _train(*flags: str) -> tuple[_Backend, RecordingSink]:
+    the_plan = plan(load_config(list(flags)))
+    assert isinstance(the_plan, TrainPlan)
+    backend, sink = _Backend(), RecordingSink()
+    result = run(the_plan, backend, ScriptedEngine(), label_reward, DATA, sink)
+    assert ("eval:teacher" in result.built) == (the_plan.opd is not None)
+    return backend, sink
+
+
+@pytest.mark.parametrize("schedule", [(), ("--max-staleness", "1")], ids=["sync", "one-off"])
+def test_the_teacher_moves_each_tokens_advantage_by_its_reverse_kl(
+    schedule: tuple[str, ...],
+) -> None:
+    base, _ = _train(*_flags(3, *schedule))
+    coef = 0.5
+    distilled, sink = _train(*_flags(3, *schedule, *OPD, "--opd-kl-coef", str(coef)))
+    (teacher,) = distilled.teachers
+    assert teacher.scored == 3 * 4  # every sample of every rollout, once
+    before = base.inner.training_stacks[0].batches
+    after = distilled.inner.training_stacks[0].batches
+    assert len(before) == len(after) == 3
+    for b, a in zip(before, after, strict=True):
+        assert [s.response for s in b.samples] == [s.response for s in a.samples]
+        # The fake actor's log-probs are 0: each token's reverse KL estimate is 0 - TEACHER_LOGP.
+        for base_row, row in zip(b.advantages, a.advantages, strict=True):
+            assert row == tuple(x - coef * (0.0 - TEACHER_LOGP) for x in base_row)
+    rows = [m for _, m in sink.records if "opd/kl_mean" in m]
+    assert len(rows) == 3
+    assert all(math.isclose(m["opd/kl_mean"], -TEACHER_LOGP) for m in rows)
+    assert all(
+        m["opd/teacher_logprob_mean"] == TEACHER_LOGP and m["perf/teacher_s"] >= 0 for m in rows
+    )
+
+
+def test_runs_that_train_nothing_build_no_teacher_and_say_so() -> None:
+    eval_only = plan(load_config([*_flags(0, *OPD), "--eval-prompt-data", "heldout", __file__]))
+    assert isinstance(eval_only, EvalPlan)
+    assert "teacher (--use-opd): an eval-only run distills nothing" in eval_only.skipped
+    rollout_only = plan(load_config(_flags(2, *OPD, "--debug-rollout-only")))
+    assert isinstance(rollout_only, RolloutOnlyPlan)
+    assert "teacher (--use-opd): nothing is trained" in rollout_only.skipped
+    backend = _Backend()
+    run(attrs.evolve(eval_only, random_weights=True), backend, ScriptedEngine(), label_reward, DATA)
+    assert backend.teachers == []
+
+
+def test_the_opd_flags_are_checked() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_flags(2, "--use-opd"))
+    assert "add --opd-teacher-hf-checkpoint DIR" in str(info.value)
+    with pytest.raises(ConfigError, match=r"opd.opd_kl_coef \(--opd-kl-coef\): has no effect"):
+        load_config(_flags(2, "--opd-kl-coef", "0.1"))
+    with pytest.raises(ConfigError, match=r"--opd-kl-coef\): must be >= 0"):
+        load_config(_flags(2, *OPD, "--opd-kl-coef", "-1"))
