@@ -6,7 +6,7 @@ Backend errors are translated at the edge (the Megatron backend, the SGLang clie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -22,11 +22,21 @@ __all__ = [
     "RLCoreError",
     "RewardError",
     "RolloutError",
+    "causes",
 ]
 
 
 class RLCoreError(Exception):
     """Root of every error rlcore raises on purpose."""
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what caused it (``raise ... from``, or the exception being handled), and so
+    on down the chain."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
 
 
 @attrs.frozen

@@ -24,13 +24,12 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from rlcore.config import RunConfig
 from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
 from rlcore.engines import EngineSetup, load_engine
-from rlcore.errors import ConfigError, PlanError, RLCoreError
+from rlcore.errors import ConfigError, PlanError, RLCoreError, causes
 from rlcore.loop import RunInterrupted, RunResult, run
 from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan
@@ -67,7 +66,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlcore")
-E = TypeVar("E", bound=BaseException)
 
 DEMO_FOLDER = Path("runs/demo")
 DESCRIPTION = (
@@ -249,7 +247,7 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
             return launch(prepared, notes, restarts=restarts)
         except RLCoreError as exc:
             # A rank lost during a save reaches here as the save's CheckpointError, from it.
-            lost = _cause_of_type(exc, RankLostError)
+            lost = next((e for e in causes(exc) if isinstance(e, RankLostError)), None)
             limit = prepared.config.checkpoint.max_restarts
             if lost is None or restarts >= limit:
                 raise
@@ -264,16 +262,6 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
             reason = str(lost).splitlines()[0]
             log.warning("restart %d of %d (%s): %s", restarts, limit, reason, where)
             prepared = prepare(config)
-
-
-def _cause_of_type(exc: BaseException, kind: type[E]) -> E | None:
-    """``exc`` or the first exception of type ``kind`` in its chain of causes."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, kind):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> RunResult:

@@ -38,7 +38,7 @@ from rlcore.checkpoint_files import (
 )
 from rlcore.config import RunConfig, with_flag
 from rlcore.config.resume import SettingChange, refusal, resume_changes, saved_config
-from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, causes
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.stages import TrainStacks
 from rlcore.protocols import Group, RolloutOutput, TrainingStack
@@ -191,13 +191,11 @@ _FULL_BELOW = 16 * 2**20
 
 def _disk_full(root: Path, exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is ENOSPC, or the disk is as good as full now."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in causes(exc):
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
             return True
         if "No space left on device" in str(seen):
             return True
-        seen = seen.__cause__ or seen.__context__
     return shutil.disk_usage(root).free < _FULL_BELOW
 
 
