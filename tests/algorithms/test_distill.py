@@ -64,6 +64,8 @@ def test_a_teacher_likelier_than_the_student_raises_the_advantage() -> None:
     out = opd_advantages([(0.0, 0.0)], [(-2.0, -0.5)], [(-0.5, -2.0)], coef=1.0)
     assert out.advantages == ((1.5, -1.5),)
     assert out.kl_mean == 0.0 and out.teacher_logprob_mean == -1.25
+    # A sample's empty loss mask means every token is trained, as in Generation.loss_mask.
+    assert opd_advantages([(0.0, 0.0)], [(-2.0, -0.5)], [(-0.5, -2.0)], 1.0, [()]) == out
 
 
 def test_rows_that_do_not_line_up_are_refused() -> None:

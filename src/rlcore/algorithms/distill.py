@@ -47,9 +47,10 @@ def opd_advantages(
     loss_masks: Sequence[tuple[int, ...]] = (),
 ) -> OPDAdvantages:
     """``A_t - coef * (student_t - teacher_t)`` for every response token of every sample (module
-    docstring); rows of each sample are as long as its response. ``loss_masks`` (empty: every
-    token is trained) say which tokens the metrics average over; tokens outside the mask (a
-    multi-turn episode's observations) are adjusted too, and the loss ignores them."""
+    docstring); rows of each sample are as long as its response. ``loss_masks`` say which tokens
+    the metrics average over (a sample's mask empty, or none given: every token is trained, as
+    :attr:`~rlcore.samples.Generation.loss_mask`); tokens outside the mask (a multi-turn episode's
+    observations) are adjusted too, and the loss ignores them."""
     rows = len(advantages)
     if not len(student_log_probs) == len(teacher_log_probs) == rows:
         raise ValueError(
@@ -70,7 +71,7 @@ def opd_advantages(
         adjusted.append(
             tuple(a - coef * (s - t) for a, s, t in zip(adv, student, teacher, strict=True))
         )
-        mask = loss_masks[i] if loss_masks else (1,) * len(adv)
+        mask = (loss_masks[i] if loss_masks else ()) or (1,) * len(adv)
         for s, t, m in zip(student, teacher, mask, strict=True):
             if m:
                 kl_sum += s - t

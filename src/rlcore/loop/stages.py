@@ -308,15 +308,12 @@ def make_train_batch(
         t0 = time.perf_counter()
         teacher_log_probs = stacks.teacher.forward(samples)
         metrics["perf/teacher_s"] = time.perf_counter() - t0
-        masked = any(s.response.loss_mask for s in samples)
         distilled = opd_advantages(
             advantages,
             old_log_probs,
             teacher_log_probs,
             plan.opd.kl_coef,
-            tuple(s.response.loss_mask or (1,) * len(s.response.token_ids) for s in samples)
-            if masked
-            else (),
+            tuple(s.response.loss_mask for s in samples),
         )
         advantages = distilled.advantages
         metrics["opd/kl_mean"] = distilled.kl_mean
