@@ -40,9 +40,8 @@ def _peaked_llama(folder: Path, vocab_size: int, seed: int) -> Weights:
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
-def mapped_files(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
-    """The files under ``prefix`` that the servers' processes (schedulers included) map."""
-    found: set[str] = set()
+def _mapping_lines(servers: Sequence[SGLangServer]) -> Iterator[str]:
+    """The lines of ``/proc/PID/maps`` of the servers' processes (schedulers included)."""
     for server in servers:
         assert server.process is not None
         root = psutil.Process(server.process.pid)
@@ -51,8 +50,12 @@ def mapped_files(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
                 maps = Path(f"/proc/{process.pid}/maps").read_text()
             except OSError:
                 continue  # a helper process that exited meanwhile
-            found |= {line.split()[-1] for line in maps.splitlines() if prefix in line}
-    return found
+            yield from maps.splitlines()
+
+
+def mapped_files(servers: Sequence[SGLangServer], prefix: str) -> set[str]:
+    """The files under ``prefix`` that the servers' processes (schedulers included) map."""
+    return {line.split()[-1] for line in _mapping_lines(servers) if prefix in line}
 
 
 def shared_memory_files(servers: Sequence[SGLangServer]) -> set[str]:
@@ -60,18 +63,10 @@ def shared_memory_files(servers: Sequence[SGLangServer]) -> set[str]:
     (``sem.mp-*``) is mapped under the temporary name ``sem_open`` made it with, since deleted.
     Recorded while they run, so that these are theirs and not another process's of the moment."""
     inodes: set[int] = set()
-    for server in servers:
-        assert server.process is not None
-        root = psutil.Process(server.process.pid)
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                maps = Path(f"/proc/{process.pid}/maps").read_text()
-            except OSError:
-                continue  # a helper process that exited meanwhile
-            for line in maps.splitlines():
-                fields = line.split(maxsplit=5)  # address perms offset device inode path
-                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                    inodes.add(int(fields[4]))
+    for line in _mapping_lines(servers):
+        fields = line.split(maxsplit=5)  # address perms offset device inode path
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+            inodes.add(int(fields[4]))
     found = set()
     for path in Path("/dev/shm").iterdir():
         try:
