@@ -23,6 +23,7 @@ import attrs
 
 from rlcore.checkpoint_files import find_checkpoint, newest_intact_checkpoint, verify_checkpoint
 from rlcore.config import RunConfig, with_flag
+from rlcore.config.algorithm import AlgorithmConfig
 from rlcore.config.cluster import ClusterConfig
 from rlcore.config.convert import converter
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
@@ -329,10 +330,10 @@ def placement_problem(settings: Mapping[str, Any]) -> PlacementError | None:
         return None
     try:
         cluster = converter.structure(settings.get("cluster", {}), ClusterConfig)
-        algorithm = settings.get("algorithm", {})
-        critic = algorithm.get("use_critic") or algorithm.get("advantage_estimator") == "ppo"
+        algorithm = converter.structure(settings.get("algorithm", {}), AlgorithmConfig)
         request = PlacementRequest(
-            actor_ranks=cluster.actor_ranks, critic_ranks=cluster.critic_ranks if critic else 0
+            actor_ranks=cluster.actor_ranks,
+            critic_ranks=cluster.critic_ranks if algorithm.critic else 0,
         )
     except Exception:  # unreadable settings: the config's own error says what is wrong
         return None
