@@ -34,13 +34,19 @@ def test_new_weights_mid_generation_go_on_from_the_tokens_made(
     with SGLangEngine.connect(dp_urls, options) as engine:
         engine.update_weights(weights_a.items(), version=50)
         out: list[Generation] = []
+        # The servers hold every request until all are sent (paused servers queue new requests),
+        # so none can finish before the update: counting requests in flight on running servers
+        # raced requests that finished before the last ones were sent, on a loaded machine.
+        _on_all(engine, "/pause_generation", {"mode": "retract"})
         worker = threading.Thread(target=lambda: out.extend(engine.generate(batch, LONG)))
         worker.start()
-        # Update as soon as every request is sent (a fixed sleep was either too short to catch
-        # them or, with all 8 batched together, long enough for them all to finish).
         deadline = time.monotonic() + 60
         while engine._in_flight < len(batch) and time.monotonic() < deadline:
             time.sleep(0.001)
+        assert engine._in_flight == len(batch)
+        # A few decode steps with A before the update (100 tokens take far longer than this).
+        _on_all(engine, "/continue_generation", {})
+        time.sleep(0.05)
         assert worker.is_alive()
         with engine.receive_weights_interrupting(51) as sinks:
             for sink in sinks:
@@ -70,3 +76,8 @@ def test_new_weights_mid_generation_go_on_from_the_tokens_made(
         after = greedy(model_b, [*prompt.token_ids, *tokens[:k]], min(10, len(tokens) - k))[0]
         assert tokens[k : k + len(after)] == after
     assert switched > 0
+
+
+def _on_all(engine: SGLangEngine, path: str, payload: dict[str, object]) -> None:
+    for server in engine.servers:
+        server.post(path, payload, timeout_s=60)
