@@ -48,24 +48,17 @@ def logits(stack: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def family_train_spec(folder: Path, parallel: Any = None) -> Any:
-    """The training spec both the ranks and the one-process reference use, with the router's
-    load-balancing loss on. Adam with ``eps = 1`` and ``lr = 1`` moves each weight by
-    ``g / (|g| + 1)``, nearly the (clipped) gradient ``g`` itself for these small gradients: the
-    weights after one step then compare gradients to the precision of the weights' change (Adam's
-    usual first step, ``lr * sign(g)``, flips on gradients that are zero up to rounding, and a
-    small ``lr`` hides gradient errors below the weights' rounding)."""
+    """The training spec both the ranks and the one-process reference use: the helpers'
+    :func:`~tests.megatron.helpers.gradient_step_spec` with the router's load-balancing loss on."""
     import attrs
 
-    from rlcore.specs import LRSchedule
-    from tests.megatron.helpers import train_spec
+    from tests.megatron.helpers import gradient_step_spec
 
-    schedule = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=0, decay_steps=10)
-    spec = train_spec(folder, schedule=schedule)
+    spec = gradient_step_spec(folder)
     model = attrs.evolve(spec.model, moe_aux_loss_coeff=0.01)
     if parallel is not None:
         model = attrs.evolve(model, parallel=parallel)
-    optimizer = attrs.evolve(spec.optimizer, adam_eps=1.0)
-    return attrs.evolve(spec, model=model, optimizer=optimizer)
+    return attrs.evolve(spec, model=model)
 
 
 def run(rank: int, world: int, port: int, folders: dict[str, str], out: str) -> None:

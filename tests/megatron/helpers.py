@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+import attrs
 import torch
 
 from rlcore.protocols import ModelStack, NamedTensors
@@ -112,6 +113,33 @@ def train_spec(
         micro_batch_size=micro_batch_size,
         steps_per_rollout=steps_per_rollout,
     )
+
+
+def gradient_step_spec(hf: Path, **kwargs: Any) -> TrainSpec:
+    """:func:`train_spec` with Adam at ``eps = 1`` and ``lr = 1``, which moves each weight by
+    ``g / (|g| + 1)``: nearly the (clipped) gradient ``g`` itself for these small gradients, so
+    the weights after one step compare gradients to the precision of the weights' change. Adam's
+    usual first step, ``lr * sign(g)``, turns a gradient that is zero up to rounding into a whole
+    step one way or the other, and a small ``lr`` hides gradient errors below the weights'
+    rounding."""
+    schedule = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=0, decay_steps=10)
+    spec = train_spec(hf, schedule=schedule, **kwargs)
+    return attrs.evolve(spec, optimizer=attrs.evolve(spec.optimizer, adam_eps=1.0))
+
+
+def assert_same_step(
+    got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, name: str
+) -> None:
+    """``got`` and ``expected`` took the same step from ``before``: to ``1e-4`` of the step, plus
+    the rounding both steps took on landing in float32 weights of ``before``'s size (a layer
+    norm's weights are near 1, where one rounding step is 1.2e-7)."""
+    landing = 2 * torch.finfo(torch.float32).eps * before.abs() + 1e-7
+    off = (got - expected).abs() > 1e-4 * (expected - before).abs() + landing
+    if off.any():
+        worst = (got - expected).abs()[off].max().item()
+        raise AssertionError(
+            f"{name}: {int(off.sum())} of {off.numel()} weights off, by up to {worst:.3g}"
+        )
 
 
 def weights(named: Any) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
     from tests.megatron.helpers import (
+        gradient_step_spec,
         make_batch,
         make_samples,
         optimizer_parts,
@@ -56,7 +57,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     ).forward(samples)
     import attrs
 
-    spec = train_spec(folder)
+    spec = gradient_step_spec(folder)
     spec = attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=tp2))
     stack = backend.build_training_stack(spec)
     metrics = stack.train_step(batch)
@@ -79,7 +80,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     # data parallel 2
     init_megatron(tp_size=1, seed=1234)
     dp2 = ParallelSpec(tensor_model_parallel_size=1, world_size=2)
-    spec = train_spec(folder)
+    spec = gradient_step_spec(folder)
     stack = backend.build_training_stack(
         attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
     )
@@ -134,7 +135,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     # count, and the metrics are the global batch's
     from tests.megatron.helpers import TOKEN_MEAN_TIS
 
-    spec = train_spec(folder, loss=TOKEN_MEAN_TIS)
+    spec = gradient_step_spec(folder, loss=TOKEN_MEAN_TIS)
     stack = backend.build_training_stack(
         attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
     )
