@@ -61,6 +61,7 @@ __all__ = [
     "PartialRolloutEngine",
     "ProcessHost",
     "PromptSource",
+    "RestartingEngine",
     "RewardFn",
     "RolloutContext",
     "RolloutEngine",
@@ -72,6 +73,7 @@ __all__ = [
     "TrainingStack",
     "WeightSink",
     "WeightSource",
+    "keep_weight_source",
     "receive_weights_midway",
     "takes_weights_midway",
 ]
@@ -244,6 +246,19 @@ class PartialRolloutEngine(RolloutEngine, Protocol):
     def receive_weights_interrupting(
         self, version: int
     ) -> AbstractContextManager[Sequence[WeightSink]]: ...
+
+
+@runtime_checkable
+class RestartingEngine(RolloutEngine, Protocol):
+    """A rollout engine that restarts a server that died or stopped answering and resubmits the
+    requests it held (``--use-fault-tolerance``). A restarted server starts from the model
+    folder, so the engine must get the weights it serves again: ``restore_weights_from(source)``
+    names the :class:`WeightSource` that holds them (the loop passes the policy each time it
+    pushes its weights, which in the synchronous schedule stay the served ones while the engine
+    generates), or ``None`` when no source holds them (a restart then fails, naming why).
+    """
+
+    def restore_weights_from(self, source: WeightSource | None) -> None: ...
 
 
 class RewardFn(Protocol):
@@ -470,3 +485,10 @@ def receive_weights_midway(
             "(--partial-rollout); use the embedded or SGLang engine, or drop --partial-rollout"
         )
     return engine.receive_weights_interrupting(version)
+
+
+def keep_weight_source(engine: RolloutEngine, source: WeightSource | None) -> None:
+    """Tell an engine that restarts servers (:class:`RestartingEngine`) where the weights it now
+    serves are; nothing for other engines."""
+    if isinstance(engine, RestartingEngine):
+        engine.restore_weights_from(source)

@@ -306,7 +306,7 @@ class ClusterPlacement:
             return
         for actor in self._hosts:
             try:
-                ray.get(actor.stop.remote(10.0), timeout=30)
+                ray.get(actor.stop_all.remote(10.0), timeout=30)
             except RayError:
                 pass
             ray.kill(actor, no_restart=True)
@@ -410,7 +410,8 @@ class _HostActor:
         from rlcore.engines.hosts import LocalProcessHost
 
         self._host = LocalProcessHost(address, cpus=cpus, die_with_parent=True)
-        self._process: Any = None
+        # By pid: a server restarted under --use-fault-tolerance is a second process here.
+        self._processes: dict[int, Any] = {}
 
     def ping(self) -> bool:
         return True
@@ -419,24 +420,24 @@ class _HostActor:
         return self._host.free_port()
 
     def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
-        self._process = self._host.start(argv, env, Path(log_path))
-        pid: int = self._process.pid
+        process = self._host.start(argv, env, Path(log_path))
+        pid: int = process.pid
+        self._processes[pid] = process
         return pid
 
-    def poll(self) -> int | None:
-        if self._process is None:
-            return None
-        code: int | None = self._process.poll()
+    def poll(self, pid: int) -> int | None:
+        code: int | None = self._processes[pid].poll()
         return code
 
-    def stop(self, timeout_s: float) -> None:
-        if self._process is not None:
-            self._process.stop(timeout_s)
+    def stop(self, pid: int, timeout_s: float) -> None:
+        self._processes[pid].stop(timeout_s)
 
-    def log_tail(self, lines: int) -> list[str]:
-        if self._process is None:
-            return []
-        tail: list[str] = self._process.log_tail(lines)
+    def stop_all(self, timeout_s: float) -> None:
+        for process in self._processes.values():
+            process.stop(timeout_s)
+
+    def log_tail(self, pid: int, lines: int) -> list[str]:
+        tail: list[str] = self._processes[pid].log_tail(lines)
         return tail
 
 
@@ -496,20 +497,22 @@ class RayHostedProcess:
 
     def poll(self) -> int | None:
         try:
-            code: int | None = ray.get(self._actor.poll.remote(), timeout=_CALL_S)
+            code: int | None = ray.get(self._actor.poll.remote(self._pid), timeout=_CALL_S)
         except RayActorError:
             return -9
         return code
 
     def stop(self, timeout_s: float) -> None:
         try:
-            ray.get(self._actor.stop.remote(timeout_s), timeout=timeout_s * 2 + _CALL_S)
+            ray.get(self._actor.stop.remote(self._pid, timeout_s), timeout=timeout_s * 2 + _CALL_S)
         except RayError:
             pass  # the actor (and with it the process) is gone
 
     def log_tail(self, lines: int) -> list[str]:
         try:
-            tail: list[str] = ray.get(self._actor.log_tail.remote(lines), timeout=_CALL_S)
+            tail: list[str] = ray.get(
+                self._actor.log_tail.remote(self._pid, lines), timeout=_CALL_S
+            )
         except RayError:
             return []
         return tail

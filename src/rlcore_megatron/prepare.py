@@ -362,6 +362,28 @@ def check_user_functions(config: RunConfig) -> None:
         load_is_weight_fn(a.custom_tis_function_path)
 
 
+def check_fault_tolerance(config: RunConfig) -> None:
+    """``--use-fault-tolerance`` restarts servers the run launched: refused (a
+    :class:`ConfigError`) for an engine that, as configured, runs none."""
+    if not config.rollout.use_fault_tolerance:
+        return
+    kind = load_engine(config.rollout.engine)
+    if kind.runs_servers(kind.options(config.rollout.engine_options)):
+        return
+    raise ConfigError(
+        [
+            ConfigProblem(
+                with_flag("rollout.use_fault_tolerance"),
+                f"the {kind.name} engine, as configured, runs no server that this run launches, "
+                "so there is nothing to restart (the embedded engine runs in this process; "
+                "servers given by --sglang-url are restarted by whoever runs them)",
+                "drop --use-fault-tolerance, or let the run launch its SGLang servers "
+                "(--rollout-engine sglang without --sglang-url)",
+            )
+        ]
+    )
+
+
 def _ray_started() -> bool:
     """Ray is initialised in this process (without importing it: importing reads RAY_AUTH_MODE)."""
     ray = sys.modules.get("ray")
@@ -414,6 +436,7 @@ def prepare(config: RunConfig) -> Prepared:
         check_inputs(the_plan, data)
         if isinstance(the_plan, TrainPlan):
             resume_point(the_plan)
+        check_fault_tolerance(config)
         request = placement_request(config, the_plan)
         if config.ray_address is None and not _ray_started():
             # The local instance will hold exactly this machine: refuse a run that cannot fit

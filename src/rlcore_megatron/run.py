@@ -96,6 +96,7 @@ def make_engine(
         log_dir=config.output_dir / kind.name,
         hosts=tuple(hosts),
         dtype=engine_dtype(config),
+        fault_tolerance=config.rollout.use_fault_tolerance,
     )
     return kind.build(setup, config.rollout.engine_options)
 

@@ -11,6 +11,10 @@ lives here. Every mode flushes the prefix cache and records the weight version o
 generations carry the version the server reports. Nothing waits forever: each HTTP call, the
 group join and every broadcast have timeouts.
 
+With ``options.fault_tolerance`` (``--use-fault-tolerance``), a launched server that dies or stops
+answering is replaced (:mod:`rlcore_sglang.restarts`), given the weights served, and the request
+that failed is sent again.
+
 This module, :mod:`rlcore_sglang.server` and :mod:`rlcore_sglang.weight_sync` are the only ones
 that know SGLang's wire format; none imports ``sglang``.
 """
@@ -31,12 +35,13 @@ from urllib.parse import urlsplit
 
 from rlcore.engines.hosts import LocalProcessHost
 from rlcore.errors import RolloutError
-from rlcore.protocols import NamedTensors, ProcessHost, WeightSink
+from rlcore.protocols import NamedTensors, ProcessHost, WeightSink, WeightSource
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
 from rlcore.weights import deliver
 from rlcore_sglang import server_loader
 from rlcore_sglang.launcher import LaunchSettings, launch_servers
 from rlcore_sglang.options import EngineOptions
+from rlcore_sglang.restarts import Restarter
 from rlcore_sglang.server import (
     CallPolicy,
     SGLangHTTPError,
@@ -78,13 +83,20 @@ class SGLangEngine:
         tp_sizes: Sequence[int] | None = None,
         hosts: Sequence[str] | None = None,
         loaders: Sequence[str | None] | None = None,
+        launched: tuple[LaunchSettings, Sequence[ProcessHost]] | None = None,
     ) -> None:
         """``hosts``: the address of each server's machine (default: the host in its URL).
         ``loaders``: the custom weight loader each server registered for tensor-mode updates
-        (default: none, SGLang's own loading)."""
+        (default: none, SGLang's own loading). ``launched``: how the servers were started and
+        where, one host per server (what ``options.fault_tolerance`` restarts them with)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
-        self.servers: tuple[SGLangServer, ...] = tuple(servers)
+        if options.fault_tolerance is not None and launched is None:
+            raise ValueError(
+                "fault tolerance restarts the servers an engine launched (SGLangEngine.launch); "
+                "servers it connected to are restarted by whoever runs them"
+            )
+        self._servers = list(servers)
         self.options = options
         self._tp_sizes = tuple(tp_sizes) if tp_sizes is not None else (1,) * len(servers)
         self._loaders = tuple(loaders) if loaders is not None else (None,) * len(servers)
@@ -105,6 +117,13 @@ class SGLangEngine:
         self._broadcast_used = False
         # Unique per engine: a server keeps a stale group under its name until it is destroyed.
         self._group_name = f"{_GROUP_NAME}_{uuid.uuid4().hex[:8]}"
+        # The weights' source, once any were pushed: what a restarted server gets them from.
+        self._source: WeightSource | None = None
+        self._pushed = False
+        self._restarter: Restarter | None = None
+        if options.fault_tolerance is not None:
+            assert launched is not None
+            self._restarter = Restarter(options.fault_tolerance, *launched, self._servers)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -161,6 +180,7 @@ class SGLangEngine:
             tp_sizes=[len(h.gpu_ids) or settings.tp_size for h in hosts],
             hosts=[h.address for h in hosts],
             loaders=[settings.weight_loader] * len(servers),
+            launched=(settings, tuple(hosts)),
         )
 
     def __enter__(self) -> SGLangEngine:
@@ -172,8 +192,23 @@ class SGLangEngine:
     # -- RolloutEngine -----------------------------------------------------------------------
 
     @property
+    def servers(self) -> tuple[SGLangServer, ...]:
+        """The servers now (a restarted server replaces the one that failed)."""
+        return tuple(self._servers)
+
+    @property
+    def restarts(self) -> tuple[int, ...]:
+        """How many times each server has been restarted (``--use-fault-tolerance``)."""
+        return tuple(self._restarter.counts) if self._restarter is not None else ()
+
+    @property
     def weight_version(self) -> int:
         return self._version
+
+    def restore_weights_from(self, source: WeightSource | None) -> None:
+        """Where the weights now served are: a server restarted under fault tolerance gets them
+        from ``source`` before it serves (see :class:`~rlcore.protocols.RestartingEngine`)."""
+        self._source = source
 
     @property
     def tp_sizes(self) -> tuple[int, ...]:
@@ -186,7 +221,7 @@ class SGLangEngine:
         step = self.options.max_prompts_per_request
         chunks = [list(prompts[i : i + step]) for i in range(0, len(prompts), step)]
         sampling = sampling_payload(params, self.options.extra_sampling_params)
-        jobs = [partial(self._generate_chunk, self._pick_server(), c, sampling) for c in chunks]
+        jobs = [partial(self._generate_chunk, self._pick_index(), c, sampling) for c in chunks]
         results = run_all(jobs, self.options.max_concurrent_requests)
         return [generation for chunk_result in results for generation in chunk_result]
 
@@ -233,27 +268,33 @@ class SGLangEngine:
             self._on_servers(lambda s: self._post_ok(s, "/continue_generation", {}))
 
     @contextmanager
-    def _update(self, version: int) -> Iterator[list[WeightSink]]:
+    def _update(self, version: int, only: int | None = None) -> Iterator[list[WeightSink]]:
+        """A weight update of every server, or of server ``only`` (a restarted one)."""
         self._check_open()
-        sinks = self._sinks(version)
+        if only is None:
+            self._revive_dead()
+        indices = range(len(self._servers)) if only is None else (only,)
+        servers = [self._servers[i] for i in indices]
+        sinks = self._sinks(version, indices)
         session = self.options.weight_sync != "disk"
         if session:
-            self._on_servers(self._begin)
+            on_all(servers, self._begin)
         try:
             yield sinks
         except BaseException as exc:
             if session:
                 try:
-                    self._on_servers(self._end)
+                    on_all(servers, self._end)
                 except RolloutError:
                     pass  # best effort: the first failure is the one to report
-            dead = [server for server in self.servers if not server.is_alive()]
+            dead = [server for server in servers if not server.is_alive()]
             if dead and isinstance(exc, Exception):
                 raise _died(dead[0], version, exc) from exc
             raise
         if session:
-            self._on_servers(self._end)
+            on_all(servers, self._end)
         self._version = version
+        self._pushed = True
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Send ``weights`` (Hugging Face names) from this process and record ``version``: the
@@ -274,6 +315,8 @@ class SGLangEngine:
         if self._closed:
             return
         self._closed = True
+        if self._restarter is not None:
+            self._restarter.close(timeout_s=self.options.request_timeout_s)
         if self._broadcast_used:
             close_sender(self._group_name, self._refs())
         for server in self.servers:
@@ -290,20 +333,20 @@ class SGLangEngine:
             ServerRef(self.servers[i].url, self._tp_sizes[i], self._loaders[i]) for i in chosen
         )
 
-    def _sinks(self, version: int) -> list[WeightSink]:
+    def _sinks(self, version: int, indices: Sequence[int]) -> list[WeightSink]:
         mode = self.options.weight_sync
         if mode == "tensor":
             by_host: dict[str, list[int]] = {}
-            for index, host in enumerate(self._hosts):
-                by_host.setdefault(host, []).append(index)
+            for index in indices:
+                by_host.setdefault(self._hosts[index], []).append(index)
             return [
                 TensorSink(host, self._refs(indices), version, self.options)
                 for host, indices in by_host.items()
             ]
         if mode == "distributed":
             self._broadcast_used = True
-            return [BroadcastSink(self._refs(), self._group_name, version, self.options)]
-        return [DiskSink(self._refs(), self._sync_root(), version, self.options)]
+            return [BroadcastSink(self._refs(indices), self._group_name, version, self.options)]
+        return [DiskSink(self._refs(indices), self._sync_root(), version, self.options)]
 
     def _sync_root(self) -> Path:
         if self.options.sync_dir is not None:
@@ -337,14 +380,14 @@ class SGLangEngine:
 
     # -- generation --------------------------------------------------------------------------
 
-    def _pick_server(self) -> SGLangServer:
+    def _pick_index(self) -> int:
         with self._lock:
-            server = self.servers[self._next_server % len(self.servers)]
+            index = self._next_server % len(self._servers)
             self._next_server += 1
-        return server
+        return index
 
     def _generate_chunk(
-        self, server: SGLangServer, prompts: list[Prompt], sampling: Mapping[str, object]
+        self, index: int, prompts: list[Prompt], sampling: Mapping[str, object]
     ) -> list[Generation]:
         with self._traffic:
             while self._updating:  # a weight update that waits for requests holds new ones back
@@ -352,7 +395,17 @@ class SGLangEngine:
             self._in_flight += 1
             dispatched = self._version
         try:
-            return self._post_chunk(server, prompts, sampling, dispatched)
+            while True:
+                restarter = self._restarter
+                server = self._servers[index] if restarter is None else restarter.server(index)
+                try:
+                    return self._post_chunk(server, prompts, sampling, dispatched)
+                except RolloutError as exc:
+                    if restarter is None or not restarter.lost(server, exc):
+                        raise
+                    # The chunk's answer never came: sent again in full, to the new server.
+                    restarter.replace(index, server, str(exc).splitlines()[0], self._refresh)
+                    dispatched = self._version
         finally:
             with self._traffic:
                 self._in_flight -= 1
@@ -425,6 +478,31 @@ class SGLangEngine:
             version,
             first_weight_version=min(dispatched, version),
         )
+
+    # -- fault tolerance ---------------------------------------------------------------------
+
+    def _revive_dead(self) -> None:
+        """Replace the servers that died since the last call (before a weight update, which
+        then gives them the new weights)."""
+        if self._restarter is None:
+            return
+        for index, server in enumerate(self.servers):
+            if not server.is_alive():
+                self._restarter.replace(index, server, "it exited while idle")
+
+    def _refresh(self, index: int) -> None:
+        """The weights served (if any were pushed), to the new server ``index``, from their
+        source."""
+        if not self._pushed:
+            return  # it serves the model folder's, as the others do
+        if self._source is None:
+            raise RolloutError(
+                f"{self._servers[index].describe()} was restarted and needs the weights of "
+                f"version {self._version}, but no process holds them any more (the trainer "
+                "moved ahead of the engine, as with --max-staleness above 0)"
+            )
+        with self._update(self._version, only=index) as sinks:
+            self._source.send_weights(sinks)
 
 
 # -- helpers ---------------------------------------------------------------------------------

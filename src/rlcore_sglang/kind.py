@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Final
 
 from rlcore.engines import EngineKind, EngineSetup
+from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.protocols import RolloutEngine
 from rlcore_sglang.options import SGLangOptions
 
@@ -18,13 +19,33 @@ def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
     or bf16 with ``--bf16``, on GPU and CPU hosts alike)."""
     from rlcore_sglang.client import SGLangEngine
     from rlcore_sglang.launcher import LaunchSettings
-    from rlcore_sglang.options import EngineOptions
+    from rlcore_sglang.options import EngineOptions, FaultTolerance
 
+    if setup.fault_tolerance and options.weight_sync == "distributed":
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "sglang.weight_sync (--weight-sync)",
+                    "distributed cannot be combined with --use-fault-tolerance: a restarted "
+                    "server is not in the process group the weights are broadcast over",
+                    "use --weight-sync tensor (servers on the ranks' machines) or disk",
+                )
+            ]
+        )
     sync_dir = options.weight_sync_dir or setup.log_dir / "weights"
     engine_options = EngineOptions(
         weight_sync=options.weight_sync,
         bucket_bytes=options.update_weight_buffer_size,
         sync_dir=sync_dir if options.weight_sync == "disk" else None,
+        fault_tolerance=(
+            FaultTolerance(
+                max_restarts=options.max_engine_restarts,
+                health_check_interval_s=options.health_check_interval,
+                health_check_timeout_s=options.health_check_timeout,
+            )
+            if setup.fault_tolerance
+            else None
+        ),
     )
     if options.urls:
         return SGLangEngine.connect(options.urls, engine_options)

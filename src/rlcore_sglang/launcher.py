@@ -133,11 +133,14 @@ def launch_servers(settings: LaunchSettings, hosts: Sequence[ProcessHost]) -> li
     return servers
 
 
-def start_server(settings: LaunchSettings, host: ProcessHost, index: int = 0) -> SGLangServer:
-    """Start server ``index`` on ``host`` (log ``sglang-<index>.log``) without waiting for it;
-    call its ``wait_until_healthy`` next."""
+def start_server(
+    settings: LaunchSettings, host: ProcessHost, index: int = 0, restart: int = 0
+) -> SGLangServer:
+    """Start server ``index`` on ``host`` (log ``sglang-<index>.log``; its ``restart``-th restart
+    logs to ``sglang-<index>.restart<restart>.log``, keeping the failed one's log) without
+    waiting for it; call its ``wait_until_healthy`` next."""
     log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="rlcore-sglang-"))
-    log = log_dir / f"sglang-{index}.log"
+    log = log_dir / (f"sglang-{index}.restart{restart}.log" if restart else f"sglang-{index}.log")
     gpus = host.gpu_ids
     if gpus and gpus != tuple(range(gpus[0], gpus[0] + len(gpus))):
         raise RolloutError(

@@ -16,7 +16,13 @@ import attrs
 from rlcore.config import option
 from rlcore.errors import ConfigError, ConfigProblem
 
-__all__ = ["WEIGHT_SYNC_MODES", "EngineOptions", "SGLangOptions", "WeightSyncMode"]
+__all__ = [
+    "WEIGHT_SYNC_MODES",
+    "EngineOptions",
+    "FaultTolerance",
+    "SGLangOptions",
+    "WeightSyncMode",
+]
 
 WeightSyncMode = Literal["tensor", "distributed", "disk"]
 WEIGHT_SYNC_MODES: Final[tuple[WeightSyncMode, ...]] = ("tensor", "distributed", "disk")
@@ -59,6 +65,24 @@ class SGLangOptions:
         "when unset; lower it with --colocate)",
     )
 
+    max_engine_restarts: int = option(
+        3,
+        "--max-engine-restarts",
+        "with --use-fault-tolerance: restarts of each launched server over the run; one failure "
+        "more ends it",
+    )
+    health_check_interval: float = option(
+        10.0,
+        "--rollout-health-check-interval",
+        "with --use-fault-tolerance: seconds between two /health calls to each server",
+    )
+    health_check_timeout: float = option(
+        30.0,
+        "--rollout-health-check-timeout",
+        "with --use-fault-tolerance: a server that answers no /health within this many seconds, "
+        "twice in a row, is stopped and restarted",
+    )
+
     def __attrs_post_init__(self) -> None:
         problems = []
 
@@ -71,11 +95,33 @@ class SGLangOptions:
         fraction = self.mem_fraction_static
         if fraction is not None and not 0 < fraction <= 1:
             add("mem_fraction_static", f"must be in (0, 1], got {fraction}")
+        if self.max_engine_restarts < 0:
+            add("max_engine_restarts", f"must be >= 0, got {self.max_engine_restarts}")
+        for name in ("health_check_interval", "health_check_timeout"):
+            if getattr(self, name) <= 0:
+                add(name, f"must be > 0, got {getattr(self, name)}")
         bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
         if bad:
             add("urls", f"not HTTP URLs: {bad}", "write http://HOST:PORT")
         if problems:
             raise ConfigError(problems)
+
+
+@final
+@attrs.frozen
+class FaultTolerance:
+    """``--use-fault-tolerance``: how the servers an engine launched are restarted when one dies
+    or stops answering (the engine then resubmits the requests it held)."""
+
+    max_restarts: int = 3
+    """Restarts of each server over the engine's life; its next failure is an error."""
+    backoff_s: float = 1.0
+    """A server's ``n``-th restart waits ``backoff_s * 2 ** (n - 1)`` seconds first."""
+    health_check_interval_s: float = 10.0
+    """Seconds between two ``/health`` calls to each server (a monitor thread)."""
+    health_check_timeout_s: float = 30.0
+    """A server that answers no ``/health`` within this, twice in a row, is stopped; the next
+    request or weight update that needs it restarts it."""
 
 
 @final
@@ -111,6 +157,9 @@ class EngineOptions:
     """Passed to SGLang as is (``repetition_penalty`` ...); unknown names are rejected by SGLang."""
     health_timeout_s: float = 60.0
     """Limit for a connected server's first ``/health`` answer."""
+    fault_tolerance: FaultTolerance | None = None
+    """Restart launched servers that fail and resubmit their requests (``None``: a dead server is
+    an error, reported with its log)."""
 
     def __attrs_post_init__(self) -> None:
         if self.weight_sync not in WEIGHT_SYNC_MODES:
@@ -121,3 +170,8 @@ class EngineOptions:
             raise ValueError("max_concurrent_requests and max_prompts_per_request must be >= 1")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.fault_tolerance is not None and self.weight_sync == "distributed":
+            raise ValueError(
+                "fault tolerance restarts servers with the tensor and disk weight syncs only: a "
+                "restarted server is not in the distributed mode's process group"
+            )

@@ -449,6 +449,13 @@ def test_off_policy_schedule_flags_are_checked() -> None:
         in p
         for p in _problems([*TRAIN, "--max-staleness", "2", "--use-rollout-logprobs"])
     )
+    assert any(
+        p.startswith(
+            "rollout.use_fault_tolerance (--use-fault-tolerance): cannot be combined with "
+            "--max-staleness 1: a restarted server must get the weights the others serve"
+        )
+        for p in _problems([*TRAIN, "--max-staleness", "1", "--use-fault-tolerance"])
+    )
     replay = ["--load-debug-rollout-data", "x", "--debug-train-only", "--max-staleness", "1"]
     assert any("only replays saved rollouts" in p for p in _problems([*TRAIN, *replay]))
     colocated = ["--rollout-engine", "sglang", "--colocate", "--max-staleness", "1"]

@@ -12,6 +12,7 @@ import pytest
 
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config.flags import load_config
+from rlcore.errors import ConfigError
 from rlcore.loop.checkpoints import write_checkpoint
 from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI, model_hub
@@ -286,3 +287,20 @@ def test_a_damaged_checkpoint_is_refused_with_the_intact_one_to_load(
         f"has 2048 bytes, 4096 when it was saved (load the newest intact checkpoint instead: "
         f"--load {ckpt / 'rollout_000000'})"
     ]
+
+
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_fault_tolerance_without_servers_to_restart_is_refused(demo: Path, tmp_path: Path) -> None:
+    """--use-fault-tolerance restarts servers the run launches: the embedded engine (in this
+    process) and servers given by --sglang-url are refused before anything starts."""
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    for engine in (
+        [],
+        ["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1"],
+    ):
+        with pytest.raises(ConfigError) as caught:
+            prepare(load_config([*flags, *engine, "--use-fault-tolerance"]))
+        message = str(caught.value)
+        assert "rollout.use_fault_tolerance (--use-fault-tolerance): the " in message
+        assert "runs no server that this run launches" in message
+    assert not (tmp_path / "out").exists()  # prepare removes what it made

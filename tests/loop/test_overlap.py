@@ -4,7 +4,8 @@ carried across a save, K = 0 and K = 1 are deterministic and K = 0 is the synchr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from rlcore.loop.overlap import run_overlapped_training
 from rlcore.loop.plan import TrainPlan, plan
 from rlcore.loop.records import Progress
 from rlcore.loop.training import run_training
-from rlcore.samples import EvalSet, Prompt
+from rlcore.protocols import WeightSink, WeightSource
+from rlcore.samples import EvalSet, Generation, Prompt, SamplingParams
 from rlcore.testing import FakeBackend, RecordingSink, ScriptedEngine, label_reward
 
 PROMPTS = tuple(
@@ -277,3 +279,48 @@ def test_a_stopped_and_resumed_lockstep_run_equals_an_uninterrupted_one(
     )
     assert _seen(first)[:4] == _seen(straight)[:4]
     assert _seen(resumed) == _seen(straight)[4:]
+
+
+class _Restarting:
+    """A :class:`~rlcore.protocols.RestartingEngine`: a scripted engine that records where the
+    loop says the weights it serves are."""
+
+    def __init__(self) -> None:
+        self.inner = ScriptedEngine(every_third_always_right)
+        self.sources: list[WeightSource | None] = []
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        return self.inner.generate(prompts, params)
+
+    def receive_weights(self, version: int) -> AbstractContextManager[Sequence[WeightSink]]:
+        return self.inner.receive_weights(version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def restore_weights_from(self, source: WeightSource | None) -> None:
+        self.sources.append(source)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_restarting_engine_is_told_who_holds_the_weights_it_serves(
+    tmp_path: Path, max_staleness: int
+) -> None:
+    """After every push the synchronous schedule names the actor (it keeps the pushed weights
+    while the engine generates); the off-policy one names nobody (the actor trains ahead)."""
+    engine = _Restarting()
+    config = _config(tmp_path, rollout={"max_staleness": max_staleness})
+    the_plan = plan(config)
+    assert isinstance(the_plan, TrainPlan)
+    schedule = run_training if max_staleness == 0 else run_overlapped_training
+    backend = FakeBackend()
+    schedule(the_plan, backend, engine, label_reward, DATA, RecordingSink(), Progress())
+    assert len(engine.sources) == len(engine.inner.updates) > 1
+    if max_staleness == 0:
+        assert all(source is not None for source in engine.sources)
+    else:
+        assert engine.sources == [None] * len(engine.sources)

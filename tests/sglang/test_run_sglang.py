@@ -7,6 +7,7 @@ SGLang with disk weight sync (written by the rank)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,16 @@ from rlcore_megatron.demo import prepare_demo
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
-def _run(*flags: str) -> subprocess.CompletedProcess[str]:
+def _run(*flags: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "rlcore_megatron.run", *flags],
         capture_output=True,
         text=True,
         timeout=1500,
+        env=env,
     )
 
 
@@ -127,3 +132,57 @@ def test_free_running_generation_with_partial_rollouts(tmp_path: Path) -> None:
     steps = [r for r in rows if "rollout/staleness_max" in r]
     assert len(steps) == 4 and all(r["rollout/staleness_max"] <= 2 for r in steps)
     assert all("train/actor/tis_weight" in r for r in steps)
+
+
+_KILLER = '''
+import os
+import signal
+import time
+
+from rlcore.rollout.default import default_rollout
+
+
+def rollout(ctx):
+    """The default rollout, but rollout 2 first kills the SGLang server outright."""
+    if ctx.rollout_id == 2:
+        engine = ctx.engine
+        while hasattr(engine, "engine"):  # the loop's checked wrapper
+            engine = engine.engine
+        server = engine.servers[0]
+        os.killpg(server.process.pid, signal.SIGKILL)
+        while server.is_alive():
+            time.sleep(0.05)
+    return default_rollout(ctx)
+'''
+
+
+def test_a_killed_server_is_restarted_with_the_policy_and_the_run_goes_on(tmp_path: Path) -> None:
+    """--use-fault-tolerance: the server dies before rollout 2; the run restarts it, the
+    Megatron rank gives it the weights of version 2 (the trainer's log-probs of its samples agree
+    with its own), the requests go again and the run ends as if nothing happened."""
+    demo = tmp_path / "demo"
+    prepare_demo(demo)
+    (tmp_path / "killer.py").write_text(_KILLER)
+    # fmt: off
+    run = _run(
+        "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
+        "--prompt-data", str(demo / "train.jsonl"), "--rollout-engine", "sglang",
+        "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "5",
+        "--lr", "1e-2", "--use-fault-tolerance", "--rollout-function-path", "killer:rollout",
+        "--output-dir", str(tmp_path / "out"),
+        pythonpath=tmp_path,
+    )
+    # fmt: on
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["trained"] == [0, 1, 2]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0, 3.0]
+    assert all(r["train/actor/logprob_mismatch"] < 1e-3 for r in steps), steps
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert "exited with code -9" in log and "restarting it (1 of at most 3)" in log
+    assert (tmp_path / "out" / "sglang" / "sglang-0.restart1.log").is_file()

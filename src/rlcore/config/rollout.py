@@ -100,6 +100,13 @@ class RolloutConfig:
         "boundary and it continues from the tokens already made (default: in-flight rollouts "
         "finish with the weights they started with)",
     )
+    use_fault_tolerance: bool = option(
+        False,
+        "--use-fault-tolerance",
+        "restart an engine server that dies or stops answering (a few times, with backoff), give "
+        "it the policy's current weights and resubmit the requests it held; for servers the run "
+        "launches, with --max-staleness 0 (default: a dead server ends the run)",
+    )
 
 
 @attrs.frozen
@@ -176,6 +183,14 @@ def rollout_problems(r: RolloutConfig) -> list[ConfigProblem]:
             f"has no effect with --max-staleness {r.max_staleness}: weights change mid-generation "
             "only when a background generator runs more than one version ahead",
             "add --max-staleness 2 (or more), or drop --partial-rollout",
+        )
+    if r.use_fault_tolerance and r.max_staleness > 0:
+        add(
+            "use_fault_tolerance",
+            f"cannot be combined with --max-staleness {r.max_staleness}: a restarted server must "
+            "get the weights the others serve, and while the trainer runs ahead of the engine no "
+            "process holds them any more",
+            "drop --max-staleness (synchronous training), or drop --use-fault-tolerance",
         )
     return problems
 

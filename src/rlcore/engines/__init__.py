@@ -52,6 +52,9 @@ class EngineSetup:
     dtype: Precision = "float32"
     """The trainer's precision (``--bf16``): the engine holds its weights in it, so that synced
     weights arrive unconverted and its log-probs compare with the trainer's."""
+    fault_tolerance: bool = False
+    """``--use-fault-tolerance``: restart a server that dies or stops answering and resubmit its
+    requests (engines that run servers; the run refuses it for the others)."""
 
 
 @final

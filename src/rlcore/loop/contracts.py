@@ -34,6 +34,8 @@ from rlcore.protocols import (
     Scheduler,
     TrainingStack,
     WeightSink,
+    WeightSource,
+    keep_weight_source,
     receive_weights_midway,
     takes_weights_midway,
 )
@@ -311,6 +313,11 @@ class CheckedEngine:
             receive_weights_midway(self._engine, version) as sinks,
         ):
             yield sinks
+
+    def restore_weights_from(self, source: WeightSource | None) -> None:
+        """Passed on when the checked engine restarts servers (a no-op otherwise)."""
+        with self._call("restore_weights_from"):
+            keep_weight_source(self._engine, source)
 
     @property
     def weight_version(self) -> int:

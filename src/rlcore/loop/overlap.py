@@ -74,6 +74,7 @@ from rlcore.protocols import (
     RolloutEngine,
     RolloutFn,
     WeightSource,
+    keep_weight_source,
     receive_weights_midway,
     takes_weights_midway,
 )
@@ -94,10 +95,14 @@ def staleness_metrics(produced: Produced, trainer_version: int) -> dict[str, flo
     }
 
 
-def _push_midway(source: WeightSource, engine: RolloutEngine, version: int) -> None:
-    """The sync stage of a partial rollout: the new weights interrupt in-flight generation."""
+def _push_midway(
+    source: WeightSource, engine: RolloutEngine, version: int, *, keeps: bool = False
+) -> None:
+    """The sync stage of a partial rollout: the new weights interrupt in-flight generation (as
+    :func:`~rlcore.loop.stages.push_weights` otherwise)."""
     with receive_weights_midway(engine, version) as sinks:
         source.send_weights(sinks)
+    keep_weight_source(engine, source if keeps else None)
 
 
 def run_overlapped_training(
@@ -135,7 +140,7 @@ def run_overlapped_training(
     sampler = PromptSampler(
         data.train_prompts, plan.rollout_batch_size, seed=data.seed, consumed=resumed.consumed
     )
-    push_weights(stacks.actor, engine, version=start)
+    push_weights(stacks.actor, engine, start, keeps=False)
     first_generated = max(start, plan.sft_warmup_rollouts)
     generator = RolloutGenerator(
         produce,
@@ -218,7 +223,7 @@ def run_overlapped_training(
                     metrics["perf/save_s"] = t2 - t1
                     if pushing:
                         push = _push_midway if plan.partial_rollout else push_weights
-                        push(stacks.actor, engine, version)
+                        push(stacks.actor, engine, version, keeps=False)
                         generator.publish(version)
                         published = version
                     metrics["perf/weight_sync_s"] = time.perf_counter() - t2

@@ -47,6 +47,7 @@ from rlcore.protocols import (
     RolloutOutput,
     TrainingStack,
     WeightSource,
+    keep_weight_source,
 )
 from rlcore.rollout.default import (
     check_rollout_output,
@@ -238,11 +239,18 @@ def rollout_source(
 # Train, save, sync, eval
 
 
-def push_weights(source: WeightSource, engine: RolloutEngine, version: int) -> None:
+def push_weights(
+    source: WeightSource, engine: RolloutEngine, version: int, *, keeps: bool = True
+) -> None:
     """The policy's weights to the engine, straight from where they live (the engine's sinks go
-    to the weights, not the weights to the caller), served from now on as ``version``."""
+    to the weights, not the weights to the caller), served from now on as ``version``.
+
+    ``keeps``: whether ``source`` keeps these weights while the engine serves them (the
+    synchronous schedule); then a server the engine restarts (``--use-fault-tolerance``) gets them
+    from it again. Off-policy schedules train ahead and pass ``False``."""
     with engine.receive_weights(version) as sinks:
         source.send_weights(sinks)
+    keep_weight_source(engine, source if keeps else None)
 
 
 def evaluate(

@@ -43,6 +43,8 @@ from rlcore.protocols import (
     RolloutEngine,
     Tokenizer,
     WeightSink,
+    WeightSource,
+    keep_weight_source,
     receive_weights_midway,
     takes_weights_midway,
 )
@@ -312,6 +314,10 @@ class EpisodeEngine:
         self, version: int
     ) -> AbstractContextManager[Sequence[WeightSink]]:
         return receive_weights_midway(self.engine, version)
+
+    def restore_weights_from(self, source: WeightSource | None) -> None:
+        """Passed on to the wrapped engine when it restarts servers."""
+        keep_weight_source(self.engine, source)
 
     @property
     def weight_version(self) -> int:
