@@ -34,7 +34,9 @@ __all__ = [
     "META_FILE",
     "CheckpointMeta",
     "find_checkpoint",
+    "find_checkpoint_of",
     "newest_intact_checkpoint",
+    "recorded_model_folder",
     "read_meta",
     "saved_checkpoints",
     "rollout_dir_name",
@@ -81,6 +83,46 @@ def find_checkpoint(path: Path) -> Path:
     if not (target / META_FILE).is_file():
         raise CheckpointError(f"{latest} names {target}, which is not a complete checkpoint")
     return target
+
+
+def find_checkpoint_of(path: Path, rollout_id: int | None) -> Path:
+    """:func:`find_checkpoint`, or with ``rollout_id`` the checkpoint of that rollout in the save
+    folder ``path`` (slime's ``--ckpt-step``). Raises :class:`CheckpointError` naming the
+    rollouts whose checkpoints the folder holds when it has none of ``rollout_id``."""
+    if rollout_id is None:
+        return find_checkpoint(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is one checkpoint, not a save folder to pick rollout {rollout_id}'s from; "
+            f"point at the save folder {path.parent}, or drop the step"
+        )
+    target = path / rollout_dir_name(rollout_id)
+    if (target / META_FILE).is_file():
+        return target
+    held = [
+        p.name.removeprefix("rollout_").lstrip("0") or "0"
+        for p in saved_checkpoints(path)
+        if (p / META_FILE).is_file()
+    ]
+    have = f"checkpoints of rollouts {', '.join(held)}" if held else "no complete checkpoint"
+    raise CheckpointError(f"{path} has no checkpoint of rollout {rollout_id}: it holds {have}")
+
+
+def recorded_model_folder(folder: Path) -> Path:
+    """The model folder (``--hf-checkpoint``) the run that wrote the checkpoint ``folder``
+    recorded in its settings: the architecture its weights belong to. Raises
+    :class:`CheckpointError` when it recorded none (checkpoints older than the recorded
+    settings)."""
+    model = read_meta(folder).settings.get("model", {})
+    found = model.get("hf_checkpoint") if isinstance(model, dict) else None
+    if not isinstance(found, str) or not found:
+        raise CheckpointError(
+            f"{folder / META_FILE} records no model folder (model.hf_checkpoint): the "
+            "architecture of its weights is unknown"
+        )
+    return Path(found)
 
 
 def saved_checkpoints(save: Path) -> list[Path]:

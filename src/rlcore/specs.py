@@ -333,10 +333,18 @@ class OPDSpec:
     """On-policy distillation: ``teacher`` scores the student's sampled tokens, and each token's
     advantage loses ``kl_coef`` times the student's log-prob minus the teacher's
     (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an :class:`EvalSpec`: it is
-    built as an eval stack, which has no optimizer."""
+    built as an eval stack, which has no optimizer.
+
+    ``teacher_load``: a checkpoint folder (``rollout_NNNNNN``) whose ``actor`` holds the teacher's
+    weights, loaded into the eval stack once it is built (weights only); the spec's model folder
+    then gives only the architecture. ``only`` (``--opd-only``): pure distillation, no reward, each
+    token's advantage ``-kl_coef * (student - teacher)``
+    (:func:`rlcore.algorithms.distill.distillation_advantages`)."""
 
     teacher: EvalSpec
     kl_coef: float = 1.0
+    teacher_load: Path | None = None
+    only: bool = False
 
 
 @attrs.frozen

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal, final, get_args
 import attrs
 
 from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.specs import Role
 
 __all__ = [
     "Family",
@@ -30,6 +31,7 @@ __all__ = [
     "MoEArch",
     "RopeScaling",
     "arch_from_hf_config",
+    "model_info",
     "read_hf_config",
 ]
 
@@ -466,3 +468,18 @@ def read_hf_config(folder: Path) -> ModelArch:
     if not isinstance(cfg, dict):
         raise ConfigError([ConfigProblem("config.json", "must hold a JSON object")], str(path))
     return arch_from_hf_config(cfg, str(path))
+
+
+def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
+    """What a checkpoint records about the model (``rollout.json``'s ``model``), checked when it
+    is loaded, and before a run starts for a distillation teacher's checkpoint."""
+    return {
+        "head": "value" if role == "critic" else "lm",
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "num_layers": arch.num_layers,
+        "num_heads": arch.num_heads,
+        "num_kv_heads": arch.num_kv_heads,
+        "tie_word_embeddings": arch.tie_word_embeddings and role != "critic",
+    }

@@ -21,8 +21,15 @@ from typing import Any
 
 import attrs
 
-from rlcore.checkpoint_files import find_checkpoint, newest_intact_checkpoint, verify_checkpoint
-from rlcore.config import RunConfig, with_flag
+from rlcore.checkpoint_files import (
+    find_checkpoint,
+    find_checkpoint_of,
+    newest_intact_checkpoint,
+    read_meta,
+    recorded_model_folder,
+    verify_checkpoint,
+)
+from rlcore.config import OPDConfig, RunConfig, with_flag
 from rlcore.config.algorithm import AlgorithmConfig
 from rlcore.config.cluster import ClusterConfig
 from rlcore.config.convert import converter
@@ -85,15 +92,17 @@ _TOKENIZER_FILE = "tokenizer.json"
 
 
 def _teacher_problems(
-    teacher: Path, student: Path, student_config: dict[str, Any]
-) -> list[ConfigProblem]:
-    """The OPD teacher's folder: a model the backend can build, whose token ids mean what the
-    student's do (the same vocabulary size and, when both folders have one, the same
-    ``tokenizer.json``): the teacher scores the student's token ids."""
-    where = with_flag("opd.opd_teacher_hf_checkpoint")
+    teacher: Path, student: Path, student_config: dict[str, Any], where: str, what: str = ""
+) -> tuple[list[ConfigProblem], dict[str, Any]]:
+    """The OPD teacher's model folder: a model the backend can build, whose token ids mean what
+    the student's do (the same vocabulary size and, when both folders have one, the same
+    ``tokenizer.json``): the teacher scores the student's token ids. ``what`` introduces the
+    folder in each problem (a checkpoint's recorded one); returns its ``config.json`` too."""
     found, hf_config = check_model_folder(teacher, where)
+    if what:
+        found = [ConfigProblem(where, f"{what}: {p.message}", p.hint) for p in found]
     if found or not hf_config:
-        return found
+        return found, {}
     problems = _model_problems(hf_config, teacher / "config.json", where)
     hint = "distill from a teacher with the student's tokenizer"
     vocab, student_vocab = hf_config.get("vocab_size"), student_config.get("vocab_size")
@@ -116,7 +125,70 @@ def _teacher_problems(
                 hint,
             )
         )
+    return problems, hf_config
+
+
+def _teacher_checkpoint_problems(
+    opd: OPDConfig, student: Path, student_config: dict[str, Any]
+) -> list[ConfigProblem]:
+    """``--opd-teacher-load`` (and ``--opd-teacher-ckpt-step``): a complete, intact checkpoint
+    with an actor, whose run recorded a model folder that is still there, builds, shares the
+    student's vocabulary and tokenizer, and has the shape of the weights saved in the checkpoint
+    (``rollout.json``'s record): the teacher is built from that folder's ``config.json`` and
+    given the checkpoint's weights."""
+    load, step = opd.opd_teacher_load, opd.opd_teacher_ckpt_step
+    assert load is not None
+    where = with_flag("opd.opd_teacher_load")
+    try:
+        checkpoint = find_checkpoint_of(load, step)
+    except CheckpointError as exc:
+        # A save folder without that step: the step is what to change.
+        picked = step is not None and load.is_dir() and not (load / "rlcore.json").is_file()
+        hint = "pick one of them" if picked else "point it at a folder that --save wrote"
+        flag = with_flag("opd.opd_teacher_ckpt_step") if picked else where
+        return [ConfigProblem(flag, str(exc), hint)]
+    try:
+        if "actor" not in read_meta(checkpoint).stacks:
+            raise CheckpointError(f"{checkpoint} holds no actor, so no teacher's weights")
+        folder = recorded_model_folder(checkpoint)
+    except CheckpointError as exc:
+        return [ConfigProblem(where, str(exc), "distill from a checkpoint of an rlcore run")]
+    problems = _damaged(checkpoint, "opd.opd_teacher_load", "--opd-teacher-load")
+    what = f"{checkpoint} was trained from the model folder {folder}, the teacher's architecture"
+    found, hf_config = _teacher_problems(folder, student, student_config, where, what)
+    problems += found
+    if hf_config and not found:
+        problems += _shape_problems(checkpoint / "actor", folder, hf_config, where)
     return problems
+
+
+def _shape_problems(
+    actor: Path, folder: Path, hf_config: dict[str, Any], where: str
+) -> list[ConfigProblem]:
+    """The model a Megatron checkpoint's ``rollout.json`` records against the one ``folder``'s
+    ``config.json`` builds (say the folder was since replaced by another model)."""
+    from rlcore_megatron.arch import arch_from_hf_config, model_info
+
+    record = actor / "rollout.json"
+    try:
+        saved = json.loads(record.read_text())["model"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"model is a {type(saved).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [ConfigProblem(where, f"{record} cannot be read: {exc}")]
+    here = model_info(arch_from_hf_config(hf_config, str(folder / "config.json")), "teacher")
+    wrong = sorted(k for k in here if saved.get(k) != here[k])
+    if not wrong:
+        return []
+    return [
+        ConfigProblem(
+            where,
+            f"{actor} holds weights of another shape than {folder / 'config.json'} describes: "
+            + ", ".join(f"{k} is {saved.get(k)!r} there, {here[k]!r} in the folder" for k in wrong),
+            "the teacher's weights must fit the model folder its run recorded: restore that "
+            "folder, or distill from another checkpoint",
+        )
+    ]
 
 
 def preflight(config: RunConfig) -> list[Path]:
@@ -141,12 +213,20 @@ def preflight(config: RunConfig) -> list[Path]:
         problems += found
         if hf_config:
             problems += _model_problems(hf_config, folder / "config.json", where)
-        teacher = config.opd.opd_teacher_hf_checkpoint
-        if config.opd.use_opd and teacher is not None and not config.is_eval_only:
-            problems += _teacher_problems(teacher, folder, hf_config)
+        o = config.opd
+        if o.use_opd and not config.is_eval_only and not config.debug.debug_rollout_only:
+            if o.opd_teacher_hf_checkpoint is not None:
+                where = with_flag("opd.opd_teacher_hf_checkpoint")
+                problems += _teacher_problems(
+                    o.opd_teacher_hf_checkpoint, folder, hf_config, where
+                )[0]
+            elif o.opd_teacher_load is not None:
+                problems += _teacher_checkpoint_problems(o, folder, hf_config)
     if config.checkpoint.load is not None:
         try:
-            problems += _damaged(find_checkpoint(config.checkpoint.load))
+            problems += _damaged(
+                find_checkpoint(config.checkpoint.load), "checkpoint.load", "--load"
+            )
         except CheckpointError as exc:
             problems.append(ConfigProblem(with_flag("checkpoint.load"), str(exc)))
     outputs = [(with_flag("output_dir"), config.output_dir)]
@@ -166,20 +246,20 @@ def preflight(config: RunConfig) -> list[Path]:
     return created
 
 
-def _damaged(checkpoint: Path) -> list[ConfigProblem]:
-    """The checkpoint ``--load`` names against its manifest, with the newest intact one beside
-    it to load instead."""
+def _damaged(checkpoint: Path, path: str, flag: str) -> list[ConfigProblem]:
+    """The checkpoint the setting at ``path`` (``--load``, ``--opd-teacher-load``: ``flag``)
+    names against its manifest, with the newest intact one beside it to load instead."""
     found = verify_checkpoint(checkpoint)
     if not found:
         return []
     intact = newest_intact_checkpoint(checkpoint.parent, besides=checkpoint)
     hint = (
-        f"load the newest intact checkpoint instead: --load {intact}"
+        f"load the newest intact checkpoint instead: {flag} {intact}"
         if intact is not None
         else "no intact checkpoint is left beside it: start afresh"
     )
     message = f"checkpoint {checkpoint} is damaged: " + "; ".join(found)
-    return [ConfigProblem(with_flag("checkpoint.load"), message, hint)]
+    return [ConfigProblem(with_flag(path), message, hint)]
 
 
 def load_tokenizer(config: RunConfig) -> HFTokenizer:
@@ -270,11 +350,13 @@ def load_run_data(
                     )
                 ]
             )
+        # Pure distillation scores nothing: its prompts need no label (an eval set still does).
+        reward_free = config.opd.use_opd and config.opd.opd_only
         train = load_prompts(
             d.prompt_data,
             tokenizer=tokenizer,
             input_key=d.input_key,
-            label_key=d.label_key,
+            label_key=None if reward_free and not config.debug.debug_rollout_only else d.label_key,
             apply_chat_template=d.apply_chat_template,
             max_prompt_len=limit,
             dropped=dropped,

@@ -32,10 +32,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import deliver
 from rlcore_megatron import checkpoint, moe
-from rlcore_megatron.arch import ModelArch
+from rlcore_megatron.arch import ModelArch, model_info
 from rlcore_megatron.hf_weights import ExportBuffers, export_hf_weights, save_hf
 from rlcore_megatron.model import uses_sequence_parallel
 
@@ -68,20 +68,6 @@ def send_exported(weights: Iterator[tuple[str, torch.Tensor]], sinks: Sequence[W
     finally:
         for _ in weights:
             pass
-
-
-def model_info(arch: ModelArch, role: Role) -> dict[str, object]:
-    """What a checkpoint records about the model, checked when it is loaded."""
-    return {
-        "head": "value" if role == "critic" else "lm",
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.hidden_size,
-        "ffn_hidden_size": arch.ffn_hidden_size,
-        "num_layers": arch.num_layers,
-        "num_heads": arch.num_heads,
-        "num_kv_heads": arch.num_kv_heads,
-        "tie_word_embeddings": arch.tie_word_embeddings and role != "critic",
-    }
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:

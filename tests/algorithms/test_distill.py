@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.algorithms.distill import opd_advantages
+from rlcore.algorithms.distill import distillation_advantages, opd_advantages
 
 LOGP = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 ADV = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False)
@@ -58,6 +58,27 @@ def test_each_token_loses_coef_times_its_reverse_kl_estimate(drawn: Drawn, coef:
         )
     else:
         assert out.kl_mean == out.teacher_logprob_mean == 0.0
+
+
+@given(rollouts(), st.floats(min_value=0.0, max_value=5.0))
+def test_pure_distillation_is_exactly_minus_coef_times_the_reverse_kl(
+    drawn: Drawn, coef: float
+) -> None:
+    """--opd-only: no base advantage at all; the metrics are those of opd_advantages."""
+    advantages, student, teacher, masks = drawn
+    out = distillation_advantages(student, teacher, coef, masks)
+    assert out.advantages == tuple(
+        tuple(-coef * (s - t) for s, t in zip(s_row, t_row, strict=True))
+        for s_row, t_row in zip(student, teacher, strict=True)
+    )
+    with_base = opd_advantages(advantages, student, teacher, coef, masks)
+    assert (out.kl_mean, out.teacher_logprob_mean) == (
+        with_base.kl_mean,
+        with_base.teacher_logprob_mean,
+    )
+    # It is what opd_advantages makes of all-zero base advantages (up to the sign of a zero).
+    zeros = [(0.0,) * len(row) for row in student]
+    assert out.advantages == opd_advantages(zeros, student, teacher, coef, masks).advantages
 
 
 def test_a_teacher_likelier_than_the_student_raises_the_advantage() -> None:

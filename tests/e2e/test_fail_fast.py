@@ -202,6 +202,73 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_refused(
     assert "distill from a teacher with the student's tokenizer" in err
 
 
+def _teacher_checkpoints(save: Path, model: Path, rollouts: tuple[int, ...] = (0,)) -> None:
+    """Checkpoints as an rlcore run of ``model`` writes them: its settings recorded in
+    ``rlcore.json``, the actor's Megatron record (``rollout.json``) of that model's shape."""
+    from rlcore_megatron.arch import model_info, read_hf_config
+    from rlcore_megatron.checkpoint import FORMAT
+
+    record = {"format": FORMAT, "model": model_info(read_hf_config(model), "actor")}
+    settings = {"model": {"hf_checkpoint": str(model)}}
+
+    def actor(folder: Path) -> None:
+        (folder / "rollout.json").write_text(json.dumps({**record, "rollout_id": 0}))
+
+    for rollout in rollouts:
+        write_checkpoint(save, CheckpointMeta(rollout, 8, ("actor",), settings), {"actor": actor})
+
+
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_a_teacher_checkpoint_that_cannot_be_the_teacher_is_refused(
+    demo: Path, tmp_path: Path
+) -> None:
+    """--opd-teacher-load: a folder that is not there, a step that is not there (the ones that
+    are named), a checkpoint whose recorded model folder has another vocabulary than the student's
+    or no longer fits the weights saved: each refused before anything starts."""
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"), "--use-opd")
+    missing = tmp_path / "nowhere"
+    err = _refused([*flags, "--opd-teacher-load", str(missing)], tmp_path)
+    assert (
+        f"opd.opd_teacher_load (--opd-teacher-load): checkpoint folder {missing} does not exist"
+        in err
+    )
+
+    save = tmp_path / "teacher_run"
+    _teacher_checkpoints(save, demo / "model", rollouts=(0, 2))
+    err = _refused(
+        [*flags, "--opd-teacher-load", str(save), "--opd-teacher-ckpt-step", "5"], tmp_path
+    )
+    assert err.splitlines()[1] == (
+        f"  - opd.opd_teacher_ckpt_step (--opd-teacher-ckpt-step): {save} has no checkpoint of "
+        "rollout 5: it holds checkpoints of rollouts 0, 2 (pick one of them)"
+    )
+
+    other = tmp_path / "other"  # a model of another vocabulary, that its run trained
+    shutil.copytree(demo / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 99}))
+    _teacher_checkpoints(tmp_path / "other_run", other)
+    err = _refused([*flags, "--opd-teacher-load", str(tmp_path / "other_run")], tmp_path)
+    assert f"the teacher's vocabulary has 99 tokens and the student's {config['vocab_size']}" in err
+
+    deeper = tmp_path / "deeper"  # the recorded folder, replaced since by a deeper model
+    shutil.copytree(demo / "model", deeper)
+    _teacher_checkpoints(tmp_path / "deeper_run", deeper)
+    layers = config["num_hidden_layers"]
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers + 1}))
+    err = _refused(
+        [*flags, "--opd-teacher-load", str(tmp_path / "deeper_run"), "--opd-teacher-ckpt-step=0"],
+        tmp_path,
+    )
+    assert err.splitlines()[1] == (
+        f"  - opd.opd_teacher_load (--opd-teacher-load): {tmp_path / 'deeper_run/rollout_000000'}"
+        f"/actor holds weights of another shape than {deeper / 'config.json'} describes: "
+        f"num_layers is {layers} there, {layers + 1} in the folder (the teacher's weights must "
+        "fit the model folder its run recorded: restore that folder, or distill from another "
+        "checkpoint)"
+    )
+
+
 def test_a_fresh_run_refuses_a_save_folder_with_another_runs_checkpoints(
     demo: Path, tmp_path: Path
 ) -> None:

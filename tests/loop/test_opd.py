@@ -16,7 +16,8 @@ from rlcore.config import load_config
 from rlcore.errors import ConfigError
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
-from rlcore.samples import EvalSet, Prompt, Sample
+from rlcore.protocols import RewardFn
+from rlcore.samples import EvalSet, Generation, Prompt, Sample
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.testing import (
     FakeBackend,
@@ -52,13 +53,15 @@ class _Teacher:
     def __init__(self, spec: EvalSpec) -> None:
         self.spec: ModelSpec = spec.model
         self.scored = 0
+        self.loaded: list[Path] = []
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         self.scored += len(samples)
         return [(TEACHER_LOGP,) * len(s.response.token_ids) for s in samples]
 
     def load(self, path: Path) -> int:
-        raise AssertionError("a teacher from an HF folder is not loaded from a checkpoint")
+        self.loaded.append(path)
+        return FakeEvalStack(EvalSpec(self.spec)).load(path)  # reads the fake checkpoint
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
         raise AssertionError("a teacher's weights go nowhere")
@@ -81,11 +84,11 @@ class _Backend:
         return self.inner.build_eval_stack(spec)
 
 
-def _train(*flags: str) -> tuple[_Backend, RecordingSink]:
+def _train(*flags: str, reward_fn: RewardFn = label_reward) -> tuple[_Backend, RecordingSink]:
     the_plan = plan(load_config(list(flags)))
     assert isinstance(the_plan, TrainPlan)
     backend, sink = _Backend(), RecordingSink()
-    result = run(the_plan, backend, ScriptedEngine(), label_reward, DATA, sink)
+    result = run(the_plan, backend, ScriptedEngine(), reward_fn, DATA, sink)
     assert ("eval:teacher" in result.built) == (the_plan.opd is not None)
     return backend, sink
 
@@ -131,7 +134,98 @@ def test_the_opd_flags_are_checked() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(_flags(2, "--use-opd"))
     assert "add --opd-teacher-hf-checkpoint DIR" in str(info.value)
+    assert "or --opd-teacher-load DIR (an rlcore checkpoint)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"opd.opd_teacher_load \(--opd-teacher-load\): names"):
+        load_config(_flags(2, *OPD, "--opd-teacher-load", "ckpt"))
+    with pytest.raises(ConfigError, match=r"--opd-teacher-ckpt-step\): picks a checkpoint of"):
+        load_config(_flags(2, *OPD, "--opd-teacher-ckpt-step", "3"))
+    with pytest.raises(ConfigError, match=r"--opd-teacher-ckpt-step\): must be >= 0, got -1"):
+        load_config(_flags(2, "--use-opd", "--opd-teacher-load", "c", "--opd-teacher-ckpt-step=-1"))
+    with pytest.raises(ConfigError, match=r"opd.opd_only \(--opd-only\): has no effect without"):
+        load_config(_flags(2, "--opd-only"))
     with pytest.raises(ConfigError, match=r"opd.opd_kl_coef \(--opd-kl-coef\): has no effect"):
         load_config(_flags(2, "--opd-kl-coef", "0.1"))
     with pytest.raises(ConfigError, match=r"--opd-kl-coef\): must be >= 0"):
         load_config(_flags(2, *OPD, "--opd-kl-coef", "-1"))
+
+
+def _teacher_checkpoints(tmp_path: Path) -> Path:
+    """A save folder written by a (fake-backend) training run of the model folder ``teacher``:
+    checkpoints of rollouts 0 and 1, recording that folder."""
+    save = tmp_path / "teacher_run"
+    flags = ["--hf-checkpoint", str(tmp_path / "teacher"), "--save", str(save)]
+    _train(*_flags(2, *flags, "--save-interval", "1"))
+    return save
+
+
+@pytest.mark.parametrize("step", [None, 0], ids=["latest", "step-0"])
+def test_a_teacher_from_a_checkpoint_is_its_runs_model_with_the_checkpoints_weights(
+    tmp_path: Path, step: int | None
+) -> None:
+    save = _teacher_checkpoints(tmp_path)
+    picked = ("--opd-teacher-ckpt-step", str(step)) if step is not None else ()
+    flags = _flags(2, "--use-opd", "--opd-teacher-load", str(save), *picked)
+    the_plan = plan(load_config(flags))
+    assert isinstance(the_plan, TrainPlan) and the_plan.opd is not None
+    checkpoint = save / f"rollout_00000{1 if step is None else step}"
+    assert the_plan.opd.teacher_load == checkpoint
+    # The architecture is the model folder the checkpoint's run recorded, as --load's.
+    assert the_plan.opd.teacher.model.hf_checkpoint == tmp_path / "teacher"
+    assert the_plan.opd.teacher.model.role == "teacher"
+    distilled, sink = _train(*flags)
+    (teacher,) = distilled.teachers
+    assert teacher.loaded == [checkpoint / "actor"]
+    assert len([m for _, m in sink.records if "opd/kl_mean" in m]) == 2
+
+
+def test_a_teacher_checkpoint_step_that_is_not_there_names_those_that_are(tmp_path: Path) -> None:
+    save = _teacher_checkpoints(tmp_path)
+    flags = _flags(2, "--use-opd", "--opd-teacher-load", str(save), "--opd-teacher-ckpt-step", "7")
+    with pytest.raises(ConfigError) as info:
+        plan(load_config(flags))
+    assert (
+        f"opd.opd_teacher_load (--opd-teacher-load): {save} has no checkpoint of rollout 7: it "
+        "holds checkpoints of rollouts 0, 1"
+    ) in str(info.value)
+    with pytest.raises(ConfigError, match="does not exist"):
+        plan(load_config(_flags(2, "--use-opd", "--opd-teacher-load", str(tmp_path / "none"))))
+
+
+def _no_reward_here(prompt: Prompt, generation: Generation) -> float:
+    raise AssertionError("--opd-only scores nothing")
+
+
+@pytest.mark.parametrize("schedule", [(), ("--max-staleness", "1")], ids=["sync", "one-off"])
+def test_pure_distillation_is_the_teachers_reverse_kl_alone_without_any_reward(
+    schedule: tuple[str, ...],
+) -> None:
+    coef = 0.5
+    flags = _flags(3, *schedule, *OPD, "--opd-only", "--opd-kl-coef", str(coef))
+    distilled, sink = _train(*flags, reward_fn=_no_reward_here)
+    (teacher,) = distilled.teachers
+    assert teacher.scored == 3 * 4
+    batches = distilled.inner.training_stacks[0].batches
+    assert len(batches) == 3
+    for batch in batches:
+        assert all(s.reward == 0.0 for s in batch.samples)
+        # The fake actor's log-probs are 0: each token's advantage is -coef * (0 - TEACHER_LOGP).
+        for sample, row in zip(batch.samples, batch.advantages, strict=True):
+            assert row == (-coef * (0.0 - TEACHER_LOGP),) * len(sample.response.token_ids)
+    rows = [m for _, m in sink.records if "opd/kl_mean" in m]
+    assert len(rows) == 3 and all("rollout/kl_penalty" not in m for m in rows)
+
+
+def test_pure_distillation_refuses_what_learns_from_a_reward() -> None:
+    only = (*OPD, "--opd-only")
+    for extra, flag in [
+        (("--advantage-estimator", "ppo"), "--advantage-estimator ppo"),
+        (("--use-critic",), "--use-critic"),
+        (("--use-kl-loss", "--kl-coef", "0.1"), "--kl-coef"),
+        (("--normalize-advantages",), "--normalize-advantages"),
+        (("--sft-warmup-rollouts", "1"), "--sft-warmup-rollouts"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(_flags(2, *only, *extra))
+        assert f"{flag} does not go with --opd-only" in str(info.value), extra
+    with pytest.raises(ConfigError, match="with --opd-kl-coef 0 every advantage is 0"):
+        load_config(_flags(2, *only, "--opd-kl-coef", "0"))

@@ -10,8 +10,15 @@ the base estimator (GRPO, PPO, REINFORCE++, GSPO) gave the token::
 
 so a token the teacher finds likelier than the student does is pushed up, one it finds less
 likely pushed down, on the student's own trajectories. With ``coef = 0`` the advantages are the
-base estimator's, bit for bit. With rewards that do not tell samples apart (GRPO's advantages are
-then 0) this is pure distillation.
+base estimator's, bit for bit.
+
+Pure distillation (``--opd-only``, :func:`distillation_advantages`): there is no reward and no
+base estimator, and each token's advantage is the teacher's signal alone::
+
+    A_t = -coef * (log pi_s(y_t) - log pi_t(y_t))
+
+(Thinking Machines' recipe, with no discount: each token's own reverse KL, not a sum over the rest
+of the sequence.)
 
 Sources: Agarwal et al., "On-Policy Distillation of Language Models: Learning from
 Self-Generated Mistakes" (GKD, ICLR 2024); Thinking Machines, "On-Policy Distillation" (2025),
@@ -25,7 +32,7 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["OPDAdvantages", "opd_advantages"]
+__all__ = ["OPDAdvantages", "distillation_advantages", "opd_advantages"]
 
 
 @attrs.frozen
@@ -51,6 +58,34 @@ def opd_advantages(
     the metrics average over (a sample's mask empty, or none given: every token is trained, as
     :attr:`~rlcore.samples.Generation.loss_mask`); tokens outside the mask (a multi-turn episode's
     observations) are adjusted too, and the loss ignores them."""
+    return _distilled(advantages, student_log_probs, teacher_log_probs, coef, loss_masks)
+
+
+def distillation_advantages(
+    student_log_probs: Sequence[tuple[float, ...]],
+    teacher_log_probs: Sequence[tuple[float, ...]],
+    coef: float,
+    loss_masks: Sequence[tuple[int, ...]] = (),
+) -> OPDAdvantages:
+    """Pure distillation: ``-coef * (student_t - teacher_t)`` for every response token, with no
+    base advantage at all (module docstring); the metrics and ``loss_masks`` as in
+    :func:`opd_advantages`."""
+    return _distilled(None, student_log_probs, teacher_log_probs, coef, loss_masks)
+
+
+def _distilled(
+    advantages: Sequence[tuple[float, ...]] | None,
+    student_log_probs: Sequence[tuple[float, ...]],
+    teacher_log_probs: Sequence[tuple[float, ...]],
+    coef: float,
+    loss_masks: Sequence[tuple[int, ...]],
+) -> OPDAdvantages:
+    """:func:`opd_advantages`, or with ``advantages`` None :func:`distillation_advantages`."""
+    if advantages is None:
+        advantages = [(0.0,) * len(row) for row in student_log_probs]
+        base = False
+    else:
+        base = True
     rows = len(advantages)
     if not len(student_log_probs) == len(teacher_log_probs) == rows:
         raise ValueError(
@@ -68,9 +103,11 @@ def opd_advantages(
                 f"opd_advantages: sample {i} has {len(adv)} advantages, {len(student)} student "
                 f"and {len(teacher)} teacher log-probs: one per response token"
             )
-        adjusted.append(
-            tuple(a - coef * (s - t) for a, s, t in zip(adv, student, teacher, strict=True))
-        )
+        if base:
+            row = tuple(a - coef * (s - t) for a, s, t in zip(adv, student, teacher, strict=True))
+        else:
+            row = tuple(-coef * (s - t) for s, t in zip(student, teacher, strict=True))
+        adjusted.append(row)
         mask = (loss_masks[i] if loss_masks else ()) or (1,) * len(adv)
         for s, t, m in zip(student, teacher, mask, strict=True):
             if m:

@@ -4,7 +4,10 @@
 The student (the actor) trains on its own rollouts while a frozen teacher scores every token it
 sampled; the per-token reverse KL between them is taken off the advantage
 (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an eval stack: it never gets an
-optimizer.
+optimizer. Its weights come from exactly one place: a Hugging Face folder
+(``--opd-teacher-hf-checkpoint``) or the actor of an rlcore checkpoint (``--opd-teacher-load``,
+``--opd-teacher-ckpt-step``), built with the model folder that checkpoint's run recorded, as an
+eval-only ``--load`` is. ``--opd-only`` distills without a reward.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Literal
 
 import attrs
 
+from rlcore.config.algorithm import AlgorithmConfig
 from rlcore.config.fields import flag_of, option, problem
 from rlcore.errors import ConfigProblem
 
@@ -45,6 +49,26 @@ class OPDConfig:
         "the teacher's HF model folder (its tokenizer must be the student's), e.g. one that "
         "--save-hf wrote",
     )
+    opd_teacher_load: Path | None = option(
+        None,
+        "--opd-teacher-load",
+        "instead: the teacher is the actor of an rlcore checkpoint, a --save folder (its latest, "
+        "or --opd-teacher-ckpt-step) or one rollout_* inside it; weights only, built with the "
+        "model folder that checkpoint's run recorded (slime's flag)",
+    )
+    opd_teacher_ckpt_step: int | None = option(
+        None,
+        "--opd-teacher-ckpt-step",
+        "with --opd-teacher-load DIR: the checkpoint of rollout N (DIR/rollout_NNNNNN) instead of "
+        "the latest (slime's flag)",
+    )
+    opd_only: bool = option(
+        False,
+        "--opd-only",
+        "pure distillation, for prompts without a verifier: training samples are not scored "
+        "(no reward function, no labels read from --prompt-data) and each token's advantage is "
+        "exactly -(--opd-kl-coef) times the student's minus the teacher's log-prob",
+    )
 
     @property
     def given(self) -> tuple[str, ...]:
@@ -56,8 +80,10 @@ class OPDConfig:
         )
 
 
-def opd_problems(o: OPDConfig) -> list[ConfigProblem]:
-    """A teacher for ``--use-opd``, a coefficient >= 0, and no OPD flag without ``--use-opd``."""
+def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
+    """A teacher for ``--use-opd`` named once, a coefficient >= 0, a checkpoint step only with a
+    checkpoint, nothing that needs a reward with ``--opd-only`` (the algorithm settings ``a``),
+    and no OPD flag without ``--use-opd``."""
     problems: list[ConfigProblem] = []
 
     def add(name: str, message: str, hint: str = "") -> None:
@@ -73,10 +99,68 @@ def opd_problems(o: OPDConfig) -> list[ConfigProblem]:
         return problems
     if o.opd_kl_coef < 0:
         add("opd_kl_coef", f"must be >= 0, got {o.opd_kl_coef}")
-    if o.opd_teacher_hf_checkpoint is None:
+    if o.opd_teacher_hf_checkpoint is None and o.opd_teacher_load is None:
         add(
             "opd_teacher_hf_checkpoint",
             "--use-opd needs a teacher",
-            "add --opd-teacher-hf-checkpoint DIR (an HF model folder with the student's tokenizer)",
+            "add --opd-teacher-hf-checkpoint DIR (an HF model folder with the student's tokenizer) "
+            "or --opd-teacher-load DIR (an rlcore checkpoint)",
         )
+    elif o.opd_teacher_hf_checkpoint is not None and o.opd_teacher_load is not None:
+        add(
+            "opd_teacher_load",
+            f"names the teacher's weights, and so does --opd-teacher-hf-checkpoint "
+            f"{o.opd_teacher_hf_checkpoint}: a teacher has one set of weights",
+            "keep one of the two (a checkpoint's architecture is the model folder its run "
+            "recorded)",
+        )
+    if o.opd_teacher_ckpt_step is not None:
+        if o.opd_teacher_load is None:
+            add(
+                "opd_teacher_ckpt_step",
+                "picks a checkpoint of --opd-teacher-load, which is not given",
+                "add --opd-teacher-load DIR (a --save folder), or drop it",
+            )
+        elif o.opd_teacher_ckpt_step < 0:
+            add("opd_teacher_ckpt_step", f"must be >= 0, got {o.opd_teacher_ckpt_step}")
+    if o.opd_only:
+        problems += _reward_free_problems(o, a)
+    return problems
+
+
+def _reward_free_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
+    """``--opd-only`` has no reward: refuse what would learn from one, or need labels."""
+    problems: list[ConfigProblem] = []
+    hint = "drop it: with --opd-only the teacher is the only signal (or drop --opd-only)"
+    if o.opd_kl_coef == 0:
+        problems.append(
+            problem(
+                OPDConfig,
+                "opd",
+                "opd_only",
+                "with --opd-kl-coef 0 every advantage is 0: nothing would be learned",
+                "raise --opd-kl-coef",
+            )
+        )
+    wanted = [
+        ("use_critic", a.critic, "a critic learns the value of a reward"),
+        ("kl_coef", a.kl_coef != 0, "a KL penalty on the reward shapes a reward there is not"),
+        ("sft_warmup_rollouts", a.sft_warmup_rollouts > 0, "a warm start trains on the labels"),
+        ("normalize_advantages", a.normalize_advantages, "whitening changes the advantages"),
+    ]
+    for name, on, why in wanted:
+        if on:
+            flag = flag_of(AlgorithmConfig, name)
+            if name == "use_critic" and not a.use_critic:
+                flag = "--advantage-estimator ppo"
+            problems.append(
+                problem(
+                    AlgorithmConfig,
+                    "algorithm",
+                    name,
+                    f"{flag} does not go with --opd-only: {why}, and each token's advantage is "
+                    "the teacher's reverse KL alone",
+                    hint,
+                )
+            )
     return problems

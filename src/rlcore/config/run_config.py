@@ -156,7 +156,7 @@ def check(config: RunConfig) -> list[ConfigProblem]:
     problems += train_size_problems(config.train)
     problems += model_problems(m)
     problems += eval_problems(config.eval)
-    problems += opd_problems(config.opd)
+    problems += opd_problems(config.opd, config.algorithm)
     problems += checkpoint_problems(config.checkpoint, r.num_rollout)
     if not problems_under(problems, "cluster."):
         problems += parallel_problems(m, ranks_by_role(config))

@@ -16,9 +16,10 @@ from typing import Any
 
 import attrs
 
-from rlcore.config import RunConfig
+from rlcore.checkpoint_files import find_checkpoint_of, recorded_model_folder
+from rlcore.config import RunConfig, with_flag
 from rlcore.config.convert import settings_data
-from rlcore.errors import PlanError
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
 from rlcore.protocols import DEFAULT_MAX_ROUNDS
 from rlcore.samples import SamplingParams
 from rlcore.specs import (
@@ -380,13 +381,25 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
 
 
 def _opd_spec(config: RunConfig) -> OPDSpec | None:
+    """The teacher, split like the actor, in whose slots it runs (as the reference model does).
+    From ``--opd-teacher-load`` the checkpoint is found now, once (a later save in that folder
+    does not change the teacher), and its run's recorded model folder gives the architecture, as
+    an eval-only ``--load`` takes it (:data:`~rlcore.config.saved.EVAL_ONLY_SETTINGS`)."""
     o = config.opd
     if not o.use_opd:
         return None
-    assert o.opd_teacher_hf_checkpoint is not None  # the [opd] check requires it
-    # Split like the actor, in whose slots it runs (as the reference model does).
-    teacher = attrs.evolve(_model(config, "teacher"), hf_checkpoint=o.opd_teacher_hf_checkpoint)
-    return OPDSpec(teacher=EvalSpec(model=teacher), kl_coef=o.opd_kl_coef)
+    folder, load = o.opd_teacher_hf_checkpoint, None
+    if o.opd_teacher_load is not None:
+        try:
+            load = find_checkpoint_of(o.opd_teacher_load, o.opd_teacher_ckpt_step)
+            folder = recorded_model_folder(load)
+        except CheckpointError as exc:
+            raise ConfigError([ConfigProblem(with_flag("opd.opd_teacher_load"), str(exc))]) from exc
+    assert folder is not None  # the [opd] check requires a teacher
+    teacher = attrs.evolve(_model(config, "teacher"), hf_checkpoint=folder)
+    return OPDSpec(
+        teacher=EvalSpec(model=teacher), kl_coef=o.opd_kl_coef, teacher_load=load, only=o.opd_only
+    )
 
 
 def _rollout_only_plan(config: RunConfig, num_rollout: int) -> RolloutOnlyPlan:

@@ -61,11 +61,13 @@ from rlcore.rollout.replay import (
     save_rollout_data,
 )
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
+from rlcore.specs import OPDSpec
 
 __all__ = [
     "RolloutSource",
     "TrainStacks",
     "build_stacks",
+    "build_teacher",
     "evaluate",
     "make_train_batch",
     "push_weights",
@@ -143,8 +145,19 @@ def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
         critic=build_training_stack(backend, plan.critic) if plan.critic is not None else None,
         reference=build_eval_stack(backend, plan.reference) if plan.reference is not None else None,
         hf_exporter=exporter,
-        teacher=build_eval_stack(backend, plan.opd.teacher) if plan.opd is not None else None,
+        teacher=build_teacher(plan.opd, backend) if plan.opd is not None else None,
     )
+
+
+def build_teacher(opd: OPDSpec, backend: Backend) -> EvalStack:
+    """The distillation teacher: an eval stack of the spec's model folder, whose weights are then
+    replaced by those of the checkpoint's actor when the spec names one (``--opd-teacher-load``;
+    an eval stack's ``load`` restores weights only, never optimizer state)."""
+    teacher = build_eval_stack(backend, opd.teacher)
+    if opd.teacher_load is not None:
+        rollout_id = teacher.load(opd.teacher_load / "actor")
+        log.info("teacher: the actor of %s (rollout %d)", opd.teacher_load, rollout_id)
+    return teacher
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,6 +216,8 @@ def rollout_source(
         group_filter=load_group_filter(spec.filter_path) if spec.filter_path else None,
     )
     generating_engine = engine
+    if isinstance(plan, TrainPlan) and plan.opd is not None and plan.opd.only:
+        reward_fn = _no_reward  # --opd-only: the teacher is the only signal; labels are not read
 
     def produce(
         rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]
@@ -233,6 +248,12 @@ def rollout_source(
         return output
 
     return produce
+
+
+def _no_reward(prompt: Prompt, generation: Generation) -> float:
+    """The reward of a pure-distillation sample (``--opd-only``): none, so nothing is scored."""
+    del prompt, generation
+    return 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,7 +316,7 @@ def make_train_batch(
     (``rollout_log_probs``), for the mismatch metric and its correction.
     """
     from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
-    from rlcore.algorithms.distill import opd_advantages
+    from rlcore.algorithms.distill import distillation_advantages, opd_advantages
 
     engine_log_probs = tuple(s.response.log_probs for s in samples)
     use_engine = plan.actor.loss.use_rollout_logprobs
@@ -307,21 +328,30 @@ def make_train_batch(
     old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
     ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
     values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
-    adv = estimate_advantages(
-        samples, plan.advantage, values=values, log_probs=old_log_probs, ref_log_probs=ref_log_probs
-    )
-    metrics = {"rollout/kl_penalty": adv.kl}
-    advantages = adv.advantages
+    only = plan.opd is not None and plan.opd.only
+    metrics: dict[str, float] = {}
+    advantages: tuple[tuple[float, ...], ...] = ()
+    returns: tuple[tuple[float, ...], ...] = ()
+    if not only:  # --opd-only: no reward, so no estimator: the teacher's KL is the advantage
+        adv = estimate_advantages(
+            samples,
+            plan.advantage,
+            values=values,
+            log_probs=old_log_probs,
+            ref_log_probs=ref_log_probs,
+        )
+        advantages, returns = adv.advantages, adv.returns
+        metrics["rollout/kl_penalty"] = adv.kl
     if stacks.teacher is not None and plan.opd is not None:
         t0 = time.perf_counter()
         teacher_log_probs = stacks.teacher.forward(samples)
         metrics["perf/teacher_s"] = time.perf_counter() - t0
-        distilled = opd_advantages(
-            advantages,
-            old_log_probs,
-            teacher_log_probs,
-            plan.opd.kl_coef,
-            tuple(s.response.loss_mask for s in samples),
+        masks = tuple(s.response.loss_mask for s in samples)
+        coef = plan.opd.kl_coef
+        distilled = (
+            distillation_advantages(old_log_probs, teacher_log_probs, coef, masks)
+            if only
+            else opd_advantages(advantages, old_log_probs, teacher_log_probs, coef, masks)
         )
         advantages = distilled.advantages
         metrics["opd/kl_mean"] = distilled.kl_mean
@@ -333,7 +363,7 @@ def make_train_batch(
     batch = TrainBatch(
         samples=tuple(samples),
         advantages=advantages,
-        returns=adv.returns if stacks.critic is not None else (),
+        returns=returns if stacks.critic is not None else (),
         old_log_probs=ratio_old,
         ref_log_probs=ref_log_probs if plan.actor.loss.use_kl_loss else (),
         old_values=values,
