@@ -1,13 +1,16 @@
 """Learning curves of the demos over seeds and variants: the README's tables come from here.
 
-    PYTHONPATH=src:. python tools/demo_curves.py [--demo reverse|tool] [--seeds 0 1 2]
+    PYTHONPATH=src:. python tools/demo_curves.py [--demo reverse|tool|opd] [--seeds 0 1 2]
         [--variant NAME=FLAGS ...] [--work runs/curves] [--plot curves.png]
 
 ``--demo reverse`` (default) runs ``python -m rlcore_megatron.run`` on the no-flag demo
 (``runs/demo``'s model and data, built by :func:`rlcore_megatron.demo.prepare_demo`); ``--demo
 tool`` runs the tool demo's two phases (:func:`rlcore_megatron.tool_demo.tool_demo_flags`: the
 warm start, then GRPO from its checkpoint) and an eval-only run of the result with a calculator
-that refuses every call. Each run is its own process, as a user runs it, with ``--seed S``
+that refuses every call; ``--demo opd`` trains the teacher once (the reverse demo as shipped,
+seed 0) and then the fresh model from it by on-policy distillation with no warm start
+(:func:`rlcore_megatron.demo.opd_demo_flags`; a variant ``pure=--opd-only`` drops the reward).
+Each run is its own process, as a user runs it, with ``--seed S``
 (sampling and the prompt order; the model's initial weights and the data are the demo's). A
 variant is a name and extra flags (for the tool demo: for its GRPO phase): ``--variant
 k1="--max-staleness 1"``; without ``--variant``, the demo as it ships.
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.plot import plot
-from rlcore_megatron.demo import demo_flags, prepare_demo
+from rlcore_megatron.demo import demo_flags, opd_demo_flags, prepare_demo
 from rlcore_megatron.tool_demo import (
     WARM_START_ROLLOUTS,
     prepare_tool_demo,
@@ -54,11 +57,23 @@ def _run(flags: Sequence[str], metrics: Path) -> Rows:
     return read_jsonl_metrics(metrics)
 
 
-def _reverse(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
-    flags = demo_flags(demo)
+def _placed(flags: list[str], out: Path, seed: int, extra: list[str]) -> Rows:
+    """Run a demo's ``flags`` with its checkpoints and metrics under ``out``, and ``seed``."""
     for flag, value in (("--save", out / "ckpt"), ("--output-dir", out / "run"), ("--seed", seed)):
         flags[flags.index(flag) + 1] = str(value)
     return _run([*flags, *extra], out / "run" / "metrics.jsonl")
+
+
+def _reverse(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
+    return _placed(demo_flags(demo), out, seed, extra)
+
+
+def _opd(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
+    """The student; the teacher (the shipped demo, seed 0) is trained by the first call."""
+    teacher = out.parent / "teacher"
+    if not (teacher / "ckpt" / "latest").exists():
+        _reverse(demo, teacher, 0, [])
+    return _placed(opd_demo_flags(demo, teacher / "ckpt"), out, seed, extra)
 
 
 def _tool(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
@@ -110,7 +125,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--demo", choices=("reverse", "tool"), default="reverse")
+    parser.add_argument("--demo", choices=("reverse", "tool", "opd"), default="reverse")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=FLAGS")
     parser.add_argument("--work", type=Path, default=Path("runs/curves"))
@@ -121,7 +136,7 @@ def main() -> int:
 
     demo = args.work / "demo"
     (prepare_tool_demo if args.demo == "tool" else prepare_demo)(demo)
-    one_run = _tool if args.demo == "tool" else _reverse
+    one_run = {"reverse": _reverse, "tool": _tool, "opd": _opd}[args.demo]
     runs: dict[str, Rows] = {}
     curves: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in variants}
     alone: dict[str, list[float]] = {name: [] for name in variants}

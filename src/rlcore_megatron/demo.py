@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 
-__all__ = ["ALPHABET", "demo_flags", "prepare_demo"]
+__all__ = ["ALPHABET", "demo_flags", "opd_demo_flags", "prepare_demo"]
 
 ALPHABET = "0123456789>"
 NUM_STRINGS = 1000
@@ -115,4 +115,25 @@ def demo_flags(folder: Path) -> list[str]:
         str(folder / "run"),
         "--seed",
         "0",
+    ]
+
+
+def opd_demo_flags(folder: Path, teacher: Path, *, pure: bool = False) -> list[str]:
+    """The demo's run as on-policy distillation (#25): the fresh model learns from ``teacher``
+    (an rlcore checkpoint folder, e.g. the shipped demo's ``ckpt``) with no warm start, so no
+    labels train it. ``pure``: ``--opd-only`` (no reward at all); otherwise each token's advantage
+    is GRPO's on the exact-match reward minus the reverse KL to the teacher. No dynamic sampling:
+    a fresh model's groups all score 0, and the teacher's signal is in every one of them."""
+    flags = demo_flags(folder)
+    flags[flags.index("--sft-warmup-rollouts") + 1] = "0"
+    for flag in (
+        "--over-sampling-batch-size",
+        "--dynamic-sampling-filter-path",
+        "--dynamic-sampling-max-rounds",
+    ):
+        del flags[flags.index(flag) : flags.index(flag) + 2]
+    return [
+        *flags,
+        *("--use-opd", "--opd-teacher-load", str(teacher)),
+        *(("--opd-only",) if pure else ()),
     ]

@@ -8,29 +8,33 @@ as a user continues a supervised model with RL:
 
 - reverse-digits (the no-flag demo's task and model): a warm start of 60 rollouts, then GRPO,
   PPO with a critic, and REINFORCE++;
-- the tool demo (multi-turn, a calculator): its shipped warm start, then a shortened GRPO phase.
+- the tool demo (multi-turn, a calculator): its shipped warm start, then a shortened GRPO phase;
+- on-policy distillation (``--opd-only``) of the fresh reverse-digits model from the GRPO run's
+  checkpoint, with no warm start.
 
 Measured on torch 2.13.0+cpu, 2 cores (held-out greedy exact match at each evaluation; the runs
 are deterministic): the reverse-digits warm start 0.00 / 0.05 / 0.42 at rollouts 20 / 40 / 60,
 then after 20 / 40 / 60 RL rollouts GRPO 0.84 / 1.00 / 1.00, PPO 0.57 / 0.95 / 0.99,
 REINFORCE++ 0.72 / 0.99 / 1.00; the tool demo's warm start ends at 0.51, GRPO reaches 0.93 / 1.00
-after 10 / 20 rollouts. With the sign of the RL advantages flipped (the warm start untouched)
-every test fails: GRPO, PPO and REINFORCE++ unlearn the task within 2-3 rollouts (no group
-left with differing rewards: the run stops with a RolloutError), the tool demo falls from
-0.51 to 0.00. The margin is well inside what the runs reach and well outside what
-a run that does not learn reaches. About 2 min 40 s for the four.
+after 10 / 20 rollouts; distillation 0.02 / 0.16 / 0.42 / 0.76 / 0.93 after 60 / 100 / 120 /
+140 / 160 rollouts, and 0.00 at every evaluation with the sign of its advantage flipped. With the
+sign of the RL advantages flipped (the warm start untouched) every test fails: GRPO, PPO and
+REINFORCE++ unlearn the task within 2-3 rollouts (no group left with differing rewards: the run
+stops with a RolloutError), the tool demo falls from 0.51 to 0.00. The margin is well inside what
+the runs reach and well outside what a run that does not learn reaches. About 4 min for the five.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import demo_flags, prepare_demo
+from rlcore_megatron.demo import demo_flags, opd_demo_flags, prepare_demo
 from rlcore_megatron.tool_demo import prepare_tool_demo, tool_demo_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron, pytest.mark.learning]
@@ -40,6 +44,9 @@ MARGIN = 0.3
 """The least rise in held-out accuracy over the warm start that passes."""
 RL_ROLLOUTS = 60
 TOOL_RL_ROLLOUTS = 20
+OPD_ROLLOUTS = 160
+OPD_SCORE = 0.5
+"""Held-out accuracy that distillation from nothing must reach within ``OPD_ROLLOUTS``."""
 
 
 def _run(flags: list[str]) -> None:
@@ -89,19 +96,49 @@ def reverse_warm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[s
     return folder, [*rl, "--load", str(folder / "warm"), "--finetune"]
 
 
+@pytest.fixture(scope="module")
+def rl_phase(reverse_warm: tuple[Path, list[str]]) -> Callable[[str], Path]:
+    """Runs the RL phase from the warm start with an estimator, once per module: its output
+    folder (checkpoint in ``ckpt``). GRPO's is also the distillation test's teacher."""
+    folder, flags = reverse_warm
+    done: dict[str, Path] = {}
+
+    def run(estimator: str) -> Path:
+        if estimator not in done:
+            out = folder / estimator
+            rl = _with(flags, save=out / "ckpt", output_dir=out)
+            _run([*rl, "--advantage-estimator", estimator])
+            done[estimator] = out
+        return done[estimator]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "estimator",
     ["grpo", "ppo", "reinforce_plus_plus"],
 )
 def test_rl_raises_heldout_accuracy_over_the_warm_start(
-    reverse_warm: tuple[Path, list[str]], estimator: str
+    rl_phase: Callable[[str], Path], estimator: str
 ) -> None:
-    folder, flags = reverse_warm
-    out = folder / estimator
-    _run([*_with(flags, save=out / "ckpt", output_dir=out), "--advantage-estimator", estimator])
-    curve = _heldout(out)
+    curve = _heldout(rl_phase(estimator))
     start, end = curve[0], curve[-1]
     assert end >= start + MARGIN, f"{estimator}: held-out {curve}"
+
+
+def test_distillation_teaches_a_fresh_model_without_labels(
+    reverse_warm: tuple[Path, list[str]], rl_phase: Callable[[str], Path]
+) -> None:
+    """On-policy distillation (#25) from the GRPO run's checkpoint: the demo's fresh model, with
+    no warm start and no reward (``--opd-only``), learns the task from the teacher's log-probs
+    of its own samples alone."""
+    folder, _ = reverse_warm
+    teacher = rl_phase("grpo")
+    out = folder / "opd"
+    flags = opd_demo_flags(folder, teacher / "ckpt", pure=True)
+    _run(_with(flags, save=out / "ckpt", output_dir=out, num_rollout=OPD_ROLLOUTS))
+    curve = _heldout(out)
+    assert curve[0] == 0.0 and curve[-1] >= OPD_SCORE, f"OPD: held-out {curve}"
 
 
 def test_grpo_raises_the_tool_demos_heldout_accuracy_over_its_warm_start(
