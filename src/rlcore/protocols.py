@@ -69,6 +69,7 @@ __all__ = [
     "RolloutOutput",
     "Scheduler",
     "StackKind",
+    "TeacherServer",
     "Tokenizer",
     "TrainingStack",
     "WeightSink",
@@ -183,6 +184,19 @@ class HFExporter(Protocol):
         ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads it. The caller has
         created ``folder`` (empty, inside a temporary folder it later moves into place) and adds
         the tokenizer's files itself."""
+        ...
+
+
+class TeacherServer(Protocol):
+    """A distillation teacher served outside the run (``--opd-type sglang``): the loop asks it
+    for the teacher's log-probs of every rollout as the rollout is made
+    (:func:`rlcore.loop.stages.rollout_source`). It is not a stack: nothing of it can be trained,
+    loaded or synced."""
+
+    def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        """Per response token of each sample: its log-probability under the teacher, given the
+        sample's prompt and the response tokens before it (at temperature 1). Raises
+        :class:`~rlcore.errors.RolloutError` naming the server when it cannot answer."""
         ...
 
 

@@ -149,12 +149,15 @@ class Generation:
 @attrs.frozen
 class Sample:
     """A prompt, one generation for it and its reward. ``group`` numbers the prompt's samples
-    (the ``n_samples_per_prompt`` generations of one prompt share a group)."""
+    (the ``n_samples_per_prompt`` generations of one prompt share a group).
+    ``teacher_log_probs``: with a served distillation teacher (``--opd-type sglang``), its
+    log-probability of each response token, recorded when the rollout was made; else empty."""
 
     prompt: Prompt
     response: Generation
     reward: float
     group: int
+    teacher_log_probs: TokenFloats = ()
 
 
 @attrs.frozen

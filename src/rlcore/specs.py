@@ -34,6 +34,7 @@ __all__ = [
     "RatioLevel",
     "RewardName",
     "Role",
+    "ServedTeacher",
     "TrainSpec",
     "batch_split_problem",
     "parallel_split_problem",
@@ -329,11 +330,22 @@ class EvalSpec:
 
 
 @attrs.frozen
+class ServedTeacher:
+    """A distillation teacher served by an inference server at ``url`` (``--opd-type sglang``):
+    it scores the student's samples during rollout, over HTTP, and holds nothing of the run: no
+    stack is built for it, so it has no optimizer either."""
+
+    url: str
+
+
+@attrs.frozen
 class OPDSpec:
     """On-policy distillation: ``teacher`` scores the student's sampled tokens, and each token's
     advantage loses ``kl_coef`` times the student's log-prob minus the teacher's
-    (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an :class:`EvalSpec`: it is
-    built as an eval stack, which has no optimizer.
+    (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an :class:`EvalSpec`,
+    built as an eval stack, which has no optimizer, and scores at train time (``--opd-type
+    megatron``); or a :class:`ServedTeacher`, a server that scores each rollout as it is made
+    (``--opd-type sglang``).
 
     ``teacher_load``: a checkpoint folder (``rollout_NNNNNN``) whose ``actor`` holds the teacher's
     weights, loaded into the eval stack once it is built (weights only); the spec's model folder
@@ -341,7 +353,7 @@ class OPDSpec:
     token's advantage ``-kl_coef * (student - teacher)``
     (:func:`rlcore.algorithms.distill.distillation_advantages`)."""
 
-    teacher: EvalSpec
+    teacher: EvalSpec | ServedTeacher
     kl_coef: float = 1.0
     teacher_load: Path | None = None
     only: bool = False

@@ -35,7 +35,7 @@ from rlcore.config.cluster import ClusterConfig
 from rlcore.config.convert import converter
 from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import load_engine
-from rlcore.errors import CheckpointError, ConfigError, ConfigProblem
+from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, RolloutError
 from rlcore.loop import RunData, check_inputs, resume_point
 from rlcore.loop.plan import Plan, TrainPlan, plan, resolve_num_rollout
 from rlcore.loop.preflight import (
@@ -44,7 +44,7 @@ from rlcore.loop.preflight import (
     remove_folders,
     save_folder_problems,
 )
-from rlcore.protocols import RewardFn
+from rlcore.protocols import RewardFn, TeacherServer
 from rlcore.rollout import load_group_filter, load_rollout_function
 from rlcore.rollout.multiturn import (
     load_custom_generate_function,
@@ -53,6 +53,7 @@ from rlcore.rollout.multiturn import (
 )
 from rlcore.rollout.rewards import get_reward_fn
 from rlcore.samples import Prompt
+from rlcore.specs import EvalSpec, ServedTeacher
 from rlcore_megatron.placement import (
     NodeResources,
     PlacementError,
@@ -89,6 +90,8 @@ def _model_problems(hf_config: dict[str, Any], path: Path, where: str) -> list[C
 
 
 _TOKENIZER_FILE = "tokenizer.json"
+TEACHER_HEALTH_TIMEOUT_S = 30.0
+"""How long a run waits for ``--opd-teacher-url``'s ``/health`` before it refuses to start."""
 
 
 def _teacher_problems(
@@ -104,6 +107,20 @@ def _teacher_problems(
     if found or not hf_config:
         return found, {}
     problems = _model_problems(hf_config, teacher / "config.json", where)
+    problems += _token_problems(teacher, hf_config, student, student_config, where)
+    return problems, hf_config
+
+
+def _token_problems(
+    teacher: Path,
+    hf_config: dict[str, Any],
+    student: Path,
+    student_config: dict[str, Any],
+    where: str,
+) -> list[ConfigProblem]:
+    """Whether the teacher's token ids mean what the student's do: the same vocabulary size and,
+    when both folders have one, the same ``tokenizer.json``."""
+    problems: list[ConfigProblem] = []
     hint = "distill from a teacher with the student's tokenizer"
     vocab, student_vocab = hf_config.get("vocab_size"), student_config.get("vocab_size")
     if student_config and vocab != student_vocab:
@@ -125,7 +142,52 @@ def _teacher_problems(
                 hint,
             )
         )
-    return problems, hf_config
+    return problems
+
+
+def served_teacher(config: RunConfig, the_plan: Plan, notes: list[str]) -> TeacherServer | None:
+    """``--opd-type sglang``: the teacher's server, reached before Ray starts. It must answer
+    ``/health`` within :data:`TEACHER_HEALTH_TIMEOUT_S`; when it serves a folder this machine can
+    read, that folder must have the student's vocabulary and tokenizer (else a note says the
+    tokenizers were not compared). Its architecture may differ from the student's: the server
+    runs it, not the backend. Raises :class:`ConfigError` naming ``--opd-teacher-url``."""
+    opd = the_plan.opd if isinstance(the_plan, TrainPlan) else None
+    if opd is None or not isinstance(opd.teacher, ServedTeacher):
+        return None
+    from rlcore_sglang.options import EngineOptions
+    from rlcore_sglang.teacher import SGLangTeacher
+
+    where, url = with_flag("opd.opd_teacher_url"), opd.teacher.url
+    try:
+        teacher = SGLangTeacher.connect(
+            url, EngineOptions(health_timeout_s=TEACHER_HEALTH_TIMEOUT_S)
+        )
+    except RolloutError as exc:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    where,
+                    f"the teacher's server does not answer: {str(exc).splitlines()[0]}",
+                    "start it first (python -m sglang.launch_server --model-path TEACHER ...) "
+                    "and check the URL",
+                )
+            ]
+        ) from exc
+    folder = teacher.model_folder()
+    student = config.model.hf_checkpoint
+    if folder is None or student is None:
+        notes.append(
+            f"teacher: the server at {url} serves a model this machine cannot read, so its "
+            "tokenizer was not compared with the student's; it must be the same"
+        )
+        return teacher
+    found, teacher_config = check_model_folder(folder, where)
+    student_config = check_model_folder(student, with_flag("model.hf_checkpoint"))[1]
+    problems = found or _token_problems(folder, teacher_config, student, student_config, where)
+    if problems:
+        what = f"the server at {url} serves {folder}"
+        raise ConfigError([ConfigProblem(where, f"{what}: {p.message}", p.hint) for p in problems])
+    return teacher
 
 
 def _teacher_checkpoint_problems(
@@ -384,7 +446,8 @@ def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
     servers = kind.runs_servers(kind.options(config.rollout.engine_options))
     critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
     reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
-    teacher = isinstance(the_plan, TrainPlan) and the_plan.opd is not None
+    opd = the_plan.opd if isinstance(the_plan, TrainPlan) else None
+    teacher = opd is not None and isinstance(opd.teacher, EvalSpec)  # a served one is not ours
     overlaps = isinstance(the_plan, TrainPlan) and the_plan.max_staleness > 0
     return PlacementRequest(
         actor_ranks=k.actor_ranks,
@@ -493,6 +556,8 @@ class Prepared:
     request: PlacementRequest
     notes: tuple[str, ...] = ()
     """What the checks decided that the run's log should say (prompts left out)."""
+    teacher: TeacherServer | None = None
+    """The distillation teacher's server (``--opd-type sglang``), reached already."""
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -519,6 +584,7 @@ def prepare(config: RunConfig) -> Prepared:
         if isinstance(the_plan, TrainPlan):
             resume_point(the_plan)
         check_fault_tolerance(config)
+        teacher = served_teacher(config, the_plan, notes)
         request = placement_request(config, the_plan)
         if config.ray_address is None and not _ray_started():
             # The local instance will hold exactly this machine: refuse a run that cannot fit
@@ -528,4 +594,4 @@ def prepare(config: RunConfig) -> Prepared:
     except BaseException:
         remove_folders(created)
         raise
-    return Prepared(config, the_plan, tokenizer, data, reward_fn, request, tuple(notes))
+    return Prepared(config, the_plan, tokenizer, data, reward_fn, request, tuple(notes), teacher)

@@ -321,7 +321,16 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
         engine = episodes(config, engine, tokenizer)
         with stop_on_signals(progress):
-            result = run(the_plan, backend, engine, reward_fn, data, sink, progress=progress)
+            result = run(
+                the_plan,
+                backend,
+                engine,
+                reward_fn,
+                data,
+                sink,
+                progress=progress,
+                teacher=prepared.teacher,
+            )
     except RunInterrupted as exc:
         interrupted = exc
         result = exc.result

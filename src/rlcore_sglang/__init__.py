@@ -8,6 +8,8 @@ module here imports ``sglang``: the servers are separate processes, spoken to ov
 - :class:`SGLangEngine` (:mod:`rlcore_sglang.client`): the ``rlcore.RolloutEngine``.
 - :class:`LaunchSettings` (:mod:`rlcore_sglang.launcher`): how a server is started.
 - :class:`SGLangServer` (:mod:`rlcore_sglang.server`): one HTTP endpoint and its process.
+- :class:`SGLangTeacher` (:mod:`rlcore_sglang.teacher`): a distillation teacher served by SGLang
+  (``--opd-type sglang``).
 - The weight sinks (:mod:`rlcore_sglang.weight_sync`): tensor, distributed, disk.
 - :class:`SGLangOptions` / :class:`EngineOptions` (:mod:`rlcore_sglang.options`): the run's flags
   and the client's settings.
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from rlcore_sglang.launcher import LaunchSettings
     from rlcore_sglang.options import EngineOptions, SGLangOptions, WeightSyncMode
     from rlcore_sglang.server import SGLangServer
+    from rlcore_sglang.teacher import SGLangTeacher
 
 __all__ = [
     "EngineOptions",
@@ -30,6 +33,7 @@ __all__ = [
     "SGLangEngine",
     "SGLangOptions",
     "SGLangServer",
+    "SGLangTeacher",
     "WeightSyncMode",
 ]
 
@@ -39,6 +43,7 @@ _WHERE = {
     "SGLangEngine": "client",
     "SGLangOptions": "options",
     "SGLangServer": "server",
+    "SGLangTeacher": "teacher",
     "WeightSyncMode": "options",
 }
 

@@ -15,8 +15,9 @@ With ``options.fault_tolerance`` (``--use-fault-tolerance``), a launched server 
 answering is replaced (:mod:`rlcore_sglang.restarts`), given the weights served, and the request
 that failed is sent again.
 
-This module, :mod:`rlcore_sglang.server` and :mod:`rlcore_sglang.weight_sync` are the only ones
-that know SGLang's wire format; none imports ``sglang``.
+This module, :mod:`rlcore_sglang.server`, :mod:`rlcore_sglang.weight_sync` and
+:mod:`rlcore_sglang.teacher` are the only ones that know SGLang's wire format; none imports
+``sglang``.
 """
 
 from __future__ import annotations

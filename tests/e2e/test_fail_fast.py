@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError
 from rlcore.loop.checkpoints import write_checkpoint
+from rlcore_megatron import prepare as prepare_module
 from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI, model_hub
 
@@ -370,4 +376,71 @@ def test_fault_tolerance_without_servers_to_restart_is_refused(demo: Path, tmp_p
         message = str(caught.value)
         assert "rollout.use_fault_tolerance (--use-fault-tolerance): the " in message
         assert "runs no server that this run launches" in message
+    assert not (tmp_path / "out").exists()  # prepare removes what it made
+
+
+@contextmanager
+def _fake_teacher_server(model_folder: Path) -> Iterator[str]:
+    """An HTTP server that answers ``/health`` and says in ``/server_info`` that it serves
+    ``model_folder``, as an SGLang server does: enough for the checks before a run starts."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"{}"
+            if self.path == "/server_info":
+                body = json.dumps({"tokenizer_path": str(model_folder)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            del format, args
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_teacher_server_that_cannot_score_the_students_tokens_is_refused(
+    demo: Path, tmp_path: Path
+) -> None:
+    """--opd-type sglang: a server serving a model whose tokenizer is not the student's is
+    refused before anything starts, naming the server, its folder and the flag."""
+    other = tmp_path / "other"
+    shutil.copytree(demo / "model", other)
+    (other / "tokenizer.json").write_text('{"version": "a different tokenizer"}')
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    with _fake_teacher_server(other) as url:
+        served = ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", url]
+        err = _refused([*flags, *served], tmp_path)
+    assert (
+        f"opd.opd_teacher_url (--opd-teacher-url): the server at {url} serves {other}: "
+        f"{other / 'tokenizer.json'} differs from the student's"
+    ) in err
+
+
+def test_a_teacher_server_that_does_not_answer_is_refused(
+    demo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare_module, "TEACHER_HEALTH_TIMEOUT_S", 1.0)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    with pytest.raises(ConfigError) as caught:
+        prepare(
+            load_config([*flags, "--use-opd", "--opd-type", "sglang", "--opd-teacher-url", url])
+        )
+    message = str(caught.value)
+    assert (
+        "opd.opd_teacher_url (--opd-teacher-url): the teacher's server does not answer" in message
+    )
+    assert "python -m sglang.launch_server --model-path TEACHER" in message
     assert not (tmp_path / "out").exists()  # prepare removes what it made

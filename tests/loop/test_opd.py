@@ -13,12 +13,12 @@ import attrs
 import pytest
 
 from rlcore.config import load_config
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, PlanError, RolloutError
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
 from rlcore.protocols import RewardFn
 from rlcore.samples import EvalSet, Generation, Prompt, Sample
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, ServedTeacher, TrainSpec
 from rlcore.testing import (
     FakeBackend,
     FakeEvalStack,
@@ -84,23 +84,52 @@ class _Backend:
         return self.inner.build_eval_stack(spec)
 
 
-def _train(*flags: str, reward_fn: RewardFn = label_reward) -> tuple[_Backend, RecordingSink]:
+class _ServedTeacher:
+    """A teacher server (``--opd-type sglang``) that gives every sampled token the log-prob
+    ``TEACHER_LOGP``, and records the rollout batches it scored."""
+
+    def __init__(self) -> None:
+        self.scored = 0
+        self.calls: list[tuple[int, ...]] = []
+
+    def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        self.scored += len(samples)
+        self.calls.append(tuple(s.prompt.index for s in samples))
+        return [(TEACHER_LOGP,) * len(s.response.token_ids) for s in samples]
+
+
+SERVED = ("--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://teacher:30000/")
+
+
+def _train(
+    *flags: str, reward_fn: RewardFn = label_reward, teacher: _ServedTeacher | None = None
+) -> tuple[_Backend, RecordingSink]:
     the_plan = plan(load_config(list(flags)))
     assert isinstance(the_plan, TrainPlan)
     backend, sink = _Backend(), RecordingSink()
-    result = run(the_plan, backend, ScriptedEngine(), reward_fn, DATA, sink)
-    assert ("eval:teacher" in result.built) == (the_plan.opd is not None)
+    result = run(the_plan, backend, ScriptedEngine(), reward_fn, DATA, sink, teacher=teacher)
+    built = the_plan.opd is not None and isinstance(the_plan.opd.teacher, EvalSpec)
+    assert ("eval:teacher" in result.built) == built
     return backend, sink
 
 
+@pytest.mark.parametrize("served", [False, True], ids=["megatron", "sglang"])
 @pytest.mark.parametrize("schedule", [(), ("--max-staleness", "1")], ids=["sync", "one-off"])
 def test_the_teacher_moves_each_tokens_advantage_by_its_reverse_kl(
-    schedule: tuple[str, ...],
+    schedule: tuple[str, ...], served: bool
 ) -> None:
+    """Either teacher: an eval stack the backend builds (scoring at train time), or a server
+    that scores each rollout as it is made, which the backend never builds."""
     base, _ = _train(*_flags(3, *schedule))
     coef = 0.5
-    distilled, sink = _train(*_flags(3, *schedule, *OPD, "--opd-kl-coef", str(coef)))
-    (teacher,) = distilled.teachers
+    server = _ServedTeacher() if served else None
+    flags = _flags(3, *schedule, *(SERVED if served else OPD), "--opd-kl-coef", str(coef))
+    distilled, sink = _train(*flags, teacher=server)
+    if server is not None:
+        assert distilled.teachers == [] and len(server.calls) == 3  # once per rollout, whole
+        teacher: _ServedTeacher | _Teacher = server
+    else:
+        (teacher,) = distilled.teachers
     assert teacher.scored == 3 * 4  # every sample of every rollout, once
     before = base.inner.training_stacks[0].batches
     after = distilled.inner.training_stacks[0].batches
@@ -116,6 +145,25 @@ def test_the_teacher_moves_each_tokens_advantage_by_its_reverse_kl(
     assert all(
         m["opd/teacher_logprob_mean"] == TEACHER_LOGP and m["perf/teacher_s"] >= 0 for m in rows
     )
+
+
+def test_a_served_teacher_is_a_url_and_a_run_needs_its_server() -> None:
+    the_plan = plan(load_config(_flags(2, *SERVED)))
+    assert isinstance(the_plan, TrainPlan) and the_plan.opd is not None
+    assert the_plan.opd.teacher == ServedTeacher("http://teacher:30000")
+    with pytest.raises(PlanError, match=r"distills from the teacher served at http://teacher"):
+        run(the_plan, _Backend(), ScriptedEngine(), label_reward, DATA)
+
+
+def test_a_served_teacher_that_scores_the_wrong_tokens_is_named() -> None:
+    class Short(_ServedTeacher):
+        def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+            return [row[1:] for row in super().score(samples)]
+
+    with pytest.raises(
+        RolloutError, match=r"teacher server Short gave sample 0 0 log-probs for 1 response"
+    ):
+        _train(*_flags(2, *SERVED), teacher=Short())
 
 
 def test_runs_that_train_nothing_build_no_teacher_and_say_so() -> None:
@@ -149,6 +197,33 @@ def test_the_opd_flags_are_checked() -> None:
         load_config(_flags(2, *OPD, "--opd-kl-coef", "-1"))
 
 
+def test_the_served_teacher_flags_are_checked() -> None:
+    sglang = ("--use-opd", "--opd-type", "sglang")
+    with pytest.raises(ConfigError) as info:
+        load_config(_flags(2, *sglang))
+    assert "opd.opd_teacher_url (--opd-teacher-url): --opd-type sglang needs the teacher's" in str(
+        info.value
+    )
+    assert "python -m sglang.launch_server --model-path" in str(info.value)
+    with pytest.raises(ConfigError, match=r"must be an http:// or https:// URL, got 'teacher:1'"):
+        load_config(_flags(2, *sglang, "--opd-teacher-url", "teacher:1"))
+    with pytest.raises(ConfigError, match=r"--opd-teacher-url\): names a teacher server, but"):
+        load_config(_flags(2, *OPD, "--opd-teacher-url", "http://t:1"))
+    for flag, value in [
+        ("--opd-teacher-hf-checkpoint", "teacher"),
+        ("--opd-teacher-load", "ckpt"),
+        ("--opd-teacher-ckpt-step", "3"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(_flags(2, *SERVED, flag, value))
+        assert f"({flag}): names the teacher's weights, but with --opd-type sglang" in str(
+            info.value
+        )
+        assert len(info.value.problems) == 1, info.value
+    with pytest.raises(ConfigError, match=r"--opd-teacher-url\): has no effect without --use"):
+        load_config(_flags(2, "--opd-teacher-url", "http://t:1"))
+
+
 def _teacher_checkpoints(tmp_path: Path) -> Path:
     """A save folder written by a (fake-backend) training run of the model folder ``teacher``:
     checkpoints of rollouts 0 and 1, recording that folder."""
@@ -170,6 +245,7 @@ def test_a_teacher_from_a_checkpoint_is_its_runs_model_with_the_checkpoints_weig
     checkpoint = save / f"rollout_00000{1 if step is None else step}"
     assert the_plan.opd.teacher_load == checkpoint
     # The architecture is the model folder the checkpoint's run recorded, as --load's.
+    assert isinstance(the_plan.opd.teacher, EvalSpec)
     assert the_plan.opd.teacher.model.hf_checkpoint == tmp_path / "teacher"
     assert the_plan.opd.teacher.model.role == "teacher"
     distilled, sink = _train(*flags)

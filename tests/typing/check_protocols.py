@@ -31,12 +31,14 @@ from rlcore.protocols import (
     RewardFn,
     RolloutEngine,
     RolloutFn,
+    TeacherServer,
     WeightSink,
     WeightSource,
 )
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
 from rlcore.rollout.rewards import AsyncRewardFn
 from rlcore.samples import Generation, Prompt, SamplingParams
+from rlcore.specs import ServedTeacher
 from rlcore.testing import (
     FakeBackend,
     FakeEvalStack,
@@ -118,8 +120,19 @@ def a_teacher_is_an_eval_stack(stacks: TrainStacks, p: TrainPlan, backend: Backe
         _ = stacks.teacher.optimizer  # type: ignore[attr-defined]
         _ = stacks.teacher.train_step  # type: ignore[attr-defined]
     if p.opd is not None:
-        assert_type(p.opd.teacher, EvalSpec)
+        assert_type(p.opd.teacher, EvalSpec | ServedTeacher)
         backend.build_training_stack(p.opd.teacher)  # type: ignore[arg-type]
+        if isinstance(p.opd.teacher, ServedTeacher):
+            # A served teacher is a URL: nothing to build a stack from, of either kind.
+            backend.build_eval_stack(p.opd.teacher)  # type: ignore[arg-type]
+
+
+def a_served_teacher_only_scores(teacher: TeacherServer) -> None:
+    """The teacher server's one capability is scoring; it cannot be trained, loaded or synced."""
+    _ = teacher.score
+    _ = teacher.train_step  # type: ignore[attr-defined]
+    _ = teacher.load  # type: ignore[attr-defined]
+    _ = teacher.send_weights  # type: ignore[attr-defined]
 
 
 def match_is_exhaustive(p: Plan) -> str:

@@ -4,10 +4,13 @@
 The student (the actor) trains on its own rollouts while a frozen teacher scores every token it
 sampled; the per-token reverse KL between them is taken off the advantage
 (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an eval stack: it never gets an
-optimizer. Its weights come from exactly one place: a Hugging Face folder
-(``--opd-teacher-hf-checkpoint``) or the actor of an rlcore checkpoint (``--opd-teacher-load``,
-``--opd-teacher-ckpt-step``), built with the model folder that checkpoint's run recorded, as an
-eval-only ``--load`` is. ``--opd-only`` distills without a reward.
+optimizer. With ``--opd-type megatron`` its weights come from exactly one place: a Hugging Face
+folder (``--opd-teacher-hf-checkpoint``) or the actor of an rlcore checkpoint
+(``--opd-teacher-load``, ``--opd-teacher-ckpt-step``), built with the model folder that
+checkpoint's run recorded, as an eval-only ``--load`` is. With ``--opd-type sglang`` the teacher
+is an SGLang server someone runs (``--opd-teacher-url``, slime's ``--rm-url`` in its OPD example),
+asked for its log-probs of each rollout as the rollout is made. ``--opd-only`` distills without a
+reward.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from rlcore.errors import ConfigProblem
 
 __all__ = ["OPDConfig", "OPDType", "opd_problems"]
 
-OPDType = Literal["megatron"]
-"""Where the teacher runs: ``megatron``, an eval stack the backend builds beside the actor."""
+OPDType = Literal["megatron", "sglang"]
+"""Where the teacher runs: ``megatron``, an eval stack the backend builds beside the actor, which
+scores each rollout at train time; ``sglang``, an SGLang server that scores each rollout as it is
+made (during rollout, so under ``--max-staleness`` it overlaps training)."""
 
 
 @attrs.frozen
@@ -40,7 +45,9 @@ class OPDConfig:
     opd_type: OPDType = option(
         "megatron",
         "--opd-type",
-        "where the teacher runs: megatron (an eval stack the backend builds, in the actor's slots)",
+        "where the teacher runs: megatron (an eval stack the backend builds, in the actor's "
+        "slots) or sglang (an SGLang server at --opd-teacher-url scores each rollout as it is "
+        "made)",
     )
     opd_kl_coef: float = option(1.0, "--opd-kl-coef", "weight of the reverse KL to the teacher")
     opd_teacher_hf_checkpoint: Path | None = option(
@@ -55,6 +62,12 @@ class OPDConfig:
         "instead: the teacher is the actor of an rlcore checkpoint, a --save folder (its latest, "
         "or --opd-teacher-ckpt-step) or one rollout_* inside it; weights only, built with the "
         "model folder that checkpoint's run recorded (slime's flag)",
+    )
+    opd_teacher_url: str | None = option(
+        None,
+        "--opd-teacher-url",
+        "with --opd-type sglang: the URL of an SGLang server running the teacher "
+        "(http://HOST:PORT; its tokenizer must be the student's)",
     )
     opd_teacher_ckpt_step: int | None = option(
         None,
@@ -81,9 +94,10 @@ class OPDConfig:
 
 
 def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
-    """A teacher for ``--use-opd`` named once, a coefficient >= 0, a checkpoint step only with a
-    checkpoint, nothing that needs a reward with ``--opd-only`` (the algorithm settings ``a``),
-    and no OPD flag without ``--use-opd``."""
+    """A teacher for ``--use-opd`` named once (weights for ``--opd-type megatron``, a server's URL
+    for ``sglang``), a coefficient >= 0, a checkpoint step only with a checkpoint, nothing that
+    needs a reward with ``--opd-only`` (the algorithm settings ``a``), and no OPD flag without
+    ``--use-opd``."""
     problems: list[ConfigProblem] = []
 
     def add(name: str, message: str, hint: str = "") -> None:
@@ -99,7 +113,15 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
         return problems
     if o.opd_kl_coef < 0:
         add("opd_kl_coef", f"must be >= 0, got {o.opd_kl_coef}")
-    if o.opd_teacher_hf_checkpoint is None and o.opd_teacher_load is None:
+    if o.opd_type == "sglang":
+        problems += _served_teacher_problems(o)
+    elif o.opd_teacher_url is not None:
+        add(
+            "opd_teacher_url",
+            "names a teacher server, but --opd-type megatron builds the teacher itself",
+            "add --opd-type sglang to distill from that server, or drop --opd-teacher-url",
+        )
+    elif o.opd_teacher_hf_checkpoint is None and o.opd_teacher_load is None:
         add(
             "opd_teacher_hf_checkpoint",
             "--use-opd needs a teacher",
@@ -114,7 +136,7 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
             "keep one of the two (a checkpoint's architecture is the model folder its run "
             "recorded)",
         )
-    if o.opd_teacher_ckpt_step is not None:
+    if o.opd_teacher_ckpt_step is not None and o.opd_type == "megatron":
         if o.opd_teacher_load is None:
             add(
                 "opd_teacher_ckpt_step",
@@ -125,6 +147,51 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
             add("opd_teacher_ckpt_step", f"must be >= 0, got {o.opd_teacher_ckpt_step}")
     if o.opd_only:
         problems += _reward_free_problems(o, a)
+    return problems
+
+
+def _served_teacher_problems(o: OPDConfig) -> list[ConfigProblem]:
+    """``--opd-type sglang``: the teacher is the server at ``--opd-teacher-url``, whose weights
+    are its own (slime: ``--opd-teacher-load`` must not be set in this mode)."""
+    problems: list[ConfigProblem] = []
+    if o.opd_teacher_url is None:
+        problems.append(
+            problem(
+                OPDConfig,
+                "opd",
+                "opd_teacher_url",
+                "--opd-type sglang needs the teacher's server",
+                "start one on the teacher's folder (python -m sglang.launch_server --model-path "
+                "DIR ...) and pass its URL, or use --opd-type megatron",
+            )
+        )
+    elif not o.opd_teacher_url.startswith(("http://", "https://")):
+        problems.append(
+            problem(
+                OPDConfig,
+                "opd",
+                "opd_teacher_url",
+                f"must be an http:// or https:// URL, got {o.opd_teacher_url!r}",
+                "pass the server's address, e.g. http://127.0.0.1:30000",
+            )
+        )
+    given = [
+        ("opd_teacher_hf_checkpoint", o.opd_teacher_hf_checkpoint),
+        ("opd_teacher_load", o.opd_teacher_load),
+        ("opd_teacher_ckpt_step", o.opd_teacher_ckpt_step),
+    ]
+    for name, value in given:
+        if value is not None:
+            problems.append(
+                problem(
+                    OPDConfig,
+                    "opd",
+                    name,
+                    "names the teacher's weights, but with --opd-type sglang the server at "
+                    "--opd-teacher-url serves its own",
+                    "drop it (start the server on those weights), or use --opd-type megatron",
+                )
+            )
     return problems
 
 

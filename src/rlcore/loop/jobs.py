@@ -35,7 +35,15 @@ from rlcore.loop.stages import (
     training_samples,
 )
 from rlcore.loop.training import run_training
-from rlcore.protocols import Backend, Group, MetricsSink, RewardFn, RolloutEngine, RolloutFn
+from rlcore.protocols import (
+    Backend,
+    Group,
+    MetricsSink,
+    RewardFn,
+    RolloutEngine,
+    RolloutFn,
+    TeacherServer,
+)
 
 __all__ = ["check_inputs", "run", "run_eval_only", "run_rollout_only"]
 
@@ -163,14 +171,17 @@ def run(
     *,
     rollout_fn: RolloutFn | None = None,
     progress: Progress | None = None,
+    teacher: TeacherServer | None = None,
 ) -> RunResult:
     """Run a planned job to the end. The match on the plan is exhaustive (checked by mypy).
 
     ``engine`` may be ``None`` only for a training plan that replays saved rollouts
     (``--load-debug-rollout-data``) and evaluates nothing; otherwise :class:`PlanError`.
     ``rollout_fn`` replaces the plan's rollout function (``--rollout-function-path``, else
-    :func:`~rlcore.rollout.default_rollout`). ``progress``, when given, is kept up to date as the
-    run goes, so that a caller can tell what a run that raised had done.
+    :func:`~rlcore.rollout.default_rollout`). ``teacher``: the server that scores the rollouts
+    of a plan that distills from a served teacher (``--opd-type sglang``). ``progress``, when
+    given, is kept up to date as the run goes, so that a caller can tell what a run that raised
+    had done.
 
     Raises :class:`PlanError` before building anything when the inputs cannot do what the plan
     asks (:func:`check_inputs`, :func:`resume_point`), the rlcore error of a component that fails
@@ -190,7 +201,9 @@ def run(
             case TrainPlan():
                 resume_point(plan)  # a bad --load fails here, before any stack is built
                 schedule = run_overlapped_training if plan.max_staleness else run_training
-                return schedule(plan, backend, checked, reward_fn, data, sink, progress, rollout_fn)
+                return schedule(
+                    plan, backend, checked, reward_fn, data, sink, progress, rollout_fn, teacher
+                )
             case RolloutOnlyPlan():
                 engine = _needed(checked, "generates rollouts")
                 return run_rollout_only(

@@ -73,6 +73,7 @@ from rlcore.protocols import (
     RewardFn,
     RolloutEngine,
     RolloutFn,
+    TeacherServer,
     WeightSource,
     keep_weight_source,
     receive_weights_midway,
@@ -114,6 +115,7 @@ def run_overlapped_training(
     sink: MetricsSink,
     progress: Progress,
     rollout_fn: RolloutFn | None = None,
+    teacher: TeacherServer | None = None,
 ) -> RunResult:
     """Train ``plan`` with the off-policy schedule (module docstring). What has been done is kept
     in ``progress``, for Ctrl-C to report.
@@ -132,7 +134,7 @@ def run_overlapped_training(
             "weights mid-generation (rlcore.protocols.PartialRolloutEngine); use the embedded "
             "or SGLang engine, or drop --partial-rollout"
         )
-    produce = rollout_source(plan, engine, reward_fn, rollout_fn)
+    produce = rollout_source(plan, engine, reward_fn, rollout_fn, teacher)
     stacks = build_stacks(plan, backend)
     progress.built = stacks.built()
     resumed = resume(plan, stacks)

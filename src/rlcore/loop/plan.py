@@ -34,6 +34,7 @@ from rlcore.specs import (
     OptimizerSpec,
     ParallelSpec,
     Role,
+    ServedTeacher,
     TrainSpec,
 )
 
@@ -147,8 +148,8 @@ class TrainPlan:
     save_hf_interval: int | None = None
     """Export every ``save_hf_interval`` rollouts (and always after the last one)."""
     opd: OPDSpec | None = None
-    """On-policy distillation (``--use-opd``): the teacher (an eval stack, built beside the actor)
-    and the weight of its reverse KL in the advantage."""
+    """On-policy distillation (``--use-opd``): the teacher (an eval stack built beside the actor,
+    or a server) and the weight of its reverse KL in the advantage."""
     settings: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     """The run's configuration as plain data (:func:`~rlcore.config.convert.settings_data`),
     recorded in every checkpoint: an eval-only run of the checkpoint takes its sampling and data
@@ -381,13 +382,18 @@ def _train_plan(config: RunConfig, num_rollout: int) -> TrainPlan:
 
 
 def _opd_spec(config: RunConfig) -> OPDSpec | None:
-    """The teacher, split like the actor, in whose slots it runs (as the reference model does).
-    From ``--opd-teacher-load`` the checkpoint is found now, once (a later save in that folder
-    does not change the teacher), and its run's recorded model folder gives the architecture, as
-    an eval-only ``--load`` takes it (:data:`~rlcore.config.saved.EVAL_ONLY_SETTINGS`)."""
+    """The teacher: a server's URL (``--opd-type sglang``), or an eval stack split like the actor,
+    in whose slots it runs (as the reference model does). From ``--opd-teacher-load`` the checkpoint
+    is found now, once (a later save in that folder does not change the teacher), and its run's
+    recorded model folder gives the architecture, as an eval-only ``--load`` takes it
+    (:data:`~rlcore.config.saved.EVAL_ONLY_SETTINGS`)."""
     o = config.opd
     if not o.use_opd:
         return None
+    if o.opd_type == "sglang":
+        assert o.opd_teacher_url is not None  # the [opd] check requires a server
+        served = ServedTeacher(url=o.opd_teacher_url.rstrip("/"))
+        return OPDSpec(teacher=served, kl_coef=o.opd_kl_coef, only=o.opd_only)
     folder, load = o.opd_teacher_hf_checkpoint, None
     if o.opd_teacher_load is not None:
         try:

@@ -45,6 +45,7 @@ from rlcore.protocols import (
     RolloutEngine,
     RolloutFn,
     RolloutOutput,
+    TeacherServer,
     TrainingStack,
     WeightSource,
     keep_weight_source,
@@ -61,7 +62,7 @@ from rlcore.rollout.replay import (
     save_rollout_data,
 )
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
-from rlcore.specs import OPDSpec
+from rlcore.specs import EvalSpec, OPDSpec, ServedTeacher
 
 __all__ = [
     "RolloutSource",
@@ -73,6 +74,7 @@ __all__ = [
     "push_weights",
     "rollout_metrics",
     "rollout_source",
+    "score_by_teacher",
     "should_eval",
     "should_save",
     "train_on_rollout",
@@ -118,7 +120,8 @@ class TrainStacks:
     hf_exporter: HFExporter | None = None
     """The actor's Hugging Face export, when the plan asks for one (``--save-hf``)."""
     teacher: EvalStack | None = None
-    """The on-policy distillation teacher (``--use-opd``): an eval stack, never trained."""
+    """The on-policy distillation teacher (``--use-opd --opd-type megatron``): an eval stack, never
+    trained. A served teacher (``--opd-type sglang``) is no stack of the run."""
 
     def built(self) -> tuple[str, ...]:
         roles = [f"train:{name}" for name in self.training()]
@@ -149,10 +152,13 @@ def build_stacks(plan: TrainPlan, backend: Backend) -> TrainStacks:
     )
 
 
-def build_teacher(opd: OPDSpec, backend: Backend) -> EvalStack:
+def build_teacher(opd: OPDSpec, backend: Backend) -> EvalStack | None:
     """The distillation teacher: an eval stack of the spec's model folder, whose weights are then
     replaced by those of the checkpoint's actor when the spec names one (``--opd-teacher-load``;
-    an eval stack's ``load`` restores weights only, never optimizer state)."""
+    an eval stack's ``load`` restores weights only, never optimizer state). None for a served
+    teacher, which the run does not build."""
+    if not isinstance(opd.teacher, EvalSpec):
+        return None
     teacher = build_eval_stack(backend, opd.teacher)
     if opd.teacher_load is not None:
         rollout_id = teacher.load(opd.teacher_load / "actor")
@@ -172,15 +178,72 @@ def rollout_source(
     engine: RolloutEngine | None,
     reward_fn: RewardFn,
     rollout_fn: RolloutFn | None = None,
+    teacher: TeacherServer | None = None,
 ) -> RolloutSource:
     """The plan's rollouts: replayed from ``plan.replay_rollout_data`` (no engine), or produced by
     ``rollout_fn`` (default: ``plan.rollout.function_path``, else
     :func:`~rlcore.rollout.default_rollout`) with the engine; every output is checked against the
-    batch size and, with ``plan.rollout.save_debug_data``, saved.
+    batch size and, with ``plan.rollout.save_debug_data``, saved. With a served distillation
+    teacher (``--opd-type sglang``) ``teacher`` then scores every sample of the output
+    (:func:`score_by_teacher`).
 
     User functions (rollout function, group filter) are imported here, so a bad path fails before
-    anything is built. Raises :class:`PlanError` when the plan generates and ``engine`` is None.
+    anything is built. Raises :class:`PlanError` when the plan generates and ``engine`` is None,
+    or distills from a served teacher and ``teacher`` is None.
     """
+    source = _rollouts(plan, engine, reward_fn, rollout_fn)
+    opd = plan.opd if isinstance(plan, TrainPlan) else None
+    if opd is None or not isinstance(opd.teacher, ServedTeacher):
+        return source
+    if teacher is None:
+        raise PlanError(
+            f"this plan distills from the teacher served at {opd.teacher.url} "
+            "(--opd-type sglang), but no teacher server was given; pass one "
+            "(rlcore_sglang.SGLangTeacher)"
+        )
+    served = teacher
+    log.info("teacher: the server at %s scores each rollout as it is made", opd.teacher.url)
+
+    def scored(rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]) -> RolloutOutput:
+        output = source(rollout_id, prompts, carried)
+        t0 = time.perf_counter()
+        groups = score_by_teacher(served, output.groups)
+        metrics = {**output.metrics, "perf/teacher_s": time.perf_counter() - t0}
+        return attrs.evolve(output, groups=groups, metrics=metrics)
+
+    return scored
+
+
+def score_by_teacher(teacher: TeacherServer, groups: Sequence[Group]) -> tuple[Group, ...]:
+    """The groups, each sample carrying the served teacher's log-prob of each of its response
+    tokens (``Sample.teacher_log_probs``). Raises :class:`RolloutError` when the teacher's answer
+    does not have one log-prob per response token."""
+    samples = [s for g in groups for s in g]
+    scores = teacher.score(samples)
+    name = type(teacher).__name__
+    if len(scores) != len(samples):
+        raise RolloutError(
+            f"the teacher server {name} scored {len(scores)} samples of {len(samples)}"
+        )
+    for i, (sample, score) in enumerate(zip(samples, scores, strict=True)):
+        if len(score) != len(sample.response.token_ids):
+            raise RolloutError(
+                f"the teacher server {name} gave sample {i} {len(score)} log-probs for "
+                f"{len(sample.response.token_ids)} response tokens"
+            )
+    it = iter(scores)
+    return tuple(
+        tuple(attrs.evolve(s, teacher_log_probs=tuple(next(it))) for s in g) for g in groups
+    )
+
+
+def _rollouts(
+    plan: TrainPlan | RolloutOnlyPlan,
+    engine: RolloutEngine | None,
+    reward_fn: RewardFn,
+    rollout_fn: RolloutFn | None,
+) -> RolloutSource:
+    """:func:`rollout_source` before the teacher scores."""
     size, n = plan.rollout_batch_size, plan.n_samples_per_prompt
     if isinstance(plan, TrainPlan) and plan.replay_rollout_data is not None:
         template = plan.replay_rollout_data
@@ -342,10 +405,13 @@ def make_train_batch(
         )
         advantages, returns = adv.advantages, adv.returns
         metrics["rollout/kl_penalty"] = adv.kl
-    if stacks.teacher is not None and plan.opd is not None:
-        t0 = time.perf_counter()
-        teacher_log_probs = stacks.teacher.forward(samples)
-        metrics["perf/teacher_s"] = time.perf_counter() - t0
+    if plan.opd is not None:
+        if stacks.teacher is not None:
+            t0 = time.perf_counter()
+            teacher_log_probs = stacks.teacher.forward(samples)
+            metrics["perf/teacher_s"] = time.perf_counter() - t0
+        else:  # served: the teacher scored each sample as its rollout was made
+            teacher_log_probs = _served_scores(samples)
         masks = tuple(s.response.loss_mask for s in samples)
         coef = plan.opd.kl_coef
         distilled = (
@@ -371,6 +437,19 @@ def make_train_batch(
         rollout_log_probs=engine_log_probs,
     )
     return batch, metrics
+
+
+def _served_scores(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    unscored = [
+        i for i, s in enumerate(samples) if len(s.teacher_log_probs) != len(s.response.token_ids)
+    ]
+    if unscored:
+        raise PlanError(
+            f"samples {unscored[:5]} carry no log-probs of the served teacher; the rollouts of a "
+            "run that distills from a teacher server are scored by it in rollout_source "
+            "(teacher=...)"
+        )
+    return [s.teacher_log_probs for s in samples]
 
 
 def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:

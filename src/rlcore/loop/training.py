@@ -33,7 +33,14 @@ from rlcore.loop.stages import (
     train_on_rollout,
     warm_start,
 )
-from rlcore.protocols import Backend, MetricsSink, RewardFn, RolloutEngine, RolloutFn
+from rlcore.protocols import (
+    Backend,
+    MetricsSink,
+    RewardFn,
+    RolloutEngine,
+    RolloutFn,
+    TeacherServer,
+)
 
 __all__ = ["run_training"]
 
@@ -47,6 +54,7 @@ def run_training(
     sink: MetricsSink,
     progress: Progress,
     rollout_fn: RolloutFn | None = None,
+    teacher: TeacherServer | None = None,
 ) -> RunResult:
     """Train ``plan`` to its last rollout with the synchronous schedule (module docstring).
 
@@ -56,7 +64,7 @@ def run_training(
     evaluates = bool(data.eval_sets) and (plan.eval_before_train or plan.eval_interval is not None)
     if engine is None and evaluates:
         raise PlanError("this plan evaluates, but no rollout engine was given to evaluate with")
-    produce = rollout_source(plan, engine, reward_fn, rollout_fn)
+    produce = rollout_source(plan, engine, reward_fn, rollout_fn, teacher)
     stacks = build_stacks(plan, backend)
     progress.built = stacks.built()
     resumed = resume(plan, stacks)
