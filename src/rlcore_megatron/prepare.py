@@ -37,15 +37,16 @@ from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
 from rlcore.engines import load_engine
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, RolloutError
 from rlcore.loop import RunData, check_inputs, resume_point
-from rlcore.loop.plan import Plan, TrainPlan, plan, resolve_num_rollout
+from rlcore.loop.plan import EvalPlan, Plan, TrainPlan, plan, resolve_num_rollout
 from rlcore.loop.preflight import (
     check_model_folder,
     prepare_output_folders,
     remove_folders,
     save_folder_problems,
 )
+from rlcore.loop.stages import group_filter_of
 from rlcore.protocols import RewardFn, TeacherServer
-from rlcore.rollout import load_group_filter, load_rollout_function
+from rlcore.rollout import load_rollout_function
 from rlcore.rollout.multiturn import (
     load_custom_generate_function,
     load_environment_factory,
@@ -491,12 +492,11 @@ def placement_problem(settings: Mapping[str, Any]) -> PlacementError | None:
 
 def check_user_functions(config: RunConfig) -> None:
     """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
-    Ray, the engine or any model starts (a :class:`ConfigError` naming the flag)."""
+    Ray, the engine or any model starts (a :class:`ConfigError` naming the flag); the
+    dynamic-sampling filter is the plan's (:func:`~rlcore.loop.stages.group_filter_of`)."""
     r, a = config.rollout, config.algorithm
     if r.rollout_function_path is not None:
         load_rollout_function(r.rollout_function_path)
-    if r.dynamic_sampling_filter_path is not None:
-        load_group_filter(r.dynamic_sampling_filter_path)
     if config.multiturn.environment_path is not None:
         load_environment_factory(config.multiturn.environment_path)
     if config.multiturn.custom_generate_function_path is not None:
@@ -580,6 +580,8 @@ def prepare(config: RunConfig) -> Prepared:
             config.multiturn.env_reward,
         )
         check_user_functions(config)
+        if not isinstance(the_plan, EvalPlan):
+            group_filter_of(the_plan)  # imported, and refused where it cannot keep a group
         check_inputs(the_plan, data)
         if isinstance(the_plan, TrainPlan):
             resume_point(the_plan)

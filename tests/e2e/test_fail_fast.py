@@ -17,7 +17,7 @@ import pytest
 
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config.flags import load_config
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, PlanError
 from rlcore.loop.checkpoints import write_checkpoint
 from rlcore_megatron import prepare as prepare_module
 from rlcore_megatron.prepare import prepare
@@ -443,4 +443,18 @@ def test_a_teacher_server_that_does_not_answer_is_refused(
         "opd.opd_teacher_url (--opd-teacher-url): the teacher's server does not answer" in message
     )
     assert "python -m sglang.launch_server --model-path TEACHER" in message
+    assert not (tmp_path / "out").exists()  # prepare removes what it made
+
+
+@pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
+def test_a_group_filter_is_checked_before_anything_starts(demo: Path, tmp_path: Path) -> None:
+    """--dynamic-sampling-filter-path: a function that is not there, and the reward filter with
+    --opd-only (where no sample is scored, so it would keep no group)."""
+    flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
+    with pytest.raises(ConfigError, match=r"--dynamic-sampling-filter-path"):
+        prepare(load_config([*flags, "--dynamic-sampling-filter-path", "rlcore.rollout:nope"]))
+    only = ["--use-opd", "--opd-teacher-hf-checkpoint", str(demo / "model"), "--opd-only"]
+    reward_filter = ["--dynamic-sampling-filter-path", "rlcore.rollout:check_reward_nonzero_std"]
+    with pytest.raises(PlanError, match=r"so it would keep none; drop it"):
+        prepare(load_config([*flags, *only, *reward_filter]))
     assert not (tmp_path / "out").exists()  # prepare removes what it made

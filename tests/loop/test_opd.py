@@ -291,6 +291,16 @@ def test_pure_distillation_is_the_teachers_reverse_kl_alone_without_any_reward(
     assert len(rows) == 3 and all("rollout/kl_penalty" not in m for m in rows)
 
 
+def test_pure_distillation_refuses_the_reward_filter_before_building_anything() -> None:
+    """The built-in dynamic-sampling filter keeps groups whose rewards differ; with --opd-only
+    every reward is 0, so it would keep none, after --max-rounds rounds of generation."""
+    reward_filter = ("--dynamic-sampling-filter-path", "rlcore.rollout:check_reward_nonzero_std")
+    with pytest.raises(PlanError, match=r"with --opd-only no sample is scored \(every reward"):
+        _train(*_flags(2, *OPD, "--opd-only", *reward_filter), reward_fn=_no_reward_here)
+    distilled, _ = _train(*_flags(2, *OPD, *reward_filter))  # with a reward it is the user's call
+    assert len(distilled.inner.training_stacks[0].batches) == 2
+
+
 def test_pure_distillation_refuses_what_learns_from_a_reward() -> None:
     only = (*OPD, "--opd-only")
     for extra, flag in [

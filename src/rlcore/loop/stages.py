@@ -38,6 +38,7 @@ from rlcore.protocols import (
     DynamicSampling,
     EvalStack,
     Group,
+    GroupFilter,
     HFExporter,
     PromptSource,
     RewardFn,
@@ -51,6 +52,7 @@ from rlcore.protocols import (
     keep_weight_source,
 )
 from rlcore.rollout.default import (
+    check_reward_nonzero_std,
     check_rollout_output,
     default_rollout,
     generate_groups,
@@ -70,6 +72,7 @@ __all__ = [
     "build_stacks",
     "build_teacher",
     "evaluate",
+    "group_filter_of",
     "make_train_batch",
     "push_weights",
     "rollout_metrics",
@@ -276,10 +279,10 @@ def _rollouts(
         over_sampling_batch_size=spec.over_sampling_batch_size or size,
         max_rounds=spec.max_rounds,
         keep_surplus=spec.keep_surplus,
-        group_filter=load_group_filter(spec.filter_path) if spec.filter_path else None,
+        group_filter=group_filter_of(plan),
     )
     generating_engine = engine
-    if isinstance(plan, TrainPlan) and plan.opd is not None and plan.opd.only:
+    if _reward_free(plan):
         reward_fn = _no_reward  # --opd-only: the teacher is the only signal; labels are not read
 
     def produce(
@@ -311,6 +314,28 @@ def _rollouts(
         return output
 
     return produce
+
+
+def group_filter_of(plan: TrainPlan | RolloutOnlyPlan) -> GroupFilter | None:
+    """The plan's dynamic-sampling filter (``--dynamic-sampling-filter-path``), imported. Raises
+    :class:`PlanError` for the built-in reward filter in a pure-distillation plan
+    (``--opd-only``): no sample is scored there, so it would keep no group, and the run would
+    fail only after ``--max-rounds`` rounds of generation."""
+    path = plan.rollout.filter_path
+    if path is None:
+        return None
+    group_filter = load_group_filter(path)
+    if group_filter is check_reward_nonzero_std and _reward_free(plan):
+        raise PlanError(
+            f"--dynamic-sampling-filter-path {path} keeps the groups whose rewards differ, but "
+            "with --opd-only no sample is scored (every reward is 0), so it would keep none; "
+            "drop it (a distillation signal varies within a group without it)"
+        )
+    return group_filter
+
+
+def _reward_free(plan: TrainPlan | RolloutOnlyPlan) -> bool:
+    return isinstance(plan, TrainPlan) and plan.opd is not None and plan.opd.only
 
 
 def _no_reward(prompt: Prompt, generation: Generation) -> float:
