@@ -240,13 +240,4 @@ def run_overlapped_training(
                 break
     finally:
         generator.close()
-    return RunResult(
-        tuple(progress.trained),
-        tuple(progress.saved),
-        tuple(progress.evaluated),
-        last_eval,
-        last_train,
-        stacks.built(),
-        tuple(progress.rollouts),
-        stopped=progress.trained[-1:] != [plan.num_rollout - 1] and progress.stop.is_set(),
-    )
+    return progress.finished(plan.num_rollout, last_eval, last_train)

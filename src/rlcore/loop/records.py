@@ -95,6 +95,22 @@ class Progress:
     rollout boundary: the rollout being trained finishes, is saved (with a save folder) and the
     run returns with ``stopped``."""
 
+    def finished(
+        self, num_rollout: int, last_eval: Mapping[str, float], last_train: Mapping[str, float]
+    ) -> RunResult:
+        """The result of a training schedule that returned: after its last rollout
+        (``num_rollout - 1``), or ``stopped`` on request before it."""
+        return RunResult(
+            tuple(self.trained),
+            tuple(self.saved),
+            tuple(self.evaluated),
+            last_eval,
+            last_train,
+            self.built,
+            tuple(self.rollouts),
+            stopped=self.trained[-1:] != [num_rollout - 1] and self.stop.is_set(),
+        )
+
     def result(self, *, interrupted: bool = True) -> RunResult:
         """What was done, as a result; ``interrupted``: Ctrl-C stopped the run (else it
         failed)."""

@@ -134,13 +134,4 @@ def run_training(
             last_eval = run_eval(rollout_id)
         if stopping:
             break
-    return RunResult(
-        tuple(progress.trained),
-        tuple(progress.saved),
-        tuple(progress.evaluated),
-        last_eval,
-        last_train,
-        stacks.built(),
-        tuple(progress.rollouts),
-        stopped=progress.trained[-1:] != [plan.num_rollout - 1] and progress.stop.is_set(),
-    )
+    return progress.finished(plan.num_rollout, last_eval, last_train)
