@@ -106,7 +106,8 @@ class SGLangTeacher:
         ``[logprob, token_id, text]`` for every input token from ``logprob_start_len`` on: the
         prompt's last token (no log-prob), then the response's. The token ids there are not
         compared with the response's: SGLang 0.5.23 reports id 0 for a vocabulary's last token
-        (its log-prob is right, checked against transformers in tests/sglang)."""
+        (its scheduler clips input ids ``>= vocab_size - 1`` to 0, meant for image-token hashes);
+        the log-prob is the right token's, checked against transformers in tests/sglang."""
         length = len(sample.response.token_ids)
         try:
             assert isinstance(item, Mapping)
