@@ -22,7 +22,6 @@ This module, :mod:`rlcore_sglang.server`, :mod:`rlcore_sglang.weight_sync` and
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import threading
@@ -144,7 +143,7 @@ class SGLangEngine:
         servers = [SGLangServer(url) for url in urls]
         for server in servers:
             server.wait_until_healthy(options.health_timeout_s)
-        infos = [_server_info(server, options.request_timeout_s) for server in servers]
+        infos = [server.info(timeout_s=options.request_timeout_s) for server in servers]
         return cls(
             servers,
             options,
@@ -538,15 +537,6 @@ def sampling_payload(params: SamplingParams, extra: Mapping[str, object]) -> dic
         payload["ignore_eos"] = True
     payload.update(extra)
     return payload
-
-
-def _server_info(server: SGLangServer, timeout_s: float) -> Mapping[str, object]:
-    """The server's ``/server_info`` (empty if it has none that rlcore can read)."""
-    try:
-        info = json.loads(server.get("/server_info", timeout_s=timeout_s))
-    except (RolloutError, json.JSONDecodeError):
-        return {}
-    return info if isinstance(info, dict) else {}
 
 
 def _tp_size(info: Mapping[str, object]) -> int:

@@ -161,6 +161,14 @@ class SGLangServer:
             return text
         return decoded
 
+    def info(self, *, timeout_s: float) -> Mapping[str, object]:
+        """The server's ``/server_info`` (empty if it has none that rlcore can read)."""
+        try:
+            info = json.loads(self.get("/server_info", timeout_s=timeout_s))
+        except (RolloutError, json.JSONDecodeError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
     def _request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> str:
         request = urllib.request.Request(
             self.url + path,

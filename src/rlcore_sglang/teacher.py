@@ -16,7 +16,6 @@ The server is someone's SGLang server (``python -m sglang.launch_server --model-
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -55,12 +54,7 @@ class SGLangTeacher:
         ``tokenizer_path``, else ``model_path``), when this machine can read it: what a run
         compares with the student's before it starts. ``None`` when the server does not say or
         the folder is on another machine."""
-        try:
-            info = json.loads(self.server.get("/server_info", timeout_s=30.0))
-        except (RolloutError, json.JSONDecodeError):
-            return None
-        if not isinstance(info, dict):
-            return None
+        info = self.server.info(timeout_s=30.0)
         for key in ("tokenizer_path", "model_path"):
             value = info.get(key)
             if isinstance(value, str) and (Path(value) / "config.json").is_file():
