@@ -107,22 +107,30 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     assert "eval/heldout/reward" in summary["last_eval"]
 
 
+def _demo_flags(demo: Path, *, rollouts: int) -> list[str]:
+    """The demo's task and model with a launched SGLang server: ``rollouts`` rollouts of 4
+    prompts x 2 samples, one optimizer step each, answers of at most 5 tokens."""
+    # fmt: off
+    return [
+        "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
+        "--prompt-data", str(demo / "train.jsonl"), "--rollout-engine", "sglang",
+        "--num-rollout", str(rollouts), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "5",
+    ]
+    # fmt: on
+
+
 def test_free_running_generation_with_partial_rollouts(tmp_path: Path) -> None:
     """--max-staleness 2 --partial-rollout with a launched SGLang server: the generator runs up
     to two versions ahead, new weights pause the server mid-generation instead of waiting, and
     no trained sample is more than two versions old."""
     demo = tmp_path / "demo"
     prepare_demo(demo)
-    # fmt: off
     run = _run(
-        "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
-        "--prompt-data", str(demo / "train.jsonl"), "--rollout-engine", "sglang",
-        "--num-rollout", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "5",
-        "--lr", "1e-3", "--max-staleness", "2", "--partial-rollout",
-        "--output-dir", str(tmp_path / "out"),
+        *_demo_flags(demo, rollouts=4),
+        *("--lr", "1e-3", "--max-staleness", "2", "--partial-rollout"),
+        *("--output-dir", str(tmp_path / "out")),
     )
-    # fmt: on
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["trained"] == [0, 1, 2, 3]
@@ -163,17 +171,12 @@ def test_a_killed_server_is_restarted_with_the_policy_and_the_run_goes_on(tmp_pa
     demo = tmp_path / "demo"
     prepare_demo(demo)
     (tmp_path / "killer.py").write_text(_KILLER)
-    # fmt: off
     run = _run(
-        "--hf-checkpoint", str(demo / "model"), "--input-key", "prompt", "--label-key", "answer",
-        "--prompt-data", str(demo / "train.jsonl"), "--rollout-engine", "sglang",
-        "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "5",
-        "--lr", "1e-2", "--use-fault-tolerance", "--rollout-function-path", "killer:rollout",
-        "--output-dir", str(tmp_path / "out"),
+        *_demo_flags(demo, rollouts=3),
+        *("--lr", "1e-2", "--use-fault-tolerance", "--rollout-function-path", "killer:rollout"),
+        *("--output-dir", str(tmp_path / "out")),
         pythonpath=tmp_path,
     )
-    # fmt: on
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["trained"] == [0, 1, 2]
