@@ -81,13 +81,16 @@ class TinyLM(nn.Module):
         return out
 
 
-def _scores(model: TinyLM, role: str, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+def _scores(model: TinyLM, spec: ModelSpec, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    """Per response token: a critic's values, or a policy's log-probs at the rollout's
+    temperature (``spec.temperature``: the tempered policy sampled, so it is what trains)."""
     tb = tensorize_samples(samples, PAD)
     with torch.no_grad():
         out = model(tb.tokens)
-        per_token = (
-            gather_response(out.squeeze(-1), tb) if role == "critic" else token_log_probs(out, tb)
-        )
+        if spec.role == "critic":
+            per_token = gather_response(out.squeeze(-1), tb)
+        else:
+            per_token = token_log_probs(out, tb, spec.temperature)
     return unpad(per_token, tb)
 
 
@@ -116,7 +119,7 @@ class TorchEvalStack:
         return self._spec
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return _scores(self.model, self._spec.role, samples)
+        return _scores(self.model, self.spec, samples)
 
     def load(self, path: Path) -> int:
         return _load_model(self.model, path)[0]
@@ -159,7 +162,7 @@ class TorchTrainingStack:
         return self._scheduler
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return _scores(self.model, self.spec.role, samples)
+        return _scores(self.model, self.spec, samples)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         tb = tensorize(batch, PAD)
@@ -175,7 +178,8 @@ class TorchTrainingStack:
                     gather_response(out.squeeze(-1), step), step, self.train_spec.loss
                 )
             else:
-                result = actor_loss(token_log_probs(out, step), step, self.train_spec.loss)
+                log_probs = token_log_probs(out, step, self.spec.temperature)
+                result = actor_loss(log_probs, step, self.train_spec.loss)
             # The loss is a numerator: divide by the global batch's normaliser (sequences, or
             # tokens for --loss-agg-mode token-mean). Here one step is one micro-batch.
             loss = result.loss / loss_normalizer(self.train_spec.loss.agg_mode, step.loss_mask)

@@ -38,6 +38,7 @@ def config_dicts(
             "num_rollout": draw(st.one_of(st.integers(min_value=-1, max_value=6), st.just(0))),
             "rollout_batch_size": rollout_batch,
             "n_samples_per_prompt": n_samples,
+            "temperature": draw(st.sampled_from([1.0, 1.0, 0.7, 0.0, -0.5])),
         },
         "algorithm": {
             "advantage_estimator": draw(st.sampled_from(ESTIMATORS)),
@@ -132,6 +133,7 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
             "num_rollout": num_rollout,
             "rollout_batch_size": rollout_batch,
             "n_samples_per_prompt": n_samples,
+            "temperature": draw(st.sampled_from([1.0, 0.7, 1.3, 0.0])),
         },
         "algorithm": {
             "advantage_estimator": estimator,

@@ -193,10 +193,12 @@ class TeacherServer(Protocol):
     (:func:`rlcore.loop.stages.rollout_source`). It is not a stack: nothing of it can be trained,
     loaded or synced."""
 
-    def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        """Per response token of each sample: its log-probability under the teacher, given the
-        sample's prompt and the response tokens before it (at temperature 1). Raises
-        :class:`~rlcore.errors.RolloutError` naming the server when it cannot answer."""
+    def score(self, samples: Sequence[Sample], temperature: float) -> list[tuple[float, ...]]:
+        """Per response token of each sample: its log-probability under the teacher tempered
+        at ``temperature`` (the rollout's: ``softmax(logits / T)``, as the student's log-probs
+        are; :func:`rlcore.logits.tempered`), given the sample's prompt and the response tokens
+        before it. Raises :class:`~rlcore.errors.RolloutError` naming the server when it cannot
+        answer."""
         ...
 
 

@@ -83,8 +83,10 @@ class Generation:
     """What the engine produced for one prompt.
 
     ``token_ids`` are the response tokens (a stop token, when emitted, is the last one);
-    ``log_probs[t]`` is the engine's log-probability of ``token_ids[t]`` under the sampling
-    distribution's logits at temperature 1; ``text`` is the decoded response without special tokens.
+    ``log_probs[t]`` is the engine's log-probability of ``token_ids[t]`` under the tempered
+    distribution it sampled from, ``softmax(logits / T)`` (:func:`rlcore.logits.tempered`: the
+    whole distribution, before top-k or top-p cut it; greedy decoding scores at ``T = 1``), as
+    the trainer computes it; ``text`` is the decoded response without special tokens.
     """
 
     token_ids: TokenIds

@@ -167,6 +167,14 @@ class ModelSpec:
     moe_aux_loss_coeff: float = 0.0
     """Weight of a mixture-of-experts router's load-balancing loss in training (0 = none)."""
     precision: Precision = "float32"
+    temperature: float = 1.0
+    """The rollout engine's sampling temperature (``--rollout-temperature``): a policy's
+    log-probs and entropies are of ``softmax(logits / temperature)``, the distribution that
+    sampled (:func:`rlcore.logits.tempered`; 0, greedy, means 1). A critic ignores it."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"ModelSpec.temperature must be >= 0, got {self.temperature}")
 
 
 @attrs.frozen

@@ -127,11 +127,12 @@ def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
     arch: ModelArch,
-    is_critic: bool,
+    spec: ModelSpec,
     device: torch.device,
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
 ) -> list[tuple[float, ...]]:
-    """Per response token: log-probs (policy) or values (critic), one tuple per sample."""
+    """Per response token: log-probs at ``spec.temperature`` (a policy) or values (a critic),
+    one tuple per sample."""
     from rlcore.algorithms.batching import (
         gather_response,
         tensorize_samples,
@@ -139,11 +140,15 @@ def score_samples(
         unpad,
     )
 
+    is_critic = spec.role == "critic"
     rows: list[tuple[float, ...]] = []
     for start in range(0, len(samples), micro_batch):
         tb = tensorize_samples(samples[start : start + micro_batch], arch.pad_token_id, device)
         out = model_output(model, tb, arch, is_critic)
-        per_token = gather_response(out, tb) if is_critic else token_log_probs(out, tb)
+        if is_critic:
+            per_token = gather_response(out, tb)
+        else:
+            per_token = token_log_probs(out, tb, spec.temperature)
         rows += unpad(per_token, tb)
     return rows
 
@@ -170,12 +175,7 @@ class MegatronEvalStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self.model,
-            samples,
-            self.arch,
-            self.spec.role == "critic",
-            self.device,
-            self.forward_micro_batch,
+            self.model, samples, self.arch, self.spec, self.device, self.forward_micro_batch
         )
 
     def load(self, path: Path) -> int:
@@ -248,7 +248,7 @@ class MegatronTrainingStack:
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         return score_samples(
-            self.gpt, samples, self.arch, self._is_critic, self.device, self.forward_micro_batch
+            self.gpt, samples, self.arch, self.spec, self.device, self.forward_micro_batch
         )
 
     def export_weights(self) -> NamedTensors:
@@ -353,9 +353,10 @@ class MegatronTrainingStack:
         if self._is_critic:
             result = losses.critic_loss(batching.gather_response(out, mb), mb, self.train_spec.loss)
         else:
-            log_probs = batching.token_log_probs(out, mb)
+            temperature = self.spec.temperature
+            log_probs = batching.token_log_probs(out, mb, temperature)
             wants_entropy = self.train_spec.loss.entropy_coef > 0
-            entropy = batching.entropy_from_logits(out, mb) if wants_entropy else None
+            entropy = batching.entropy_from_logits(out, mb, temperature) if wants_entropy else None
             result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
         return result
 

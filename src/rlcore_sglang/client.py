@@ -137,8 +137,10 @@ class SGLangEngine:
         server's ``/server_info`` its tensor-parallel size and whether it registered rlcore's
         weight loader (:mod:`rlcore_sglang.server_loader`; start servers with
         ``--custom-weight-loader rlcore_sglang.server_loader.load_weights`` for faster tensor-mode
-        syncs). Such servers should run with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that
-        log-probs are at temperature 1.
+        syncs). Such servers must run without ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (SGLang's
+        default), so that log-probs are of the tempered distribution that sampled, as the
+        trainer computes them (with it set, ``train/actor/logprob_mismatch`` shows the gap at
+        any temperature but 1).
         """
         servers = [SGLangServer(url) for url in urls]
         for server in servers:

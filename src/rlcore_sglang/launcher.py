@@ -39,8 +39,10 @@ class LaunchSettings:
     small (SGLang otherwise sizes its KV pool from free RAM, about 14 GB). ``python`` is the
     interpreter that has SGLang installed (default: this one; on a cluster, the same path on every
     node). ``log_dir`` receives ``sglang-<i>.log`` per server, on the server's host (default: a
-    fresh temporary folder). ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` is always set so that returned
-    log-probs are at temperature 1, as :class:`~rlcore.samples.Generation` promises. A server's
+    fresh temporary folder). ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` is always set (SGLang's
+    default, whatever the host's environment says) so that returned log-probs are of the
+    tempered distribution that sampled, as :class:`~rlcore.samples.Generation` promises. A
+    server's
     ``OMP_NUM_THREADS`` is its host's CPU share unless ``env`` sets it.
     ``sleep_on_idle`` (SGLang's ``--sleep-on-idle``) lets the scheduler block on its sockets
     instead of spinning a core while no request is pending (measured on the CPU: 1.0 CPU-second
@@ -106,7 +108,7 @@ class LaunchSettings:
 
     def environment(self, cpus: int | None = None) -> dict[str, str]:
         """What a server's process gets on top of its host's environment."""
-        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
         if self.model_path.is_dir():  # a local folder: never a model hub lookup
             env["HF_HUB_OFFLINE"] = "1"
         if self.device == "cpu":

@@ -124,8 +124,10 @@ def test_token_log_probs_by_hand() -> None:
     assert got.item() == pytest.approx(math.log(2.0 / 5.0), rel=1e-6)
 
 
-def naive_log_probs(logits: torch.Tensor, batch_samples: list[Sample]) -> list[list[float]]:
-    full = torch.log_softmax(logits.double(), dim=-1).tolist()
+def naive_log_probs(
+    logits: torch.Tensor, batch_samples: list[Sample], temperature: float = 1.0
+) -> list[list[float]]:
+    full = torch.log_softmax(logits.double() / temperature, dim=-1).tolist()
     out = []
     for i, s in enumerate(batch_samples):
         p = len(s.prompt.token_ids)
@@ -133,18 +135,24 @@ def naive_log_probs(logits: torch.Tensor, batch_samples: list[Sample]) -> list[l
     return out
 
 
-@given(samples(), st.integers(0, 2**31 - 1))
+TEMPERATURES = st.sampled_from([1.0, 0.0, 0.7, 1.3]) | st.floats(0.25, 4.0)
+
+
+@given(samples(), st.integers(0, 2**31 - 1), TEMPERATURES)
 def test_token_log_probs_equals_a_full_log_softmax_gather(
-    batch_samples: list[Sample], seed: int
+    batch_samples: list[Sample], seed: int, temperature: float
 ) -> None:
+    """``log_softmax(logits / T)`` at the response tokens, the rollout's temperature ``T`` (0,
+    greedy, scores at 1)."""
     batch = tensorize_samples(batch_samples, PAD)
     gen = torch.Generator().manual_seed(seed)
     logits = 3.0 * torch.randn(batch.num_sequences, batch.tokens.shape[1], VOCAB, generator=gen)
-    got = token_log_probs(logits, batch)
+    got = token_log_probs(logits, batch, temperature)
     assert got.shape == batch.response_mask.shape
     assert torch.all(got[~batch.response_mask] == 0)
-    for row, want in zip(unpad(got, batch), naive_log_probs(logits, batch_samples), strict=True):
-        assert row == pytest.approx(want, abs=1e-5)
+    want = naive_log_probs(logits, batch_samples, temperature or 1.0)
+    for row, expected in zip(unpad(got, batch), want, strict=True):
+        assert row == pytest.approx(expected, abs=1e-5)
 
 
 def test_token_log_probs_is_differentiable_and_upcasts_half_precision() -> None:
@@ -159,13 +167,16 @@ def test_token_log_probs_is_differentiable_and_upcasts_half_precision() -> None:
     assert half.dtype == torch.float32
 
 
-@given(samples(), st.integers(0, 2**31 - 1))
-def test_entropy_matches_the_definition(batch_samples: list[Sample], seed: int) -> None:
+@given(samples(), st.integers(0, 2**31 - 1), TEMPERATURES)
+def test_entropy_matches_the_definition(
+    batch_samples: list[Sample], seed: int, temperature: float
+) -> None:
+    """The entropy of ``softmax(logits / T)``, the distribution that sampled each token."""
     batch = tensorize_samples(batch_samples, PAD)
     gen = torch.Generator().manual_seed(seed)
     logits = 2.0 * torch.randn(batch.num_sequences, batch.tokens.shape[1], VOCAB, generator=gen)
-    got = unpad(entropy_from_logits(logits, batch), batch)
-    probs = torch.softmax(logits.double(), dim=-1)
+    got = unpad(entropy_from_logits(logits, batch, temperature), batch)
+    probs = torch.softmax(logits.double() / (temperature or 1.0), dim=-1)
     full = (-(probs * probs.log()).sum(-1)).tolist()
     for i, s in enumerate(batch_samples):
         p = len(s.prompt.token_ids)

@@ -140,8 +140,10 @@ def cache_free_reference(
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
     for _ in range(params.max_new_tokens):
         logits = next_token_logits(model, seqs)
-        tokens = sample_next_tokens(logits, params, generator)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        tokens, _ = sample_next_tokens(logits, params, generator)
+        scale = params.temperature or 1.0  # greedy scores at temperature 1
+        log_probs = torch.log_softmax(logits / scale, dim=-1)
+        log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         for row, (token, log_prob) in enumerate(
             zip(tokens.tolist(), log_probs.tolist(), strict=True)
         ):

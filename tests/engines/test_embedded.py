@@ -53,12 +53,15 @@ def prompts(tok: HFTokenizer, texts: Sequence[str]) -> list[Prompt]:
 TEXTS = ["12+34=", "1+2=", "99+1=", "7=", "45+45="]
 
 
-def full_forward_log_probs(model: PreTrainedModel, prompt: Prompt, gen: Generation) -> list[float]:
+def full_forward_log_probs(
+    model: PreTrainedModel, prompt: Prompt, gen: Generation, temperature: float = 1.0
+) -> list[float]:
+    """``gen``'s tokens' log-probs under ``softmax(logits / temperature)`` of a full forward."""
     ids = torch.tensor([prompt.token_ids + gen.token_ids])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
     n = len(prompt.token_ids)
-    log_probs = torch.log_softmax(logits[n - 1 : -1], dim=-1)
+    log_probs = torch.log_softmax(logits[n - 1 : -1] / temperature, dim=-1)
     return log_probs.gather(-1, torch.tensor(gen.token_ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
@@ -75,17 +78,22 @@ def test_is_a_rollout_engine(assets: tuple[Path, HFTokenizer]) -> None:
         SamplingParams(max_new_tokens=8, temperature=1.5, top_p=0.8),
     ],
 )
-def test_log_probs_match_a_full_forward_at_temperature_1(
+def test_log_probs_are_of_the_tempered_distribution_that_sampled(
     assets: tuple[Path, HFTokenizer], params: SamplingParams
 ) -> None:
+    """``log_softmax(logits / T)`` of a full forward, the whole distribution whatever top-k or
+    top-p cut from it (the trainer scores the same), and not the untempered one."""
     engine = make_engine(assets)
     batch = prompts(assets[1], TEXTS) * 3
     gens = engine.generate(batch, params)
     assert len(gens) == len(batch)
     for prompt, gen in zip(batch, gens, strict=True):
         assert len(gen.token_ids) == len(gen.log_probs) >= 1
-        expected = full_forward_log_probs(engine.model, prompt, gen)
+        expected = full_forward_log_probs(engine.model, prompt, gen, params.temperature)
         assert gen.log_probs == pytest.approx(expected, abs=1e-5)
+        if params.temperature != 1.0:
+            untempered = full_forward_log_probs(engine.model, prompt, gen)
+            assert gen.log_probs != pytest.approx(untempered, abs=1e-3)
 
 
 def greedy_reference(
@@ -116,12 +124,20 @@ def test_greedy_equals_hf_generate(assets: tuple[Path, HFTokenizer]) -> None:
 
 
 def test_top_k_1_equals_greedy(assets: tuple[Path, HFTokenizer]) -> None:
+    """The same tokens; the log-probs are each one's own distribution's: greedy scores at
+    temperature 1, top-k 1 at its temperature, over the whole vocabulary (not 0, as the
+    truncated distribution would give)."""
     engine = make_engine(assets)
     batch = prompts(assets[1], TEXTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.0))
     top1 = engine.generate(batch, SamplingParams(max_new_tokens=8, temperature=1.3, top_k=1))
     assert [g.token_ids for g in top1] == [g.token_ids for g in greedy]
-    assert [g.log_probs for g in top1] == [g.log_probs for g in greedy]
+    for prompt, g, t in zip(batch, greedy, top1, strict=True):
+        assert g.log_probs == pytest.approx(
+            full_forward_log_probs(engine.model, prompt, g), abs=1e-5
+        )
+        tempered = full_forward_log_probs(engine.model, prompt, t, 1.3)
+        assert t.log_probs == pytest.approx(tempered, abs=1e-5)
 
 
 def test_left_padding_matches_one_by_one(assets: tuple[Path, HFTokenizer]) -> None:
@@ -301,12 +317,13 @@ def test_close_and_bad_folder(assets: tuple[Path, HFTokenizer], tmp_path: Path) 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
-    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_p=0.75), gen)) for _ in range(300)}
-    assert seen == {0, 1}
-    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_p=0.1), gen)) for _ in range(50)}
-    assert seen == {0}
-    seen = {int(sample_next_tokens(logits, SamplingParams(1, top_k=3), gen)) for _ in range(300)}
-    assert seen == {0, 1, 2}
+
+    def seen(params: SamplingParams, draws: int) -> set[int]:
+        return {int(sample_next_tokens(logits, params, gen)[0]) for _ in range(draws)}
+
+    assert seen(SamplingParams(1, top_p=0.75), 300) == {0, 1}
+    assert seen(SamplingParams(1, top_p=0.1), 50) == {0}
+    assert seen(SamplingParams(1, top_k=3), 300) == {0, 1, 2}
 
 
 def test_ignore_eos_generates_exactly_max_new_tokens(assets: tuple[Path, HFTokenizer]) -> None:
@@ -340,7 +357,9 @@ def test_new_weights_mid_generation_interrupt_it_and_it_goes_on_with_them(
     updater: threading.Thread | None = None
     real = sample_next_tokens
 
-    def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    def sample(
+        logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal calls, updater
         calls += 1
         if calls == 4:  # after the 4th token, new weights arrive from another thread

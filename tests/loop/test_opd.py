@@ -91,10 +91,12 @@ class _ServedTeacher:
     def __init__(self) -> None:
         self.scored = 0
         self.calls: list[tuple[int, ...]] = []
+        self.temperatures: list[float] = []
 
-    def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def score(self, samples: Sequence[Sample], temperature: float) -> list[tuple[float, ...]]:
         self.scored += len(samples)
         self.calls.append(tuple(s.prompt.index for s in samples))
+        self.temperatures.append(temperature)
         return [(TEACHER_LOGP,) * len(s.response.token_ids) for s in samples]
 
 
@@ -157,13 +159,26 @@ def test_a_served_teacher_is_a_url_and_a_run_needs_its_server() -> None:
 
 def test_a_served_teacher_that_scores_the_wrong_tokens_is_named() -> None:
     class Short(_ServedTeacher):
-        def score(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-            return [row[1:] for row in super().score(samples)]
+        def score(self, samples: Sequence[Sample], temperature: float) -> list[tuple[float, ...]]:
+            return [row[1:] for row in super().score(samples, temperature)]
 
     with pytest.raises(
         RolloutError, match=r"teacher server Short gave sample 0 0 log-probs for 1 response"
     ):
         _train(*_flags(2, *SERVED), teacher=Short())
+
+
+@pytest.mark.parametrize("schedule", [(), ("--max-staleness", "1")], ids=["sync", "one-off"])
+def test_both_teachers_score_at_the_rollout_temperature(schedule: tuple[str, ...]) -> None:
+    """The student's log-probs are of ``logits / T`` at the rollout's temperature, so are the
+    teacher's: a served teacher is asked at that temperature, a built one is specified with it."""
+    hot = ("--rollout-temperature", "0.7")
+    server = _ServedTeacher()
+    _train(*_flags(2, *schedule, *SERVED, *hot), teacher=server)
+    assert server.temperatures == [0.7, 0.7]
+    built, _ = _train(*_flags(2, *schedule, *OPD, *hot))
+    (teacher,) = built.teachers
+    assert teacher.spec.temperature == 0.7
 
 
 def test_runs_that_train_nothing_build_no_teacher_and_say_so() -> None:

@@ -51,9 +51,13 @@ def test_plan_kind_and_contents_follow_the_config(data: dict[str, Any]) -> None:
     )  # Megatron's asserts
     assert (result.critic is not None) == config.algorithm.critic
     assert (result.reference is not None) == config.algorithm.uses_kl
-    # One precision for every model of the run; the optimizer kind follows its flag.
+    # One precision for every model of the run, and every policy scores at the rollout's
+    # sampling temperature; the optimizer kind follows its flag.
     for spec in (result.actor, result.critic, result.reference):
         assert spec is None or spec.model.precision == precision
+        assert spec is None or spec.model.temperature == config.rollout.temperature
+    # Evaluation samples at its own temperature, which no training log-prob reads.
+    assert result.eval_params.temperature == config.eval.temperature
     for train in (result.actor, result.critic):
         assert (
             train is None or train.optimizer.distributed == config.optim.use_distributed_optimizer

@@ -34,9 +34,14 @@ def greedy(
 
 
 @torch.no_grad()
-def score(model: LlamaForCausalLM, prompt: Sequence[int], response: Sequence[int]) -> list[float]:
-    """Log-probs of ``response`` after ``prompt`` at temperature 1."""
+def score(
+    model: LlamaForCausalLM,
+    prompt: Sequence[int],
+    response: Sequence[int],
+    temperature: float = 1.0,
+) -> list[float]:
+    """Log-probs of ``response`` after ``prompt`` under ``softmax(logits / temperature)``."""
     ids = torch.tensor([list(prompt) + list(response)])
-    lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    lp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
     start = len(prompt) - 1
     return [float(lp[start + t, token]) for t, token in enumerate(response)]

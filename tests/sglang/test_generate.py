@@ -66,9 +66,11 @@ def test_both_data_parallel_servers_serve_requests(dp_engine: SGLangEngine) -> N
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
 
 
-def test_sampled_log_probs_are_at_temperature_one(
+def test_sampled_log_probs_are_of_the_tempered_distribution(
     dp_engine: SGLangEngine, tiny_model: Path, weights_a: Weights
 ) -> None:
+    """A launched server's log-probs are of ``softmax(logits / T)``, the whole distribution
+    that top-k and top-p then cut (as the trainer scores them), not the untempered one."""
     dp_engine.update_weights(weights_a.items(), version=3)
     params = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.95, top_k=20)
     batch = prompts(6)
@@ -77,8 +79,10 @@ def test_sampled_log_probs_are_at_temperature_one(
     for prompt, generation in zip(batch, generations, strict=True):
         assert 1 <= len(generation.token_ids) <= params.max_new_tokens
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in generation.log_probs)
-        expected = score(model, prompt.token_ids, generation.token_ids)
+        expected = score(model, prompt.token_ids, generation.token_ids, params.temperature)
         assert generation.log_probs == pytest.approx(expected, abs=2e-4)
+        untempered = score(model, prompt.token_ids, generation.token_ids)
+        assert generation.log_probs != pytest.approx(untempered, abs=1e-3)
 
 
 def test_stop_token_ends_the_response_and_is_kept(

@@ -78,7 +78,7 @@ def test_launch_command_binds_the_host_and_caps_the_kv_pool(tmp_path: Path) -> N
     ).command("127.0.0.1", 1)
     env = settings.environment(cpus=3)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"  # log-probs of the tempered policy
     assert env["HF_HUB_OFFLINE"] == "1"  # a local model folder: never a model hub lookup
     assert env["OMP_NUM_THREADS"] == "3"  # the host's share of its CPUs
     # A GPU host: tensor parallel over its GPUs, starting at the first one.

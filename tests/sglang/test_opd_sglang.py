@@ -40,22 +40,31 @@ def _samples(vocab_size: int) -> list[Sample]:
     return samples
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_teacher_server_scores_the_students_tokens_as_transformers_does(
-    dp_engine: SGLangEngine, tiny_model: Path, weights_b: Weights, vocab_size: int
+    dp_engine: SGLangEngine,
+    tiny_model: Path,
+    weights_b: Weights,
+    vocab_size: int,
+    temperature: float,
 ) -> None:
-    """Each response token's log-prob given the prompt and the response before it, at
-    temperature 1, from one server; in requests of two samples (the engine's options)."""
+    """Each response token's log-prob given the prompt and the response before it, under
+    ``softmax(logits / T)`` at the rollout's temperature (1: one prefill; 0.7: a one-token
+    generation per position), from one server; in requests of two samples (the engine's
+    options)."""
     dp_engine.update_weights(weights_b.items(), version=70)
     server = dp_engine.servers[0]
     teacher = SGLangTeacher.connect(server.url, dp_engine.options)
     assert teacher.model_folder() == tiny_model  # the folder the server started from
     samples = _samples(vocab_size)
-    scores = teacher.score(samples)
+    scores = teacher.score(samples, temperature)
     model = hf_model(str(tiny_model), weights_b)
     for sample, got in zip(samples, scores, strict=True):
-        want = score(model, sample.prompt.token_ids, sample.response.token_ids)
-        assert len(got) == len(sample.response.token_ids)
-        assert got == pytest.approx(want, abs=2e-4)
+        prompt, response = sample.prompt.token_ids, sample.response.token_ids
+        assert len(got) == len(response)
+        assert got == pytest.approx(score(model, prompt, response, temperature), abs=2e-4)
+        if temperature != 1.0 and response:
+            assert got != pytest.approx(score(model, prompt, response), abs=1e-3)
     assert scores[3] == ()
 
 

@@ -31,6 +31,7 @@ from typing import final
 import attrs
 import torch
 
+from rlcore.logits import tempered
 from rlcore.samples import Sample, TrainBatch
 
 __all__ = [
@@ -232,28 +233,35 @@ def _response_targets(batch: TensorBatch) -> torch.Tensor:
     return batch.tokens.gather(1, (batch.response_index + 1).clamp(max=last))
 
 
-def token_log_probs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
-    """``log_softmax(logits)`` (temperature 1) at each response token: ``Tensor[B, T]``, 0 on pad.
+def token_log_probs(
+    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0
+) -> torch.Tensor:
+    """``log_softmax(logits / T)`` at each response token: ``Tensor[B, T]``, 0 on padding.
 
-    ``logits`` is ``Tensor[B, S, V]`` from a causal LM over ``batch.tokens``. Only the ``B * T``
-    rows that predict response tokens are gathered, and the log-probability is computed as
-    ``logit[target] - logsumexp(logits)`` over those rows, so no ``[B, S, V]`` log-softmax is ever
+    ``logits`` is ``Tensor[B, S, V]`` from a causal LM over ``batch.tokens``; ``temperature`` is
+    the rollout engine's sampling temperature (:func:`rlcore.logits.tempered`: the policy that
+    sampled is the one scored; 0, greedy, scores at 1). Only the ``B * T`` rows that predict
+    response tokens are gathered, and the log-probability is computed as
+    ``z[target] - logsumexp(z)`` over those rows, so no ``[B, S, V]`` log-softmax is ever
     materialised. Half-precision logits are upcast to ``float32`` (only the gathered rows).
     Differentiable with respect to ``logits``.
     """
-    rows = _upcast(_response_rows(logits, batch))  # [B, T, V]
+    rows = _policy_rows(logits, batch, temperature)  # [B, T, V]
     targets = _response_targets(batch).unsqueeze(-1)  # [B, T, 1]
     picked = rows.gather(-1, targets).squeeze(-1) - torch.logsumexp(rows, dim=-1)
     return picked.masked_fill(~batch.response_mask, 0.0)
 
 
-def entropy_from_logits(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+def entropy_from_logits(
+    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0
+) -> torch.Tensor:
     """Entropy of the next-token distribution that samples each response token: ``Tensor[B, T]``.
 
-    ``logits`` is ``Tensor[B, S, V]``. ``H = logsumexp(z) - sum softmax(z) * z`` over the gathered
-    rows (as verl's ``entropy_from_logits``); 0 on padding. Differentiable.
+    ``logits`` is ``Tensor[B, S, V]``; the distribution is ``softmax(logits / T)`` as in
+    :func:`token_log_probs`. ``H = logsumexp(z) - sum softmax(z) * z`` over the gathered rows
+    (as verl's ``entropy_from_logits``); 0 on padding. Differentiable.
     """
-    rows = _upcast(_response_rows(logits, batch))  # [B, T, V]
+    rows = _policy_rows(logits, batch, temperature)  # [B, T, V]
     log_z = torch.logsumexp(rows, dim=-1)
     probs = torch.softmax(rows, dim=-1)
     entropy = log_z - (probs * rows).sum(dim=-1)
@@ -277,6 +285,12 @@ def unpad(x: torch.Tensor, batch: TensorBatch) -> list[tuple[float, ...]]:
     lengths = batch.response_mask.sum(dim=1).tolist()
     rows = x.detach().cpu().tolist()
     return [tuple(row[:n]) for row, n in zip(rows, lengths, strict=True)]
+
+
+def _policy_rows(logits: torch.Tensor, batch: TensorBatch, temperature: float) -> torch.Tensor:
+    """The logits that predict the response tokens, in at least ``float32`` and tempered:
+    ``Tensor[B, T, V]``, what the log-probs and the entropy are read from."""
+    return tempered(_upcast(_response_rows(logits, batch)), temperature)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,12 @@ class RolloutConfig:
         "is refused when none is left); default: the model's maximum positions less "
         "--rollout-max-response-len",
     )
-    temperature: float = option(1.0, "--rollout-temperature", "sampling temperature")
+    temperature: float = option(
+        1.0,
+        "--rollout-temperature",
+        "sampling temperature; training scores that policy: every log-prob and entropy is of "
+        "softmax(logits / T), as in slime and verl (0 = greedy, scored at T = 1)",
+    )
     top_p: float = option(1.0, "--rollout-top-p", "nucleus sampling threshold (1.0 = off)")
     top_k: int = option(0, "--rollout-top-k", "top-k sampling (0 = off)")
     engine: str = option(

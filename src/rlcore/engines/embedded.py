@@ -19,9 +19,9 @@ second at 32 / 128 / 512 new tokens: 2,331 / 2,394 / 1,814 (with SDPA 2,461 / 2,
 ``model.generate`` 1,922 / 1,746 / 562). So a token at 512 costs 1.28x what it costs at 32 (1.75x
 with SDPA), and the engine has 3.2x ``model.generate``'s throughput there.
 
-Log-probs are those of the sampled tokens under the model's *unscaled* logits (temperature 1),
-whatever temperature, top-k or top-p shaped the sampling distribution: the trainer recomputes
-log-probs at temperature 1, so the rollout-vs-trainer mismatch metric compares like with like.
+Log-probs are those of the sampled tokens under the tempered distribution that sampled them
+(``softmax(logits / T)``, :func:`rlcore.logits.tempered`), whatever top-k or top-p cut from it:
+the trainer computes the same, so the rollout-vs-trainer mismatch metric compares like with like.
 
 This module imports torch and transformers; ``import rlcore`` does not import it.
 """
@@ -374,8 +374,7 @@ class EmbeddedEngine:
         ended = torch.zeros(batch, dtype=torch.bool, device=device)  # per cache row
         n_ended = 0
         for step in range(max_new):
-            token = sample_next_tokens(logits, params, self._generator)
-            log_prob = torch.log_softmax(logits, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+            token, log_prob = sample_next_tokens(logits, params, self._generator)
             # Rows that ended but are still in the cache write past their end: cut by ``lengths``.
             out.tokens[live, step] = token
             out.log_probs[live, step] = log_prob

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from rlcore.errors import RolloutError
+from rlcore.logits import tempered
 from rlcore.samples import SamplingParams
 from rlcore.weights import NamedTensors
 
@@ -21,18 +22,32 @@ __all__ = ["check_params", "copy_weights", "sample_next_tokens"]
 
 def sample_next_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:
-    """Pick the next token of each row: ``logits: Tensor[B, V] -> Tensor[B]`` (int64).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of each row and say its log-probability: ``logits: Tensor[B, V]`` ->
+    ``(tokens: Tensor[B] (int64), log_probs: Tensor[B])``.
 
-    ``temperature == 0`` is greedy (argmax). Otherwise the logits are divided by the temperature,
-    restricted to the ``top_k`` largest (``0`` = off; ties at the k-th value are all kept) and then
-    to the smallest set whose probability reaches ``top_p`` (``1.0`` = off; the most likely token
-    is always kept), and one token is drawn with ``generator`` — the order Hugging Face applies
-    them.
+    ``temperature == 0`` is greedy (argmax). Otherwise the logits are tempered
+    (:func:`rlcore.logits.tempered`), restricted to the ``top_k`` largest (``0`` = off; ties at
+    the k-th value are all kept) and then to the smallest set whose probability reaches ``top_p``
+    (``1.0`` = off; the most likely token is always kept), and one token is drawn with
+    ``generator``: the order Hugging Face applies them. ``log_probs`` are of the whole tempered
+    distribution (``log_softmax(logits / T)``), not of the truncated one: what the trainer
+    computes for the same tokens.
     """
+    scores = tempered(logits, params.temperature)
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    scores = logits if params.temperature == 1.0 else logits / params.temperature
+        tokens = scores.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(
+            _truncated(scores, params).softmax(dim=-1), num_samples=1, generator=generator
+        ).squeeze(-1)
+    log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, log_probs
+
+
+def _truncated(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``scores: Tensor[B, V]`` with what ``params.top_k`` and ``params.top_p`` leave out set to
+    ``-inf``."""
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
@@ -44,8 +59,7 @@ def sample_next_tokens(
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.empty_like(scores).scatter_(-1, order, sorted_scores)
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return scores
 
 
 def check_params(params: SamplingParams, engine: str) -> None:

@@ -41,8 +41,8 @@ class TorchEngine:
     instance (the loop sends it the actor's weights before the first rollout). Sampling draws
     from one ``torch.Generator`` seeded with ``seed``: an engine built the same way produces the
     same generations for the same calls. Log-probs are those of the sampled tokens under the
-    model's logits at temperature 1, whatever the sampling temperature, as the trainer computes
-    them.
+    tempered distribution that sampled them (:func:`rlcore.logits.tempered`), whatever top-k or
+    top-p cut, as the trainer computes them.
     """
 
     def __init__(
@@ -133,11 +133,10 @@ class TorchEngine:
                     f"{getattr(logits, 'shape', '')}; it must return logits Tensor[B, T, V]"
                 )
             last = logits[:, -1, :].float()
-            token = sample_next_tokens(last, params, self._generator)
-            log_prob = torch.log_softmax(last, dim=-1).gather(-1, token.unsqueeze(-1))
+            token, log_prob = sample_next_tokens(last, params, self._generator)
             keep = []
             for position, (row, t, lp) in enumerate(
-                zip(live, token.tolist(), log_prob.squeeze(-1).tolist(), strict=True)
+                zip(live, token.tolist(), log_prob.tolist(), strict=True)
             ):
                 sampled[row].append(t)
                 log_probs[row].append(lp)

@@ -198,7 +198,8 @@ def resolve_num_rollout(config: RunConfig, num_prompts: int) -> RunConfig:
 
 def _model(config: RunConfig, role: Role) -> ModelSpec:
     """The reference model and a teacher are split like the actor (they share the actor's GPUs);
-    the critic has its own rank count (``--critic-num-nodes`` x ``--critic-num-gpus-per-node``)."""
+    the critic has its own rank count (``--critic-num-nodes`` x ``--critic-num-gpus-per-node``).
+    Every policy scores at the rollout's sampling temperature (:func:`rlcore.logits.tempered`)."""
     m, k = config.model, config.cluster
     ranks = k.critic_ranks if role == "critic" else k.actor_ranks
     parallel = ParallelSpec(
@@ -213,6 +214,7 @@ def _model(config: RunConfig, role: Role) -> ModelSpec:
         parallel=parallel,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         precision="bfloat16" if m.bf16 else "float32",
+        temperature=config.rollout.temperature,
     )
 
 

@@ -204,25 +204,28 @@ def rollout_source(
             "(--opd-type sglang), but no teacher server was given; pass one "
             "(rlcore_sglang.SGLangTeacher)"
         )
-    served = teacher
+    served, temperature = teacher, plan.rollout_params.temperature
     log.info("teacher: the server at %s scores each rollout as it is made", opd.teacher.url)
 
     def scored(rollout_id: int, prompts: PromptSource, carried: tuple[Group, ...]) -> RolloutOutput:
         output = source(rollout_id, prompts, carried)
         t0 = time.perf_counter()
-        groups = score_by_teacher(served, output.groups)
+        groups = score_by_teacher(served, output.groups, temperature)
         metrics = {**output.metrics, "perf/teacher_s": time.perf_counter() - t0}
         return attrs.evolve(output, groups=groups, metrics=metrics)
 
     return scored
 
 
-def score_by_teacher(teacher: TeacherServer, groups: Sequence[Group]) -> tuple[Group, ...]:
+def score_by_teacher(
+    teacher: TeacherServer, groups: Sequence[Group], temperature: float
+) -> tuple[Group, ...]:
     """The groups, each sample carrying the served teacher's log-prob of each of its response
-    tokens (``Sample.teacher_log_probs``). Raises :class:`RolloutError` when the teacher's answer
-    does not have one log-prob per response token."""
+    tokens at the rollout's sampling ``temperature`` (``Sample.teacher_log_probs``). Raises
+    :class:`RolloutError` when the teacher's answer does not have one log-prob per response
+    token."""
     samples = [s for g in groups for s in g]
-    scores = teacher.score(samples)
+    scores = teacher.score(samples, temperature)
     name = type(teacher).__name__
     if len(scores) != len(samples):
         raise RolloutError(
@@ -555,8 +558,8 @@ def rollout_metrics(samples: Sequence[Sample], policy_version: int) -> dict[str,
         "rollout/weight_version_lag": _mean(
             [float(policy_version - s.response.weight_version) for s in samples]
         ),
-        # -E[log p] of the model's sampled tokens: an estimate of the sampling distribution's
-        # entropy (exact at temperature 1), cheap, and always there, unlike the loss's.
+        # -E[log p] of the model's sampled tokens: an estimate of the tempered distribution's
+        # entropy (unbiased without top-k / top-p), cheap, and always there, unlike the loss's.
         "rollout/entropy": _mean(
             [
                 -lp
