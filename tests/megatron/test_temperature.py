@@ -104,11 +104,11 @@ def test_the_engine_and_the_trainer_agree_at_a_temperature(tiny_hf: Path, tmp_pa
     engine = EmbeddedEngine.from_pretrained(folder, tokenizer, seed=3)
     prompts = [Prompt(i, "", (1, 3 + i, 5 + 2 * i)) for i in range(4)]
     params = SamplingParams(max_new_tokens=6, temperature=T, top_k=8, ignore_eos=True)
-    batch = prompts * 2
-    generations = engine.generate(batch, params)
+    requests = prompts * 2
+    generations = engine.generate(requests, params)
     engine.close()
     samples = [
-        Sample(p, g, 0.0, i) for i, (p, g) in enumerate(zip(batch, generations, strict=True))
+        Sample(p, g, 0.0, i) for i, (p, g) in enumerate(zip(requests, generations, strict=True))
     ]
     spec = train_spec(folder, global_batch_size=8, micro_batch_size=4)
     spec = attrs.evolve(spec, model=attrs.evolve(spec.model, temperature=T))
