@@ -316,8 +316,10 @@ class AdvantageSpec:
     (GRPO, REINFORCE++-baseline). ``kl_coef`` > 0 subtracts ``kl_coef * KL_t`` (estimator
     ``kl_type``, against the reference model) from the per-token reward. ``normalize_std = False``
     is Dr. GRPO (no division by the group's std). ``whiten`` rescales the final advantages to mean
-    0 and variance 1 over every response token of the rollout (slime's ``--normalize-advantages``;
-    verl and OpenRLHF do this for PPO); critic returns are taken before it.
+    0 and unbiased (``n - 1``) variance 1 over the rollout's model tokens, those of the loss mask
+    (a multi-turn episode's environment tokens and padding are left out and read 0): slime's
+    ``--normalize-advantages``, whose whitening verl and OpenRLHF apply to PPO's advantages;
+    critic returns are taken before it.
     """
 
     estimator: AdvantageEstimator

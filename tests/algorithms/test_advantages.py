@@ -100,22 +100,23 @@ def test_each_grpo_group_sums_to_zero(case: tuple[int, list[float]], normalize_s
 
 def test_reinforce_plus_plus_by_hand() -> None:
     # Discounted returns with gamma 0.5: [0.25, 0.5, 1] and [1, 2]; over the 5 valid tokens
-    # mean 0.95, biased variance 0.36 (std 0.6).
+    # mean 0.95, squared deviations summing to 1.8: unbiased variance 1.8 / 4 = 0.45.
     rewards = t64([[0.0, 0.0, 1.0], [0.0, 2.0, 99.0]])  # 99 sits on padding and is ignored
     mask = torch.tensor([[True, True, True], [True, True, False]])
     got = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
-    want = [[-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6], [0.05 / 0.6, 1.05 / 0.6, 0.0]]
+    s = math.sqrt(0.45 + 1e-8)
+    want = [[-0.7 / s, -0.45 / s, 0.05 / s], [0.05 / s, 1.05 / s, 0.0]]
     assert got.tolist()[0] == pytest.approx(want[0])
     assert got.tolist()[1] == pytest.approx(want[1])
 
 
 def test_reinforce_plus_plus_baseline_by_hand() -> None:
     # Group means 0.5 and 2: centred [0.5, -0.5, 1, -1]; broadcast to 1, 1, 2, 2 tokens:
-    # [0.5, -0.5, 1, 1, -1, -1], mean 0, biased variance 0.75.
+    # [0.5, -0.5, 1, 1, -1, -1], mean 0, unbiased variance 4.5 / 5 = 0.9.
     rewards = torch.tensor([1.0, 0.0, 3.0, 1.0], dtype=torch.float64)
     mask = torch.tensor([[True, False], [True, False], [True, True], [True, True]])
     got = reinforce_plus_plus_baseline_advantages(rewards, 2, mask)
-    s = math.sqrt(0.75)
+    s = math.sqrt(0.9 + 1e-8)
     want = [[0.5 / s, 0.0], [-0.5 / s, 0.0], [1 / s, 1 / s], [-1 / s, -1 / s]]
     for row, w in zip(got.tolist(), want, strict=True):
         assert row == pytest.approx(w)
@@ -130,14 +131,17 @@ def test_reinforce_plus_plus_is_whitened_over_valid_tokens(
     assert torch.all(adv[~mask] == 0)
     valid = adv[mask]
     assert abs(valid.mean().item()) < 1e-6
-    # Variance 1, unless the returns' variance v is below the 1e-8 floor: then v / 1e-8.
+    if valid.numel() == 1:  # its own mean
+        assert valid.item() == 0.0
+        return
+    # Unbiased variance v / (v + 1e-8), v the returns' unbiased variance: 1 unless v is tiny.
     masked = (rewards * mask).tolist()
     to_go = [
         [sum(gamma**k * r for k, r in enumerate(row[t:])) for t in range(len(row))]
         for row in masked
     ]
-    v = torch.tensor(to_go, dtype=torch.float64)[mask].var(correction=0).item()
-    assert valid.var(correction=0).item() == pytest.approx(v / max(v, 1e-8), rel=1e-6, abs=1e-9)
+    v = torch.tensor(to_go, dtype=torch.float64)[mask].var(correction=1).item()
+    assert valid.var(correction=1).item() == pytest.approx(v / (v + 1e-8), rel=1e-6, abs=1e-9)
 
 
 # --- GAE ----------------------------------------------------------------------------------------
@@ -228,21 +232,22 @@ def test_estimate_reinforce_plus_plus_puts_the_reward_on_the_last_token() -> Non
     got = estimate_advantages(
         samples, AdvantageSpec(estimator="reinforce_plus_plus", group_size=1, gamma=0.5)
     )
-    assert got.advantages[0] == pytest.approx((-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6))
-    assert got.advantages[1] == pytest.approx((0.05 / 0.6, 1.05 / 0.6))
+    s = math.sqrt(0.45 + 1e-8)
+    assert got.advantages[0] == pytest.approx((-0.7 / s, -0.45 / s, 0.05 / s))
+    assert got.advantages[1] == pytest.approx((0.05 / s, 1.05 / s))
     assert got.returns == got.advantages
 
 
 def test_estimate_reinforce_plus_plus_with_kl_penalises_every_token() -> None:
     # gamma 1, kl_coef 1, k1 = 1 on each of 2 tokens: token rewards [-1, 1 - 1] -> returns [-1, 0],
     # and a second one-token sample with KL 0 and reward 1 -> return 1. Over [-1, 0, 1]: mean 0,
-    # biased variance 2/3.
+    # unbiased variance 2 / 2 = 1.
     samples = [sample(1.0, 2), sample(1.0, 1)]
     spec = AdvantageSpec(estimator="reinforce_plus_plus", group_size=1, kl_coef=1.0)
     got = estimate_advantages(
         samples, spec, log_probs=((0.0, 0.0), (0.0,)), ref_log_probs=((-1.0, -1.0), (0.0,))
     )
-    s = math.sqrt(2.0 / 3.0)
+    s = math.sqrt(1.0 + 1e-8)
     assert got.advantages[0] == pytest.approx((-1.0 / s, 0.0))
     assert got.advantages[1] == pytest.approx((1.0 / s,))
     assert got.kl == pytest.approx(2.0 / 3.0)
@@ -253,7 +258,7 @@ def test_estimate_reinforce_plus_plus_baseline() -> None:
     got = estimate_advantages(
         samples, AdvantageSpec(estimator="reinforce_plus_plus_baseline", group_size=2)
     )
-    s = math.sqrt(0.75)
+    s = math.sqrt(0.9 + 1e-8)  # as in test_reinforce_plus_plus_baseline_by_hand
     want = ((0.5 / s,), (-0.5 / s,), (1 / s, 1 / s), (-1 / s, -1 / s))
     for row, w in zip(got.advantages, want, strict=True):
         assert row == pytest.approx(w)
@@ -274,10 +279,11 @@ def test_whitened_ppo_advantages_keep_the_critic_returns() -> None:
     values = ((0.5, 0.6, 0.7), (0.5,))
     plain = AdvantageSpec(estimator="ppo", group_size=1, gamma=0.9, lambd=0.8)
     got = estimate_advantages(samples, attrs.evolve(plain, whiten=True), values=values)
-    # GAE gives 0.21712, 0.246, 0.3 and 1.5 (the test above); whitened over those four tokens:
+    # GAE gives 0.21712, 0.246, 0.3 and 1.5 (the test above); whitened over those four tokens
+    # with the unbiased variance (divided by 4 - 1), as slime and verl whiten:
     raw = [0.21712, 0.246, 0.3, 1.5]
     mean = sum(raw) / 4
-    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 4)
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3 + 1e-8)
     flat = [a for row in got.advantages for a in row]
     assert flat == pytest.approx([(a - mean) / std for a in raw])
     assert got.returns == estimate_advantages(samples, plain, values=values).returns
@@ -298,11 +304,14 @@ def test_whitening_gives_mean_zero_unit_variance_over_response_tokens(
     assert got.returns == plain.returns
     if not flat:
         return
-    mean = sum(raw) / len(raw)
-    var = sum((a - mean) ** 2 for a in raw) / len(raw)
     assert sum(flat) / len(flat) == pytest.approx(0.0, abs=1e-9)
-    if var > 1e-6:  # otherwise the 1e-8 floor on the variance keeps it from reaching 1
-        assert sum(a * a for a in flat) / len(flat) == pytest.approx(1.0, rel=1e-6)
+    if len(raw) == 1:  # the one token is its own mean
+        assert flat == [0.0]
+        return
+    mean = sum(raw) / len(raw)
+    var = sum((a - mean) ** 2 for a in raw) / (len(raw) - 1)
+    if var > 1e-6:  # otherwise the 1e-8 added to the variance keeps it from reaching 1
+        assert sum(a * a for a in flat) / (len(flat) - 1) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_estimate_names_what_is_missing_or_wrong() -> None:

@@ -47,7 +47,8 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
 ]
 
-_WHITEN_MIN_VAR = 1e-8
+_WHITEN_EPS = 1e-8
+"""Added to the variance before the square root when whitening (slime's and verl's epsilon)."""
 
 
 def grpo_advantages(
@@ -75,11 +76,17 @@ def grpo_advantages(
 def reinforce_plus_plus_advantages(
     token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """REINFORCE++ advantages: ``token_rewards: Tensor[B, T] -> Tensor[B, T]``, 0 on padding.
+    """REINFORCE++ advantages: ``token_rewards: Tensor[B, T] -> Tensor[B, T]``, 0 where ``mask``
+    is False.
 
-    The discounted return ``G_t = sum_{k >= t} gamma^(k - t) r_k`` of each valid token, then
-    whitened over all valid tokens of the batch (mean 0, variance 1 with the biased variance, as
-    OpenRLHF's ``masked_normalize``). Hu 2025, arXiv:2501.03262.
+    Over the tokens where ``mask`` is True (the model's, module docstring), with ``t'`` the next
+    such token after ``t`` in the same row: the discounted return ``G_t = r_t + gamma G_t'``
+    (``G_t = r_t`` at a row's last one), so ``G_t = sum_k gamma^(j(k) - j(t)) r_k`` over the
+    masked tokens ``k >= t``, ``j`` counting masked tokens (one discount step per model token;
+    ``G_t = sum_{k >= t} gamma^(k - t) r_k`` when every token is masked in). Rewards on unmasked
+    tokens are ignored. Then whitened over every masked token of the batch: ``(G - mean) /
+    sqrt(var + 1e-8)``, ``var`` the unbiased variance (:func:`_masked_whiten`; slime's and verl's
+    whitening). Hu 2025, arXiv:2501.03262.
     """
     returns = _discounted_returns(token_rewards * mask, gamma, mask)
     return _masked_whiten(returns, mask)
@@ -91,7 +98,8 @@ def reinforce_plus_plus_baseline_advantages(
     """REINFORCE++-baseline: ``rewards: Tensor[B]`` (one score per sequence) -> ``Tensor[B, T]``.
 
     Subtracts each group's mean reward (``group_size`` consecutive sequences), broadcasts the
-    result to every valid token of the sequence and whitens over all valid tokens of the batch.
+    result to every token of the sequence where ``mask`` is True and whitens over all those
+    tokens of the batch (as :func:`reinforce_plus_plus_advantages`).
     Hu 2025, arXiv:2501.03262, section on REINFORCE++-baseline.
     """
     centered = grpo_advantages(rewards, group_size, normalize_std=False)
@@ -171,8 +179,10 @@ def estimate_advantages(
     - ``reinforce_plus_plus``: discounted token returns (``spec.gamma``), whitened.
     - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
 
-    ``spec.whiten`` then whitens the advantages over all response tokens of ``samples`` (mean 0,
-    biased variance 1); returns are left as they were, so the critic's targets do not change.
+    ``spec.whiten`` then whitens the advantages over the model's tokens of ``samples`` (the loss
+    mask's, not a multi-turn episode's environment tokens): mean 0 and unbiased variance 1, as
+    :func:`_masked_whiten` says. Returns are left as they were, so the critic's targets do not
+    change.
 
     Samples with empty responses get empty rows (a grouped estimator still counts their reward in
     their group's statistics). Raises ``ValueError`` for a missing input, rows of the wrong length,
@@ -254,14 +264,20 @@ def _discounted_returns(rewards: torch.Tensor, gamma: float, mask: torch.Tensor)
 
 
 def _masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) / sqrt(max(var, 1e-8))`` with mean and biased variance over ``mask``'s True
-    entries; 0 where ``mask`` is False, and all 0 when nothing is valid (OpenRLHF's whitening)."""
-    n = mask.sum()
-    if int(n) == 0:
+    """``(x - mean) / sqrt(var + 1e-8)`` with ``mean`` and the unbiased (Bessel, ``n - 1``)
+    variance ``var`` over the ``n`` True entries of ``mask``, as slime's
+    ``distributed_masked_whiten`` and verl's ``masked_whiten`` compute it; 0 where ``mask`` is
+    False. ``n = 1``: that entry is its own mean, so it reads 0 (slime's result; verl raises);
+    ``n = 0``: all 0 (both raise: here a rollout of empty responses trains nothing)."""
+    valid = mask.to(torch.bool)
+    n = int(valid.sum())
+    if n == 0:
         return torch.zeros_like(x)
-    mean = (x * mask).sum() / n
-    var = ((x - mean).square() * mask).sum() / n
-    return ((x - mean) * var.clamp_min(_WHITEN_MIN_VAR).rsqrt()) * mask
+    kept = torch.where(valid, x, torch.zeros_like(x))
+    mean = kept.sum() / n
+    centered = torch.where(valid, x - mean, torch.zeros_like(x))
+    var = centered.square().sum() / max(n - 1, 1)
+    return centered * torch.rsqrt(var + _WHITEN_EPS)
 
 
 def _check_groups(count: int, group_size: int) -> None:

@@ -39,7 +39,8 @@ class AlgorithmConfig:
     normalize_advantages: bool = option(
         False,
         "--normalize-advantages",
-        "whiten advantages over the rollout's response tokens (usual for PPO)",
+        "whiten advantages over the rollout's model (loss-mask) tokens: mean 0, unbiased "
+        "variance 1 (usual for PPO)",
     )
     kl_coef: float = option(0.0, "--kl-coef", "KL penalty on the reward (needs a reference model)")
     kl_penalty_type: KLType = option("k1", "--kl-penalty-type", "KL estimator for --kl-coef")
