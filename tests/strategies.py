@@ -9,8 +9,15 @@ import torch
 from hypothesis import strategies as st
 
 from rlcore.samples import Generation, Prompt, Sample
+from rlcore.specs import AdvantageEstimator
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS: tuple[AdvantageEstimator, ...] = (
+    "grpo",
+    "gspo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "ppo",
+)
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 

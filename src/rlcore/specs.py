@@ -351,11 +351,11 @@ class ServedTeacher:
 @attrs.frozen
 class OPDSpec:
     """On-policy distillation: ``teacher`` scores the student's sampled tokens, and each token's
-    advantage loses ``kl_coef`` times the student's log-prob minus the teacher's
-    (:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an :class:`EvalSpec`,
-    built as an eval stack, which has no optimizer, and scores at train time (``--opd-type
-    megatron``); or a :class:`ServedTeacher`, a server that scores each rollout as it is made
-    (``--opd-type sglang``).
+    advantage loses ``kl_coef`` times the student's log-prob minus the teacher's, after the
+    estimator and before any whitening, as in slime (:mod:`rlcore.algorithms.distill`). The
+    teacher is an :class:`EvalSpec`, built as an eval stack, which has no optimizer, and scores
+    at train time (``--opd-type megatron``); or a :class:`ServedTeacher`, a server that scores
+    each rollout as it is made (``--opd-type sglang``).
 
     ``teacher_load``: a checkpoint folder (``rollout_NNNNNN``) whose ``actor`` holds the teacher's
     weights, loaded into the eval stack once it is built (weights only); the spec's model folder

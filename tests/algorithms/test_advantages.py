@@ -235,7 +235,8 @@ def test_estimate_reinforce_plus_plus_puts_the_reward_on_the_last_token() -> Non
     s = math.sqrt(0.45 + 1e-8)
     assert got.advantages[0] == pytest.approx((-0.7 / s, -0.45 / s, 0.05 / s))
     assert got.advantages[1] == pytest.approx((0.05 / s, 1.05 / s))
-    assert got.returns == got.advantages
+    # The returns are the discounted returns themselves, before whitening.
+    assert got.returns == ((0.25, 0.5, 1.0), (1.0, 2.0))
 
 
 def test_estimate_reinforce_plus_plus_with_kl_penalises_every_token() -> None:
@@ -299,9 +300,12 @@ def test_whitening_gives_mean_zero_unit_variance_over_response_tokens(
     plain = estimate_advantages(samples, spec, values=values)
     got = estimate_advantages(samples, attrs.evolve(spec, whiten=True), values=values)
     flat = [a for row in got.advantages for a in row]
-    raw = [a for row in plain.advantages for a in row]
+    # What was whitened: GAE's advantages, or (no critic) the estimator's, which are the returns.
+    raw = [a for row in (plain.advantages if estimator == "ppo" else plain.returns) for a in row]
     assert [len(r) for r in got.advantages] == [len(r) for r in plain.advantages]
     assert got.returns == plain.returns
+    if estimator.startswith("reinforce_plus_plus"):  # whitened either way, once
+        assert got == plain
     if not flat:
         return
     assert sum(flat) / len(flat) == pytest.approx(0.0, abs=1e-9)
@@ -310,8 +314,9 @@ def test_whitening_gives_mean_zero_unit_variance_over_response_tokens(
         return
     mean = sum(raw) / len(raw)
     var = sum((a - mean) ** 2 for a in raw) / (len(raw) - 1)
-    if var > 1e-6:  # otherwise the 1e-8 added to the variance keeps it from reaching 1
-        assert sum(a * a for a in flat) / (len(flat) - 1) == pytest.approx(1.0, rel=1e-6)
+    # Unbiased variance var / (var + 1e-8): 1 unless the 1e-8 matters.
+    got_var = sum(a * a for a in flat) / (len(flat) - 1)
+    assert got_var == pytest.approx(var / (var + 1e-8), rel=1e-6, abs=1e-9)
 
 
 def test_estimate_names_what_is_missing_or_wrong() -> None:

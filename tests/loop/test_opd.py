@@ -149,6 +149,22 @@ def test_the_teacher_moves_each_tokens_advantage_by_its_reverse_kl(
     )
 
 
+def test_with_normalize_advantages_the_teachers_term_is_whitened_with_the_rest() -> None:
+    """slime's order: the estimator, plus the teacher's term, then --normalize-advantages. The
+    fake actor's log-probs are 0, so the term is the same on every token: whitened with the
+    rest it vanishes, where whitening first and adding after would shift every advantage."""
+    whiten = ("--normalize-advantages",)
+    base, _ = _train(*_flags(2, *whiten))
+    distilled, _ = _train(*_flags(2, *whiten, *OPD, "--opd-kl-coef", "0.5"))
+    before = base.inner.training_stacks[0].batches
+    after = distilled.inner.training_stacks[0].batches
+    for b, a in zip(before, after, strict=True):
+        assert [s.response for s in b.samples] == [s.response for s in a.samples]
+        flat = [x for row in a.advantages for x in row]
+        assert flat == pytest.approx([x for row in b.advantages for x in row], abs=1e-9)
+        assert math.fsum(flat) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_a_served_teacher_is_a_url_and_a_run_needs_its_server() -> None:
     the_plan = plan(load_config(_flags(2, *SERVED)))
     assert isinstance(the_plan, TrainPlan) and the_plan.opd is not None

@@ -145,16 +145,25 @@ def gae(
 class Advantages:
     """What :func:`estimate_advantages` returns, one row per sample, each as long as its response.
 
-    ``returns`` are the critic's targets; for estimators without a critic (``grpo``, ``gspo``,
-    ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) they equal ``advantages``.
-    ``kl`` is the mean per-token KL estimate against the reference (before ``kl_coef``) over the
-    model's response tokens (a multi-turn episode's environment tokens excluded), 0.0 when
-    ``kl_coef == 0``.
+    ``returns`` are the critic's targets: for ``ppo``, GAE's ``A + V``; for the estimators
+    without a critic, what the estimator gave before any ``token_terms`` were added and before
+    whitening (``reinforce_plus_plus``: the discounted returns ``G_t``; ``grpo``, ``gspo``,
+    ``reinforce_plus_plus_baseline``: the per-sequence advantage on each model token).
+    So they equal ``advantages`` only when nothing was added or whitened (never for REINFORCE++
+    and REINFORCE++-baseline, which always whiten). ``kl`` is the mean per-token KL estimate
+    against the reference (before ``kl_coef``) over the model's response tokens (a multi-turn
+    episode's environment tokens excluded), 0.0 when ``kl_coef == 0``.
     """
 
     advantages: tuple[tuple[float, ...], ...]
     returns: tuple[tuple[float, ...], ...]
     kl: float = 0.0
+
+
+_GROUPED = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+_WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""The estimators whose definition whitens (REINFORCE++, arXiv:2501.03262): whitened whether or
+not ``AdvantageSpec.whiten`` asks (slime refuses them without ``--normalize-advantages``)."""
 
 
 def estimate_advantages(
@@ -164,25 +173,37 @@ def estimate_advantages(
     values: Sequence[tuple[float, ...]] = (),
     log_probs: Sequence[tuple[float, ...]] = (),
     ref_log_probs: Sequence[tuple[float, ...]] = (),
+    token_terms: Sequence[tuple[float, ...]] = (),
 ) -> Advantages:
     """Per-token advantages (and returns) for ``samples`` under ``spec``.
 
-    The per-token reward is ``sample.reward`` on the last response token, minus
-    ``spec.kl_coef * kl_estimate(log_probs, ref_log_probs, spec.kl_type)`` on every token when
-    ``kl_coef > 0`` (then ``log_probs`` and ``ref_log_probs`` are required). ``values`` (the
+    The per-token reward is ``sample.reward`` on the last model token (the last action), minus
+    ``spec.kl_coef * kl_estimate(log_probs, ref_log_probs, spec.kl_type)`` on every model token
+    when ``kl_coef > 0`` (then ``log_probs`` and ``ref_log_probs`` are required). ``values`` (the
     critic's ``V(s_t)`` per response token) are required by ``ppo``. Every given row sequence has
-    one row per sample, each as long as the sample's response.
+    one row per sample, each as long as the sample's response. Model tokens are those of the loss
+    mask (:attr:`~rlcore.samples.Generation.model_mask`); every other token reads 0.
 
-    - ``grpo`` / ``gspo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed
-      token rewards: the reward minus ``kl_coef`` times the summed KL) is normalised within its
-      group of ``spec.group_size`` consecutive samples and broadcast to every response token.
-    - ``reinforce_plus_plus``: discounted token returns (``spec.gamma``), whitened.
-    - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
+    1. The estimator:
 
-    ``spec.whiten`` then whitens the advantages over the model's tokens of ``samples`` (the loss
-    mask's, not a multi-turn episode's environment tokens): mean 0 and unbiased variance 1, as
-    :func:`_masked_whiten` says. Returns are left as they were, so the critic's targets do not
-    change.
+       - ``grpo`` / ``gspo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed
+         token rewards: the reward minus ``kl_coef`` times the summed KL) is normalised within its
+         group of ``spec.group_size`` consecutive samples (:func:`grpo_advantages`; REINFORCE++-
+         baseline only subtracts the group mean) and broadcast to every model token.
+       - ``reinforce_plus_plus``: the discounted returns of the token rewards (``spec.gamma``;
+         :func:`reinforce_plus_plus_advantages` before its whitening).
+       - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
+
+    2. ``token_terms`` (optional, one row per sample): added to each model token's advantage.
+       On-policy distillation's ``-coef (log pi_student - log pi_teacher)``
+       (:func:`rlcore.algorithms.distill.distillation_advantages`) goes here, after the estimator
+       and before whitening, where slime's ``compute_advantages_and_returns`` adds it.
+    3. Whitening over the model tokens of ``samples`` (:func:`_masked_whiten`: mean 0, unbiased
+       variance 1) when ``spec.whiten`` (``--normalize-advantages``) or the estimator is
+       REINFORCE++ or REINFORCE++-baseline, which whiten by definition; once either way.
+
+    Returns are taken after step 1 (:class:`Advantages`), so the critic's targets change with
+    neither the added terms nor the whitening.
 
     Samples with empty responses get empty rows (a grouped estimator still counts their reward in
     their group's statistics). Raises ``ValueError`` for a missing input, rows of the wrong length,
@@ -193,8 +214,8 @@ def estimate_advantages(
     _check_rows("values", values, lengths)
     _check_rows("log_probs", log_probs, lengths)
     _check_rows("ref_log_probs", ref_log_probs, lengths)
-    grouped = spec.estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
-    if grouped:
+    _check_rows("token_terms", token_terms, lengths)
+    if spec.estimator in _GROUPED:
         _check_groups(len(samples), spec.group_size)
         _check_group_ids(samples, spec.group_size)
     if spec.estimator == "ppo" and samples and not values:
@@ -231,20 +252,20 @@ def estimate_advantages(
         kl_mean = float(kl.sum()) / n_tokens if n_tokens else 0.0
 
     if spec.estimator in ("grpo", "gspo"):  # GSPO differs in the policy loss's ratio only
-        per_seq = grpo_advantages(scores, spec.group_size, spec.normalize_std)
-        adv = per_seq.unsqueeze(1) * mask
-        ret = adv
+        adv = grpo_advantages(scores, spec.group_size, spec.normalize_std).unsqueeze(1) * mask
     elif spec.estimator == "reinforce_plus_plus_baseline":
-        adv = reinforce_plus_plus_baseline_advantages(scores, spec.group_size, mask)
-        ret = adv
+        adv = grpo_advantages(scores, spec.group_size, normalize_std=False).unsqueeze(1) * mask
     elif spec.estimator == "reinforce_plus_plus":
-        adv = reinforce_plus_plus_advantages(token_rewards, mask, spec.gamma)
-        ret = adv
+        adv = _discounted_returns(token_rewards * mask, spec.gamma, mask)
     elif spec.estimator == "ppo":
         adv, ret = gae(token_rewards, _pad(values, response, dtype), mask, spec.gamma, spec.lambd)
     else:
         raise ValueError(f"unknown advantage estimator {spec.estimator!r}")
-    if spec.whiten:
+    if spec.estimator != "ppo":
+        ret = adv
+    if token_terms:
+        adv = adv + _pad(token_terms, response, dtype) * mask
+    if spec.whiten or spec.estimator in _WHITENED:
         adv = _masked_whiten(adv, mask)
     return Advantages(advantages=_rows(adv, lengths), returns=_rows(ret, lengths), kl=kl_mean)
 

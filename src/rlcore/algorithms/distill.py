@@ -1,4 +1,4 @@
-"""On-policy distillation (OPD): the advantage adjustment that pulls a student toward a teacher.
+"""On-policy distillation (OPD): the per-token term that pulls a student toward a teacher.
 
 The student samples ``y ~ pi_s``; a frozen teacher ``pi_t`` scores the sampled tokens. The
 reverse KL ``KL(pi_s || pi_t) = E_{y~pi_s}[log pi_s(y) - log pi_t(y)]`` has, per sampled token,
@@ -9,11 +9,14 @@ the base estimator (GRPO, PPO, REINFORCE++, GSPO) gave the token::
     A'_t = A_t - coef * (log pi_s(y_t) - log pi_t(y_t))
 
 so a token the teacher finds likelier than the student does is pushed up, one it finds less
-likely pushed down, on the student's own trajectories. With ``coef = 0`` the advantages are the
-base estimator's, bit for bit.
+likely pushed down, on the student's own trajectories. :func:`distillation_advantages` gives the
+term ``-coef k_t``; :func:`rlcore.algorithms.advantages.estimate_advantages` adds it
+(``token_terms=``) after the estimator and *before* any whitening (``--normalize-advantages``,
+REINFORCE++'s), as slime's ``compute_advantages_and_returns`` does, so whitened advantages are
+the whitened sum. With ``coef = 0`` the advantages are the base estimator's.
 
-Pure distillation (``--opd-only``, :func:`distillation_advantages`): there is no reward and no
-base estimator, and each token's advantage is the teacher's signal alone::
+Pure distillation (``--opd-only``): there is no reward and no base estimator, and each token's
+advantage is the teacher's signal alone::
 
     A_t = -coef * (log pi_s(y_t) - log pi_t(y_t))
 
@@ -32,33 +35,18 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["OPDAdvantages", "distillation_advantages", "opd_advantages"]
+__all__ = ["OPDAdvantages", "distillation_advantages"]
 
 
 @attrs.frozen
 class OPDAdvantages:
-    """The adjusted advantages, and over the trained tokens (loss mask 1) the mean per-token
-    reverse KL estimate and the teacher's mean log-prob (``opd/kl_mean``,
-    ``opd/teacher_logprob_mean``)."""
+    """The per-token terms ``-coef (student - teacher)``, one row per sample, and over the trained
+    tokens (loss mask 1) the mean per-token reverse KL estimate and the teacher's mean log-prob
+    (``opd/kl_mean``, ``opd/teacher_logprob_mean``)."""
 
     advantages: tuple[tuple[float, ...], ...]
     kl_mean: float
     teacher_logprob_mean: float
-
-
-def opd_advantages(
-    advantages: Sequence[tuple[float, ...]],
-    student_log_probs: Sequence[tuple[float, ...]],
-    teacher_log_probs: Sequence[tuple[float, ...]],
-    coef: float,
-    loss_masks: Sequence[tuple[int, ...]] = (),
-) -> OPDAdvantages:
-    """``A_t - coef * (student_t - teacher_t)`` for every response token of every sample (module
-    docstring); rows of each sample are as long as its response. ``loss_masks`` say which tokens
-    the metrics average over (a sample's mask empty, or none given: every token is trained, as
-    :attr:`~rlcore.samples.Generation.loss_mask`); tokens outside the mask (a multi-turn episode's
-    observations) are adjusted too, and the loss ignores them."""
-    return _distilled(advantages, student_log_probs, teacher_log_probs, coef, loss_masks)
 
 
 def distillation_advantages(
@@ -67,55 +55,36 @@ def distillation_advantages(
     coef: float,
     loss_masks: Sequence[tuple[int, ...]] = (),
 ) -> OPDAdvantages:
-    """Pure distillation: ``-coef * (student_t - teacher_t)`` for every response token, with no
-    base advantage at all (module docstring); the metrics and ``loss_masks`` as in
-    :func:`opd_advantages`."""
-    return _distilled(None, student_log_probs, teacher_log_probs, coef, loss_masks)
-
-
-def _distilled(
-    advantages: Sequence[tuple[float, ...]] | None,
-    student_log_probs: Sequence[tuple[float, ...]],
-    teacher_log_probs: Sequence[tuple[float, ...]],
-    coef: float,
-    loss_masks: Sequence[tuple[int, ...]],
-) -> OPDAdvantages:
-    """:func:`opd_advantages`, or with ``advantages`` None :func:`distillation_advantages`."""
-    if advantages is None:
-        advantages = [(0.0,) * len(row) for row in student_log_probs]
-        base = False
-    else:
-        base = True
-    rows = len(advantages)
-    if not len(student_log_probs) == len(teacher_log_probs) == rows:
+    """``-coef * (student_t - teacher_t)`` for every response token of every sample (module
+    docstring): the advantages of pure distillation, and OPD's term for ``estimate_advantages``'s
+    ``token_terms``. Rows of each sample are as long as its response. ``loss_masks`` say which
+    tokens the metrics average over (a sample's mask empty, or none given: every token is trained,
+    as :attr:`~rlcore.samples.Generation.loss_mask`); tokens outside the mask (a multi-turn
+    episode's observations) get their term too, and the loss ignores them."""
+    rows = len(student_log_probs)
+    if len(teacher_log_probs) != rows:
         raise ValueError(
-            f"opd_advantages: {rows} advantage rows, {len(student_log_probs)} student and "
-            f"{len(teacher_log_probs)} teacher log-prob rows: one of each per sample"
+            f"distillation_advantages: {rows} student and {len(teacher_log_probs)} teacher "
+            "log-prob rows: one of each per sample"
         )
-    adjusted: list[tuple[float, ...]] = []
+    terms: list[tuple[float, ...]] = []
     kl_sum = teacher_sum = 0.0
     counted = 0
-    for i, (adv, student, teacher) in enumerate(
-        zip(advantages, student_log_probs, teacher_log_probs, strict=True)
-    ):
-        if not len(adv) == len(student) == len(teacher):
+    for i, (student, teacher) in enumerate(zip(student_log_probs, teacher_log_probs, strict=True)):
+        if len(student) != len(teacher):
             raise ValueError(
-                f"opd_advantages: sample {i} has {len(adv)} advantages, {len(student)} student "
-                f"and {len(teacher)} teacher log-probs: one per response token"
+                f"distillation_advantages: sample {i} has {len(student)} student and "
+                f"{len(teacher)} teacher log-probs: one per response token"
             )
-        if base:
-            row = tuple(a - coef * (s - t) for a, s, t in zip(adv, student, teacher, strict=True))
-        else:
-            row = tuple(-coef * (s - t) for s, t in zip(student, teacher, strict=True))
-        adjusted.append(row)
-        mask = (loss_masks[i] if loss_masks else ()) or (1,) * len(adv)
+        terms.append(tuple(-coef * (s - t) for s, t in zip(student, teacher, strict=True)))
+        mask = (loss_masks[i] if loss_masks else ()) or (1,) * len(student)
         for s, t, m in zip(student, teacher, mask, strict=True):
             if m:
                 kl_sum += s - t
                 teacher_sum += t
                 counted += 1
     return OPDAdvantages(
-        advantages=tuple(adjusted),
+        advantages=tuple(terms),
         kl_mean=kl_sum / counted if counted else 0.0,
         teacher_logprob_mean=teacher_sum / counted if counted else 0.0,
     )

@@ -2,8 +2,8 @@
 (:func:`opd_problems`).
 
 The student (the actor) trains on its own rollouts while a frozen teacher scores every token it
-sampled; the per-token reverse KL between them is taken off the advantage
-(:func:`rlcore.algorithms.distill.opd_advantages`). The teacher is an eval stack: it never gets an
+sampled; the per-token reverse KL between them is taken off the advantage before any whitening
+(:mod:`rlcore.algorithms.distill`). The teacher is an eval stack: it never gets an
 optimizer. With ``--opd-type megatron`` its weights come from exactly one place: a Hugging Face
 folder (``--opd-teacher-hf-checkpoint``) or the actor of an rlcore checkpoint
 (``--opd-teacher-load``, ``--opd-teacher-ckpt-step``), built with the model folder that

@@ -400,14 +400,15 @@ def make_train_batch(
 
     The actor's own log-probs are recomputed only when needed: for several optimizer steps per
     rollout (the ratio is no longer 1), for a KL reward penalty, or for on-policy distillation (the
-    student's log-probs against the teacher's, :func:`~rlcore.algorithms.distill.opd_advantages`).
+    student's log-probs against the teacher's, :mod:`rlcore.algorithms.distill`, whose term
+    :func:`~rlcore.algorithms.advantages.estimate_advantages` adds before it whitens).
     With ``--use-rollout-logprobs`` the engine's log-probs are the old ones instead (no recompute
     for the ratio). The reference model runs only when KL is planned, the teacher only with OPD,
     the critic only when it exists. The engine's log-probs always go into the batch
     (``rollout_log_probs``), for the mismatch metric and its correction.
     """
     from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
-    from rlcore.algorithms.distill import distillation_advantages, opd_advantages
+    from rlcore.algorithms.distill import distillation_advantages
 
     engine_log_probs = tuple(s.response.log_probs for s in samples)
     use_engine = plan.actor.loss.use_rollout_logprobs
@@ -419,20 +420,8 @@ def make_train_batch(
     old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
     ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
     values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
-    only = plan.opd is not None and plan.opd.only
     metrics: dict[str, float] = {}
-    advantages: tuple[tuple[float, ...], ...] = ()
-    returns: tuple[tuple[float, ...], ...] = ()
-    if not only:  # --opd-only: no reward, so no estimator: the teacher's KL is the advantage
-        adv = estimate_advantages(
-            samples,
-            plan.advantage,
-            values=values,
-            log_probs=old_log_probs,
-            ref_log_probs=ref_log_probs,
-        )
-        advantages, returns = adv.advantages, adv.returns
-        metrics["rollout/kl_penalty"] = adv.kl
+    distilled: tuple[tuple[float, ...], ...] = ()
     if plan.opd is not None:
         if stacks.teacher is not None:
             t0 = time.perf_counter()
@@ -441,15 +430,23 @@ def make_train_batch(
         else:  # served: the teacher scored each sample as its rollout was made
             teacher_log_probs = _served_scores(samples)
         masks = tuple(s.response.loss_mask for s in samples)
-        coef = plan.opd.kl_coef
-        distilled = (
-            distillation_advantages(old_log_probs, teacher_log_probs, coef, masks)
-            if only
-            else opd_advantages(advantages, old_log_probs, teacher_log_probs, coef, masks)
+        opd = distillation_advantages(old_log_probs, teacher_log_probs, plan.opd.kl_coef, masks)
+        distilled = opd.advantages
+        metrics["opd/kl_mean"] = opd.kl_mean
+        metrics["opd/teacher_logprob_mean"] = opd.teacher_logprob_mean
+    advantages: tuple[tuple[float, ...], ...] = distilled
+    returns: tuple[tuple[float, ...], ...] = ()
+    if plan.opd is None or not plan.opd.only:  # --opd-only: the teacher's term is the advantage
+        adv = estimate_advantages(
+            samples,
+            plan.advantage,
+            values=values,
+            log_probs=old_log_probs,
+            ref_log_probs=ref_log_probs,
+            token_terms=distilled,
         )
-        advantages = distilled.advantages
-        metrics["opd/kl_mean"] = distilled.kl_mean
-        metrics["opd/teacher_logprob_mean"] = distilled.teacher_logprob_mean
+        advantages, returns = adv.advantages, adv.returns
+        metrics["rollout/kl_penalty"] = adv.kl
     if use_engine:
         ratio_old = engine_log_probs
     else:
