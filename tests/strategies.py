@@ -18,7 +18,7 @@ ESTIMATORS: tuple[AdvantageEstimator, ...] = (
     "reinforce_plus_plus_baseline",
     "ppo",
 )
-AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-budget")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 

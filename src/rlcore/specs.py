@@ -50,11 +50,14 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Precision = Literal["float32", "bfloat16"]
 """The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when
 the model trains: the optimizer keeps fp32 main weights and state and reduces gradients in fp32."""
-LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
-"""How per-token losses become one number (verl's ``loss_agg_mode`` names): the mean over
-sequences of each sequence's token mean (GRPO), the mean over every token of the global batch
-(DAPO; slime's ``--calculate-per-token-loss``), or the mean over sequences of each sequence's token
-*sum* divided by a constant (Dr. GRPO)."""
+LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-budget"]
+"""How per-token losses become one number over the global batch: the mean over sequences of each
+sequence's token mean (GRPO; verl's ``seq-mean-token-mean``), the mean over every token (DAPO;
+verl's ``token-mean``, slime's ``--calculate-per-token-loss``), or the mean over sequences of each
+sequence's token *sum* divided by a constant, the generation budget (Dr. GRPO's normaliser, TRL's
+``loss_type="dr_grpo"``). The last is not verl's ``seq-mean-token-sum-norm``: verl sums over a
+micro-batch's sequences without dividing by their count, so its number depends on the micro-batch
+and data-parallel sizes (:mod:`rlcore.algorithms.losses`)."""
 RatioLevel = Literal["token", "sequence"]
 """The PPO ratio per token, or one per sequence (GSPO: the geometric mean of the token ratios)."""
 ISMode = Literal["clip", "mask"]
@@ -284,7 +287,7 @@ class LossSpec:
     sequence-level ratio for GSPO), optional importance-sampling correction, KL loss against the
     reference and entropy bonus. For the critic: clipped value loss. Both are aggregated over
     tokens and sequences as ``agg_mode`` says; ``agg_constant`` is Dr. GRPO's normaliser (the
-    generation budget, ``--rollout-max-response-len``) for ``seq-mean-token-sum-norm``.
+    generation budget, ``--rollout-max-response-len``) for ``seq-mean-token-sum-budget``.
 
     ``use_rollout_logprobs``: the PPO ratio's old log-probs are the engine's (the loop puts them
     in the batch), so the mismatch metric compares this pass's log-probs with them instead.

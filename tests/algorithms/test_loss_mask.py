@@ -20,7 +20,7 @@ from rlcore.algorithms.losses import actor_loss, critic_loss, loss_normalizer
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import AdvantageSpec, ISCorrection, LossAggMode, LossSpec
 
-MODES: tuple[LossAggMode, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+MODES: tuple[LossAggMode, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-budget")
 
 
 @st.composite

@@ -241,7 +241,7 @@ PER_TOKEN = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]], dtype=torch.float64
     [
         ("seq-mean-token-mean", (1 + 2) / 2 + 3 / 1, 2),  # mean of sequence means: 2.25
         ("token-mean", 1 + 2 + 3, 3),  # mean over the 3 tokens: 2.0
-        ("seq-mean-token-sum-norm", (1 + 2 + 3) / 4, 2),  # Dr. GRPO, C = 4: 0.75
+        ("seq-mean-token-sum-budget", (1 + 2 + 3) / 4, 2),  # Dr. GRPO, C = 4: 0.75
     ],
 )
 def test_each_aggregation_mode_by_hand(
@@ -260,7 +260,7 @@ def test_each_aggregation_mode_by_hand(
     weight = {
         "seq-mean-token-mean": [[1 / 2 / 2, 1 / 2 / 2, 0], [1 / 2, 0, 0]],
         "token-mean": [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]],
-        "seq-mean-token-sum-norm": [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0]],
+        "seq-mean-token-sum-budget": [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0]],
     }[mode]
     expected = PER_TOKEN * torch.tensor(weight, dtype=torch.float64)
     torch.testing.assert_close(grad, expected)
@@ -349,8 +349,8 @@ def test_eps_clip_high_is_wired_from_the_flag_to_the_loss() -> None:
 def test_the_loss_flags_reach_the_loss_spec() -> None:
     assert _actor_spec().agg_mode == "seq-mean-token-mean"
     assert _actor_spec(calculate_per_token_loss=True).agg_mode == "token-mean"
-    dr_grpo = _actor_spec(loss_agg_mode="seq-mean-token-sum-norm")
-    assert (dr_grpo.agg_mode, dr_grpo.agg_constant) == ("seq-mean-token-sum-norm", 12)
+    dr_grpo = _actor_spec(loss_agg_mode="seq-mean-token-sum-budget")
+    assert (dr_grpo.agg_mode, dr_grpo.agg_constant) == ("seq-mean-token-sum-budget", 12)
     assert _actor_spec(advantage_estimator="gspo").ratio_level == "sequence"
     assert _actor_spec().ratio_level == "token" and _actor_spec().correction is None
     tis = _actor_spec(

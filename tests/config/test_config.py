@@ -348,7 +348,7 @@ def test_the_new_flags_refuse_combinations_that_mean_nothing() -> None:
         ("--use-tis", "--tis-veto-threshold", "2"): "--tis-veto-threshold): must be in (0, 1)",
         ("--tis-mode", "mask"): "algorithm.tis_mode (--tis-mode): has no effect without --use-tis",
         ("--custom-tis-function-path", "m:f"): "has no effect without --use-tis",
-        ("--calculate-per-token-loss", "--loss-agg-mode", "seq-mean-token-sum-norm"): "give one",
+        ("--calculate-per-token-loss", "--loss-agg-mode", "seq-mean-token-sum-budget"): "give one",
         ("--debug-train-only",): "--load-debug-rollout-data is not given",
         ("--debug-rollout-only", "--load-debug-rollout-data", "x"): "cannot be combined",
         ("--load-debug-rollout-data", "x", "--save-debug-rollout-data", "y"): "generates none",

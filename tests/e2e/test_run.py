@@ -443,7 +443,7 @@ def test_help_is_grouped() -> None:
         "--dynamic-sampling-filter-path",
         "--use-tis",
         "--tis-mode {clip,mask}",
-        "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-norm}",
+        "--loss-agg-mode {seq-mean-token-mean,token-mean,seq-mean-token-sum-budget}",
         "--save-debug-rollout-data",
         "--debug-rollout-only",
         "--environment-path",

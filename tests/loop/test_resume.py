@@ -3,6 +3,7 @@ or refused, and a run never trains at a learning rate of 0 without saying so."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,32 @@ def test_the_seed_and_the_sharding_need_their_flags(tmp_path: Path) -> None:
         load_config(problems)
     with pytest.raises(ConfigError, match="has no effect without --load"):
         load_config(_flags(tmp_path, 4, "--finetune"))
+
+
+def test_a_checkpoint_that_named_our_dr_grpo_mode_verls_way_resumes_with_the_same_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before #34 rlcore called its Dr. GRPO normaliser verl's seq-mean-token-sum-norm, and its
+    checkpoints recorded that name. It is read as seq-mean-token-sum-budget, the same number: a
+    resume with that name changes nothing, one with another mode says so, and verl's name itself
+    is refused (it would mean another number)."""
+    dr_grpo = ("--loss-agg-mode", "seq-mean-token-sum-budget")
+    _train(_flags(tmp_path, 2, *dr_grpo))
+    meta = tmp_path / "ckpt" / "rollout_000001" / "rlcore.json"
+    recorded = json.loads(meta.read_text())
+    assert recorded["settings"]["algorithm"]["loss_agg_mode"] == "seq-mean-token-sum-budget"
+    recorded["settings"]["algorithm"]["loss_agg_mode"] = "seq-mean-token-sum-norm"  # as before
+    meta.write_text(json.dumps(recorded))
+    load = ("--load", str(meta.parent))  # that checkpoint, whatever a resume saves after it
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        _train(_flags(tmp_path, 3, *dr_grpo, *load))
+    assert "resuming from" in caplog.text and "loss_agg_mode" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        _train(_flags(tmp_path, 3, "--loss-agg-mode", "token-mean", *load))
+    assert (
+        "changed on resume: algorithm.loss_agg_mode (--loss-agg-mode): "
+        "'seq-mean-token-sum-budget' -> 'token-mean': applied"
+    ) in caplog.text
+    with pytest.raises(ConfigError, match="use seq-mean-token-sum-budget"):
+        load_config(_flags(tmp_path, 3, "--loss-agg-mode", "seq-mean-token-sum-norm", *load))

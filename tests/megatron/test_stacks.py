@@ -95,7 +95,7 @@ LOSS_VARIANTS = {
         agg_mode="token-mean", correction=ISCorrection(low=0.5, high=2.0, veto_threshold=1e-3)
     ),
     "dr-grpo-gspo-geometric-mask": LossSpec(
-        agg_mode="seq-mean-token-sum-norm",
+        agg_mode="seq-mean-token-sum-budget",
         agg_constant=6,
         ratio_level="sequence",
         eps_clip=0.1,

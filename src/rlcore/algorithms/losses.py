@@ -4,19 +4,25 @@ optional importance-sampling correction, the clipped value loss, KL and entropy 
 Every loss here returns a *numerator* ``N`` that the caller divides by
 ``loss_normalizer(mode, global_mask)``, computed once over the *global* batch (all micro-batches
 on all data-parallel ranks): gradient accumulation and data-parallel summing then give exactly
-the aggregate over the global batch, whatever the split. The aggregation modes (verl's
-``loss_agg_mode`` names; :data:`~rlcore.specs.LossAggMode`)::
+the aggregate over the global batch, whatever the split. The aggregation modes
+(:data:`~rlcore.specs.LossAggMode`), with ``n_i`` sequence ``i``'s loss-mask tokens::
 
-    seq-mean-token-mean       N = sum_i sum_t m_it l_it / max(1, n_i)      normaliser: B
-    token-mean                N = sum_i sum_t m_it l_it                    normaliser: sum_i n_i
-    seq-mean-token-sum-norm   N = sum_i sum_t m_it l_it / C                normaliser: B
+    seq-mean-token-mean         N = sum_i sum_t m_it l_it / max(1, n_i)    normaliser: B
+    token-mean                  N = sum_i sum_t m_it l_it                  normaliser: sum_i n_i
+    seq-mean-token-sum-budget   N = sum_i sum_t m_it l_it / C              normaliser: B
 
 ``seq-mean-token-mean`` weighs every sequence the same (GRPO's per-sequence normalisation, Shao et
 al. 2024, arXiv:2402.03300; TRL's ``loss_type="grpo"``; bench-tiny's loss). ``token-mean`` weighs
 every token the same, so long responses are not down-weighted (DAPO, Yu et al. 2025,
-arXiv:2503.14476, section 3.3; slime's ``--calculate-per-token-loss``). ``seq-mean-token-sum-norm``
-divides each sequence's token sum by a constant ``C`` instead of its length, removing GRPO's length
-bias (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, section 3.1; ``C`` is the generation budget).
+arXiv:2503.14476, section 3.3; slime's ``--calculate-per-token-loss``); both are verl's modes of
+the same name (an empty loss mask: README, "Algorithms"). ``seq-mean-token-sum-budget`` divides each
+sequence's token sum by a constant ``C`` instead of its length, removing GRPO's length bias, and
+averages over sequences: Dr. GRPO's ``(1/G) sum_i sum_t`` (Liu et al. 2025, arXiv:2503.20783,
+section 3.1; ``C`` is the generation budget, as in TRL's ``loss_type="dr_grpo"``). verl's
+``seq-mean-token-sum-norm`` is ``sum_i sum_t m_it l_it / C`` per micro-batch with no division by a
+sequence count, so its value over a global batch is ``B`` times this one only with one
+micro-batch on one rank, and moves with the micro-batch and data-parallel sizes otherwise; a
+number that a split changes has no place here, hence another name.
 
 Shapes: ``B`` sequences, ``T`` the longest response; every per-token tensor is ``Tensor[B, T]`` and
 ``mask`` is ``BoolTensor[B, T]``, True on the tokens the loss counts: ``batch.loss_mask``, the
@@ -88,14 +94,14 @@ def aggregate(
     x: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, constant: int = 1
 ) -> torch.Tensor:
     """The numerator of ``mode``'s aggregate of ``x: Tensor[B, T]`` over ``mask`` (module
-    docstring): a scalar. ``constant`` is ``C`` of ``seq-mean-token-sum-norm``. ``where`` (not a
+    docstring): a scalar. ``constant`` is ``C`` of ``seq-mean-token-sum-budget``. ``where`` (not a
     product) so that a non-finite value on padding cannot leak in."""
     per_sequence = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1)
     if mode == "seq-mean-token-mean":
         return (per_sequence / mask.sum(dim=-1).clamp_min(1)).sum()
     if mode == "token-mean":
         return per_sequence.sum()
-    if mode == "seq-mean-token-sum-norm":
+    if mode == "seq-mean-token-sum-budget":
         return per_sequence.sum() / constant
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 

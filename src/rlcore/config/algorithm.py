@@ -56,8 +56,9 @@ class AlgorithmConfig:
     loss_agg_mode: LossAggMode = option(
         "seq-mean-token-mean",
         "--loss-agg-mode",
-        "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO: "
-        "token sums over --rollout-max-response-len)",
+        "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-mean-token-sum-budget (Dr. GRPO: "
+        "each sequence's token sum over --rollout-max-response-len, mean over sequences; verl's "
+        "seq-mean-token-sum-norm is another number)",
     )
     calculate_per_token_loss: bool = option(
         False, "--calculate-per-token-loss", "slime's name for --loss-agg-mode token-mean"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import cattrs
@@ -15,6 +16,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from rlcore.config.run_config import RunConfig
 from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.specs import LossAggMode
 
 __all__ = ["converter", "problems_from", "settings_data", "structure_config", "with_flag"]
 
@@ -26,7 +28,36 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, lambda v, _: _structure_float(v))
     conv.register_structure_hook(bool, lambda v, _: _structure_bool(v))
     conv.register_structure_hook_func(lambda t: t is object, _structure_engine_options)
+    conv.register_structure_hook_func(lambda t: t == LossAggMode, _structure_agg_mode)
     return conv
+
+
+VERL_DR_GRPO_MODE: Final = "seq-mean-token-sum-norm"
+"""verl's name for a loss aggregation whose number rlcore does not give: rlcore's Dr. GRPO
+normaliser (``seq-mean-token-sum-budget``) was called this before #34, and checkpoints written
+then record it (:func:`rlcore.config.resume.saved_config` reads it as the new name)."""
+
+
+def _structure_agg_mode(value: object, _: object) -> str:
+    """``--loss-agg-mode``: one of :data:`~rlcore.specs.LossAggMode`, and verl's Dr. GRPO name
+    refused with what to use instead."""
+    if value == VERL_DR_GRPO_MODE:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    with_flag("algorithm.loss_agg_mode"),
+                    f"{VERL_DR_GRPO_MODE} is verl's name for each sequence's token sum over a "
+                    "constant, summed over a micro-batch's sequences without dividing by their "
+                    "count (a number that moves with the micro-batch and data-parallel sizes); "
+                    "rlcore's Dr. GRPO normaliser averages over the global batch's sequences",
+                    "use seq-mean-token-sum-budget, the number rlcore gave under this name before",
+                )
+            ]
+        )
+    modes = typing.get_args(LossAggMode)
+    if isinstance(value, str) and value in modes:
+        return value
+    raise ValueError(f"{value!r} is not one of {', '.join(modes)}")
 
 
 class _NotFinite(ValueError):

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from rlcore.config.convert import structure_config, with_flag
+from rlcore.config.convert import VERL_DR_GRPO_MODE, structure_config, with_flag
 from rlcore.config.run_config import RunConfig
 from rlcore.engines import KNOWN_ENGINES
 from rlcore.errors import ConfigError, ConfigProblem
@@ -55,8 +55,14 @@ class SettingChange:
 
 def saved_config(settings: Mapping[str, Any]) -> RunConfig:
     """The :class:`RunConfig` a checkpoint's ``settings`` describe (without the engine's own
-    options). Raises :class:`~rlcore.errors.ConfigError` when today's rules refuse them."""
+    options), in today's names: a checkpoint written before #34 records the Dr. GRPO loss
+    aggregation as ``seq-mean-token-sum-norm``, read as ``seq-mean-token-sum-budget`` (the same
+    number; today that name is verl's and refused). Raises :class:`~rlcore.errors.ConfigError`
+    when today's rules refuse them."""
     data = {k: v for k, v in settings.items() if k not in KNOWN_ENGINES}
+    algorithm = data.get("algorithm")
+    if isinstance(algorithm, Mapping) and algorithm.get("loss_agg_mode") == VERL_DR_GRPO_MODE:
+        data["algorithm"] = {**algorithm, "loss_agg_mode": "seq-mean-token-sum-budget"}
     return structure_config(data, "the checkpoint's settings")
 
 
