@@ -37,6 +37,7 @@ __all__ = [
     "ServedTeacher",
     "TrainSpec",
     "batch_split_problem",
+    "dual_clip_problem",
     "parallel_split_problem",
     "schedule_length_problem",
 ]
@@ -109,6 +110,18 @@ def batch_split_problem(
         return (
             f"global batch {global_batch_size} is not a multiple of micro_batch_size x "
             f"data-parallel ranks = {micro_batch_size} x {data_parallel_size}"
+        )
+    return None
+
+
+def dual_clip_problem(eps_clip_c: float | None) -> str | None:
+    """Why ``eps_clip_c`` cannot be dual-clip PPO's bound, or ``None`` (``None``: no dual clip).
+    It must be > 1, as slime and verl assert: a negative advantage's loss ``-r A`` is bounded at
+    ``c |A|``, which then acts where the ratio ``r`` exceeds ``c``, above the trust region."""
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        return (
+            f"must be > 1 (the ratio above which a negative advantage's loss stops growing), "
+            f"got {eps_clip_c}"
         )
     return None
 
@@ -289,12 +302,16 @@ class LossSpec:
     tokens and sequences as ``agg_mode`` says; ``agg_constant`` is Dr. GRPO's normaliser (the
     generation budget, ``--rollout-max-response-len``) for ``seq-mean-token-sum-budget``.
 
+    ``eps_clip_c``: dual-clip PPO's bound (None: off): a token with a negative advantage loses
+    at most ``eps_clip_c * |A|`` (:func:`rlcore.algorithms.losses.policy_loss`).
+
     ``use_rollout_logprobs``: the PPO ratio's old log-probs are the engine's (the loop puts them
     in the batch), so the mismatch metric compares this pass's log-probs with them instead.
     """
 
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
+    eps_clip_c: float | None = None
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     use_kl_loss: bool = False
@@ -309,6 +326,9 @@ class LossSpec:
     def __attrs_post_init__(self) -> None:
         if self.agg_constant < 1:
             raise ValueError(f"LossSpec.agg_constant must be >= 1, got {self.agg_constant}")
+        problem = dual_clip_problem(self.eps_clip_c)
+        if problem:
+            raise ValueError(f"LossSpec.eps_clip_c {problem}")
 
 
 @attrs.frozen

@@ -72,6 +72,33 @@ def test_clip_higher_uses_the_upper_bound_for_positive_advantages() -> None:
     assert policy_loss(logp, old, adv, mask, 0.2, 0.6).loss.item() == pytest.approx(-1.5)
 
 
+def test_dual_clip_bounds_a_negative_advantages_loss_at_c_times_its_size() -> None:
+    # eps 0.2, c = 3. Ratios 4, 2.5, 4, 0.5 with advantages -1, -1, +1, -1:
+    # r = 4, A = -1: PPO's clipped loss max(4, 1.2) = 4 > c |A| = 3 -> 3 (dual-clipped).
+    # r = 2.5, A = -1: max(2.5, 1.2) = 2.5 <= 3 -> 2.5 (PPO's unclipped branch).
+    # r = 4, A = +1: -min(4, 1.2) = -1.2 (clipped above; the dual clip is for A < 0 only).
+    # r = 0.5, A = -1: -min(-0.5, -0.8) = 0.8 (clipped below, under the bound).
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[4.0, 2.5, 4.0, 0.5]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    plain = policy_loss(logp, old, adv, mask, 0.2, 0.2, agg_mode="token-mean")
+    dual = policy_loss(logp, old, adv, mask, 0.2, 0.2, eps_clip_c=3.0, agg_mode="token-mean")
+    assert plain.loss.item() == pytest.approx(4.0 + 2.5 - 1.2 + 0.8)
+    assert dual.loss.item() == pytest.approx(3.0 + 2.5 - 1.2 + 0.8)
+    assert plain.dual_clipfrac.item() == 0.0 and dual.dual_clipfrac.item() == 0.25
+    assert dual.clipfrac.item() == plain.clipfrac.item() == 0.5  # PPO's clip, as verl counts it
+    (grad,) = torch.autograd.grad(dual.loss, logp)
+    # d(-r A)/d logp = -r A: 2.5 for the second token; the bounded and clipped ones get none.
+    assert grad.tolist() == [[0.0, 2.5, 0.0, 0.0]]
+
+
+def test_dual_clip_needs_a_bound_above_one() -> None:
+    with pytest.raises(ValueError, match=r"LossSpec.eps_clip_c must be > 1 .*got 1.0"):
+        LossSpec(eps_clip_c=1.0)
+    assert LossSpec().eps_clip_c is None  # off by default, as slime's --eps-clip-c
+
+
 def test_zero_clip_at_ratio_one_keeps_the_full_gradient() -> None:
     logp = torch.tensor([[-0.7, -1.3]], requires_grad=True)
     adv = torch.tensor([[2.0, -3.0]])
@@ -344,6 +371,18 @@ def test_eps_clip_high_is_wired_from_the_flag_to_the_loss() -> None:
     assert actor_loss(logp, batch, clip_higher).loss.item() == pytest.approx(-1.28)
     symmetric = _actor_spec(eps_clip=0.2)  # --eps-clip-high defaults to --eps-clip
     assert actor_loss(logp, batch, symmetric).loss.item() == pytest.approx(-1.2)
+
+
+def test_eps_clip_c_is_wired_from_the_flag_to_the_loss_and_its_metric() -> None:
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    logp = torch.log(torch.tensor([[4.0, 1.0]]))  # ratio 4 against old log-probs 0
+    batch = batch_of(mask, torch.tensor([[-1.0, 1.0]]), old_log_probs=torch.zeros(1, 2))
+    spec = _actor_spec(eps_clip_c=3.0)
+    assert spec.eps_clip_c == 3.0 and _actor_spec().eps_clip_c is None
+    out = actor_loss(logp, batch, spec)
+    assert out.loss.item() == pytest.approx((3.0 - 1.0) / 2)  # token 0 bounded at 3, token 1: -1
+    assert out.metrics["dual_clipfrac"] == 0.5 and "dual_clipfrac" in out.token_metrics
+    assert "dual_clipfrac" not in actor_loss(logp, batch, _actor_spec()).metrics
 
 
 def test_the_loss_flags_reach_the_loss_spec() -> None:

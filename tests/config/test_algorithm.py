@@ -40,3 +40,13 @@ def test_a_config_file_with_verls_name_is_refused_the_same_way(tmp_path: Path) -
     path.write_text('[algorithm]\nloss_agg_mode = "seq-mean-token-sum-norm"\n')
     problem = _problem([*TRAIN, "--config", str(path)])
     assert "use seq-mean-token-sum-budget" in problem
+
+
+def test_dual_clip_is_off_by_default_and_its_bound_must_exceed_one() -> None:
+    """slime's --eps-clip-c (verl's clip_ratio_c): None unless given; both anchors assert c > 1."""
+    assert load_config(TRAIN).algorithm.eps_clip_c is None
+    assert load_config([*TRAIN, "--eps-clip-c", "3"]).algorithm.eps_clip_c == 3.0
+    for bad in ("1", "0.5"):
+        problem = _problem([*TRAIN, "--eps-clip-c", bad])
+        assert problem.startswith("algorithm.eps_clip_c (--eps-clip-c): must be > 1"), problem
+        assert f"got {float(bad)}" in problem

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -90,7 +91,9 @@ def test_positive_advantages_raise_the_log_probs(tiny_hf: Path) -> None:
 
 
 LOSS_VARIANTS = {
-    "grpo-kl-entropy": LossSpec(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+    "grpo-kl-entropy-dual-clip": LossSpec(
+        use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, eps_clip_c=1.2
+    ),
     "token-mean-tis": LossSpec(
         agg_mode="token-mean", correction=ISCorrection(low=0.5, high=2.0, veto_threshold=1e-3)
     ),
@@ -112,6 +115,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path, variant: st
     samples = make_samples(4, seed=7)
     batch = make_batch(samples, seed=8, old=True, ref=True, rollout=True)
     loss = LOSS_VARIANTS[variant]
+    if loss.eps_clip_c is not None:  # old log-probs far below the model's: ratios well above c
+        lowered = tuple(tuple(x - 5.0 for x in row) for row in batch.old_log_probs)
+        batch = attrs.evolve(batch, old_log_probs=lowered)
     results = []
     for micro in (1, 4):
         stack = MegatronBackend().build_training_stack(
@@ -128,6 +134,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_hf: Path, variant: st
         assert {"kl_loss", "entropy"} <= set(m1.extra)
     if loss.correction is not None:
         assert m1.extra["tis_weight"] == pytest.approx(m4.extra["tis_weight"], rel=1e-5)
+    if loss.eps_clip_c is not None:  # a token mean over the global batch, whatever the split
+        assert m1.extra["dual_clipfrac"] == pytest.approx(m4.extra["dual_clipfrac"], rel=1e-6)
+        assert m1.extra["dual_clipfrac"] > 0
     for name in w1:
         torch.testing.assert_close(w1[name], w4[name], rtol=1e-5, atol=1e-6)
 

@@ -58,12 +58,15 @@ __all__ = [
 @attrs.frozen(eq=False)  # tensors: compare fields explicitly, not with ==
 class PolicyLossOut:
     """:func:`policy_loss`'s result. ``loss`` is a differentiable scalar numerator (module
-    docstring); ``clipfrac`` (share of valid tokens whose clipped branch is active) and
-    ``approx_kl`` (k3 estimate of KL(old || new), token mean) are detached scalars."""
+    docstring); ``clipfrac`` (share of valid tokens whose clipped branch is active),
+    ``approx_kl`` (k3 estimate of KL(old || new), token mean) and ``dual_clipfrac`` (share of
+    valid tokens held at dual-clip's bound, verl's ``pg_clipfrac_lower``; 0 without it) are
+    detached scalars."""
 
     loss: torch.Tensor
     clipfrac: torch.Tensor
     approx_kl: torch.Tensor
+    dual_clipfrac: torch.Tensor
 
 
 @final
@@ -126,6 +129,7 @@ def policy_loss(
     eps_clip: float,
     eps_clip_high: float,
     *,
+    eps_clip_c: float | None = None,
     ratio_level: RatioLevel = "token",
     weights: torch.Tensor | None = None,
     agg_mode: LossAggMode = "seq-mean-token-mean",
@@ -136,6 +140,10 @@ def policy_loss(
         l_t = -w_t min(r_t A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) A_t)
 
     with the asymmetric upper bound of DAPO (Yu et al. 2025, arXiv:2503.14476, "clip-higher").
+    ``eps_clip_c`` (> 1; ``None``: off) is dual-clip PPO (Ye et al. 2020, arXiv:1912.09729;
+    slime's ``--eps-clip-c``, verl's ``clip_ratio_c``): where ``A_t < 0`` the clipped loss is
+    bounded, ``l_t = -w_t max(min(r_t A_t, clip(r_t) A_t), c A_t)``, so a token whose ratio has
+    grown past ``c`` loses at most ``c |A_t|`` and gets no gradient.
     ``ratio_level="token"``: ``r_t = exp(logp_t - old_t)``. ``ratio_level="sequence"`` (GSPO,
     Zheng et al. 2025, arXiv:2507.18071): every token of sequence ``i`` uses
     ``s_i = exp(mean_t (logp_t - old_t))``, the geometric mean of its token ratios, so the whole
@@ -158,13 +166,21 @@ def policy_loss(
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     is_clipped = clipped < surrogate
     per_token = -torch.where(is_clipped, clipped, surrogate)
+    is_dual = torch.zeros_like(is_clipped)
+    if eps_clip_c is not None:
+        bound = -eps_clip_c * advantages  # c |A| where A < 0
+        is_dual = (advantages < 0) & (per_token > bound)  # strictly: ties keep the gradient
+        per_token = torch.where(is_dual, bound, per_token)
     if weights is not None:
         per_token = per_token * weights
     loss = aggregate(per_token, mask, agg_mode, agg_constant)
     with torch.no_grad():
         clipfrac = _token_mean(is_clipped.to(per_token.dtype), mask)
         approx_kl = _token_mean(kl_estimate(old_log_probs, log_probs, "k3"), mask)
-    return PolicyLossOut(loss=loss, clipfrac=clipfrac, approx_kl=approx_kl)
+        dual_clipfrac = _token_mean(is_dual.to(per_token.dtype), mask)
+    return PolicyLossOut(
+        loss=loss, clipfrac=clipfrac, approx_kl=approx_kl, dual_clipfrac=dual_clipfrac
+    )
 
 
 def value_loss(
@@ -220,7 +236,8 @@ def actor_loss(
     ratio 1 has the SFT gradient.
 
     Metrics (see :class:`LossOut`): ``pg_loss``, ``clipfrac``, ``approx_kl``, and when used
-    ``kl_loss``, ``entropy``, ``tis_weight``, ``tis_clipfrac``; with engine log-probs
+    ``dual_clipfrac`` (``spec.eps_clip_c``), ``kl_loss``, ``entropy``, ``tis_weight``,
+    ``tis_clipfrac``; with engine log-probs
     ``logprob_mismatch`` (mean ``|old - rollout|``, or ``|log_probs - rollout|`` with
     ``spec.use_rollout_logprobs``, whose ``old`` *are* the engine's) and the maximum
     ``logprob_mismatch_max``; plus ``loss``. Raises ``ValueError`` when a term's input is missing.
@@ -245,6 +262,7 @@ def actor_loss(
         mask,
         spec.eps_clip,
         spec.eps_clip_high,
+        eps_clip_c=spec.eps_clip_c,
         ratio_level=spec.ratio_level,
         weights=weights,
         agg_mode=mode,
@@ -256,6 +274,8 @@ def actor_loss(
         clipfrac=float(pg.clipfrac),
         approx_kl=float(pg.approx_kl),
     )
+    if spec.eps_clip_c is not None:
+        metrics["dual_clipfrac"] = float(pg.dual_clipfrac)
     if spec.use_kl_loss:
         if batch.ref_log_probs is None:
             raise ValueError(
@@ -328,7 +348,7 @@ def critic_loss(values: torch.Tensor, batch: TensorBatch, spec: LossSpec) -> Los
 
 
 _ACTOR_TOKEN_MEANS = frozenset(
-    {"clipfrac", "approx_kl", "logprob_mismatch", "tis_weight", "tis_clipfrac"}
+    {"clipfrac", "dual_clipfrac", "approx_kl", "logprob_mismatch", "tis_weight", "tis_clipfrac"}
 )
 
 

@@ -10,7 +10,14 @@ import attrs
 from rlcore.config.fields import option, problem
 from rlcore.config.rollout import RolloutConfig
 from rlcore.errors import ConfigProblem
-from rlcore.specs import AdvantageEstimator, ISLevel, ISMode, KLType, LossAggMode
+from rlcore.specs import (
+    AdvantageEstimator,
+    ISLevel,
+    ISMode,
+    KLType,
+    LossAggMode,
+    dual_clip_problem,
+)
 
 __all__ = ["AlgorithmConfig", "algorithm_problems", "correction_problems"]
 
@@ -50,6 +57,12 @@ class AlgorithmConfig:
     eps_clip: float = option(0.2, "--eps-clip", "PPO clip range below 1")
     eps_clip_high: float | None = option(
         None, "--eps-clip-high", "PPO clip range above 1 (default: --eps-clip)"
+    )
+    eps_clip_c: float | None = option(
+        None,
+        "--eps-clip-c",
+        "dual-clip PPO (> 1): a token with a negative advantage A loses at most c * |A| "
+        "(default: off)",
     )
     value_clip: float = option(0.2, "--value-clip", "critic value clip range")
     entropy_coef: float = option(0.0, "--entropy-coef", "entropy bonus weight")
@@ -155,6 +168,11 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
         add("kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")
     if a.eps_clip < 0 or (a.eps_clip_high is not None and a.eps_clip_high < 0):
         add("eps_clip", "clip ranges must be >= 0")
+    dual = dual_clip_problem(a.eps_clip_c)
+    if dual:
+        add(
+            "eps_clip_c", dual, "slime's and verl's usual value is 3; leave it out for no dual clip"
+        )
     if not 0 <= a.gamma <= 1 or not 0 <= a.lambd <= 1:
         add("gamma", f"gamma and lambd must be in [0, 1], got {a.gamma}, {a.lambd}")
     return problems

@@ -295,6 +295,7 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
     loss = LossSpec(
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip if a.eps_clip_high is None else a.eps_clip_high,
+        eps_clip_c=a.eps_clip_c,
         value_clip=a.value_clip,
         entropy_coef=a.entropy_coef,
         use_kl_loss=a.use_kl_loss,
