@@ -9,11 +9,12 @@ import torch
 from hypothesis import strategies as st
 
 from rlcore.samples import Generation, Prompt, Sample
-from rlcore.specs import AdvantageEstimator
+from rlcore.specs import GROUPED_ESTIMATORS, AdvantageEstimator
 
 ESTIMATORS: tuple[AdvantageEstimator, ...] = (
     "grpo",
     "gspo",
+    "rloo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "ppo",
@@ -117,7 +118,7 @@ def valid_config_dicts(draw: st.DrawFn) -> dict[str, Any]:
     surplus, loss aggregation, TIS or rollout log-probs), so properties about plans and runs are
     not starved by filtering."""
     estimator = draw(st.sampled_from(ESTIMATORS))
-    group_based = estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
+    group_based = estimator in GROUPED_ESTIMATORS
     n_samples = draw(st.integers(min_value=2 if group_based else 1, max_value=4))
     rollout_batch = draw(st.integers(min_value=1, max_value=4))
     prompts_per_step = draw(

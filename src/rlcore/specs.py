@@ -8,7 +8,7 @@ cannot exist, so Megatron's scheduler asserts cannot be reached from a plan.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import attrs
 
@@ -18,6 +18,7 @@ __all__ = [
     "DecayStyle",
     "EnvRewardMode",
     "EvalSpec",
+    "GROUPED_ESTIMATORS",
     "ISCorrection",
     "ISLevel",
     "ISMode",
@@ -45,8 +46,13 @@ __all__ = [
 Role = Literal["actor", "critic", "reference", "teacher"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 AdvantageEstimator = Literal[
-    "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    "grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
 ]
+GROUPED_ESTIMATORS: Final[frozenset[AdvantageEstimator]] = frozenset(
+    {"grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"}
+)
+"""The estimators that compare the samples of one prompt (``n_samples_per_prompt`` of them,
+consecutive): with a group of one there is nothing to compare."""
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Precision = Literal["float32", "bfloat16"]
 """The dtype a model's weights and activations are held in. ``bfloat16`` is mixed precision when

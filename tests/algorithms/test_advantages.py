@@ -17,6 +17,7 @@ from rlcore.algorithms.advantages import (
     grpo_advantages,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
 )
 from rlcore.samples import Generation, Prompt, Sample
 from rlcore.specs import AdvantageEstimator, AdvantageSpec
@@ -24,6 +25,7 @@ from tests.strategies import finite, grouped_samples, masked_floats, rows_for
 
 ESTIMATORS: tuple[AdvantageEstimator, ...] = (
     "grpo",
+    "rloo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "ppo",
@@ -93,6 +95,58 @@ def test_each_grpo_group_sums_to_zero(case: tuple[int, list[float]], normalize_s
         for group, raw in zip(adv.reshape(-1, group_size), r.reshape(-1, group_size), strict=True):
             s = raw.std(correction=1).item()
             assert group.std(correction=1).item() == pytest.approx(s / (s + 1e-6), abs=1e-9)
+
+
+# --- RLOO ---------------------------------------------------------------------------------------
+
+
+def test_rloo_by_hand() -> None:
+    # Group 1 (1, 0, 0, 0): the first's baseline is 0 -> 1; each other's is 1/3 -> -1/3.
+    # Group 2 (2, 4): each one's baseline is the other's reward -> -2, 2.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 3.0, 3.0], dtype=torch.float64)
+    got = rloo_advantages(rewards[:4], group_size=4)
+    assert got.tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    assert rloo_advantages(rewards[4:], group_size=2).tolist() == [-2.0, 2.0, 0.0, 0.0]
+
+
+def test_rloo_group_of_one_has_zero_advantage() -> None:
+    assert rloo_advantages(torch.tensor([3.0, -1.0]), group_size=1).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="5 samples do not split into groups of 2"):
+        rloo_advantages(torch.zeros(5), group_size=2)
+
+
+def test_estimate_rloo_scores_the_summed_token_rewards_like_the_other_grouped_estimators() -> None:
+    # KL in the reward as for GRPO: sample 0's score 1 - 0.1 * 1 = 0.9, sample 1's 0; RLOO with
+    # two samples is the difference: +-0.9, on every token.
+    samples = [sample(1.0, 2), sample(0.0, 1)]
+    spec = AdvantageSpec(estimator="rloo", group_size=2, kl_coef=0.1, kl_type="k1")
+    got = estimate_advantages(
+        samples, spec, log_probs=((-1.0, -1.0), (-2.0,)), ref_log_probs=((-1.5, -1.5), (-2.0,))
+    )
+    assert got.advantages[0] == pytest.approx((0.9, 0.9))
+    assert got.advantages[1] == pytest.approx((-0.9,))
+    assert got.returns == got.advantages  # nothing added, not whitened
+    whitened = estimate_advantages(
+        samples,
+        attrs.evolve(spec, whiten=True),
+        log_probs=((-1.0, -1.0), (-2.0,)),
+        ref_log_probs=((-1.5, -1.5), (-2.0,)),
+    )  # --normalize-advantages applies to it as to any estimator: [0.9, 0.9, -0.9] whitened
+    assert [a for r in whitened.advantages for a in r] != pytest.approx([0.9, 0.9, -0.9])
+    assert sum(a for r in whitened.advantages for a in r) == pytest.approx(0.0, abs=1e-12)
+
+
+@given(
+    st.integers(2, 6).flatmap(
+        lambda g: st.tuples(st.just(g), st.lists(finite, min_size=g, max_size=4 * g))
+    )
+)
+def test_rloo_is_dr_grpo_scaled_by_n_over_n_minus_one(case: tuple[int, list[float]]) -> None:
+    group_size, rewards = case
+    r = torch.tensor(rewards[: len(rewards) // group_size * group_size], dtype=torch.float64)
+    scale = group_size / (group_size - 1)
+    want = scale * grpo_advantages(r, group_size, normalize_std=False)
+    assert torch.allclose(rloo_advantages(r, group_size), want, atol=1e-12)
 
 
 # --- REINFORCE++ --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ EXPECTED = {
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "rloo_advantages",
     "tensorize",
     "tensorize_samples",
     "token_log_probs",

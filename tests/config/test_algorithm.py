@@ -50,3 +50,14 @@ def test_dual_clip_is_off_by_default_and_its_bound_must_exceed_one() -> None:
         problem = _problem([*TRAIN, "--eps-clip-c", bad])
         assert problem.startswith("algorithm.eps_clip_c (--eps-clip-c): must be > 1"), problem
         assert f"got {float(bad)}" in problem
+
+
+def test_rloo_is_an_estimator_that_needs_groups() -> None:
+    """--advantage-estimator rloo (verl, OpenRLHF, TRL): a leave-one-out baseline needs at least
+    one other sample of the prompt, as OpenRLHF requires."""
+    config = load_config([*TRAIN, "--advantage-estimator", "rloo"])
+    assert config.algorithm.advantage_estimator == "rloo" and not config.algorithm.critic
+    one = [*TRAIN[:4], "--n-samples-per-prompt", "1", *TRAIN[6:]]
+    one[one.index("--global-batch-size") + 1] = "4"
+    problem = _problem([*one, "--advantage-estimator", "rloo"])
+    assert problem.startswith("rollout.n_samples_per_prompt (--n-samples-per-prompt): rloo")

@@ -15,6 +15,7 @@ from rlcore.algorithms.advantages import (
     grpo_advantages,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
 )
 from rlcore.algorithms.batching import (
     TensorBatch,
@@ -59,6 +60,7 @@ __all__ = [
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "rloo_advantages",
     "tensorize",
     "tensorize_samples",
     "token_log_probs",

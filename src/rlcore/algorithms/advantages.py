@@ -6,6 +6,9 @@ Tensor functions, each citing what it implements:
   arXiv:2402.03300); ``normalize_std=False`` is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783).
   GSPO (Zheng et al. 2025, arXiv:2507.18071) uses the same advantages; its sequence-level ratio
   lives in :func:`rlcore.algorithms.losses.policy_loss`.
+- :func:`rloo_advantages` — each sample's reward minus the mean reward of the other samples of
+  its group, the leave-one-out baseline (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a
+  Baseline for Free!"; Ahmadian et al. 2024, RLOO, arXiv:2402.14740).
 - :func:`reinforce_plus_plus_advantages` — discounted returns, whitened over the batch
   (Hu 2025, REINFORCE++, arXiv:2501.03262; OpenRLHF's ``reinforce`` estimator).
 - :func:`reinforce_plus_plus_baseline_advantages` — group-mean baseline, then whitening (the
@@ -36,7 +39,7 @@ import torch
 
 from rlcore.algorithms.kl import kl_estimate
 from rlcore.samples import Sample
-from rlcore.specs import AdvantageSpec
+from rlcore.specs import GROUPED_ESTIMATORS, AdvantageSpec
 
 __all__ = [
     "Advantages",
@@ -45,6 +48,7 @@ __all__ = [
     "grpo_advantages",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "rloo_advantages",
 ]
 
 _WHITEN_EPS = 1e-8
@@ -71,6 +75,24 @@ def grpo_advantages(
             std = torch.zeros_like(centered)
         centered = centered / (std + eps)
     return centered.reshape(rewards.shape)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO advantages ``r_i - mean_{j != i} r_j``: ``rewards: Tensor[B] -> Tensor[B]``.
+
+    Groups are ``group_size`` consecutive entries; each sample's baseline is the mean reward of
+    the *other* ``group_size - 1`` samples of its group, so it does not depend on the sample's own
+    reward and the policy gradient stays unbiased (Kool et al. 2019; Ahmadian et al. 2024,
+    arXiv:2402.14740). Equal to ``n / (n - 1) (r_i - mean_g)``, Dr. GRPO's advantage scaled up.
+    A group of one has no other sample: advantage 0 (as verl's vectorised ``rloo``; OpenRLHF
+    refuses it, and the config refuses ``n_samples_per_prompt`` 1 with it).
+    """
+    _check_groups(int(rewards.shape[0]), group_size)
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    grouped = rewards.reshape(-1, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(rewards.shape)
 
 
 def reinforce_plus_plus_advantages(
@@ -148,7 +170,7 @@ class Advantages:
     ``returns`` are the critic's targets: for ``ppo``, GAE's ``A + V``; for the estimators
     without a critic, what the estimator gave before any ``token_terms`` were added and before
     whitening (``reinforce_plus_plus``: the discounted returns ``G_t``; ``grpo``, ``gspo``,
-    ``reinforce_plus_plus_baseline``: the per-sequence advantage on each model token).
+    ``reinforce_plus_plus_baseline``, ``rloo``: the per-sequence advantage on each model token).
     So they equal ``advantages`` only when nothing was added or whitened (never for REINFORCE++
     and REINFORCE++-baseline, which always whiten). ``kl`` is the mean per-token KL estimate
     against the reference (before ``kl_coef``) over the model's response tokens (a multi-turn
@@ -160,7 +182,6 @@ class Advantages:
     kl: float = 0.0
 
 
-_GROUPED = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 _WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 """The estimators whose definition whitens (REINFORCE++, arXiv:2501.03262): whitened whether or
 not ``AdvantageSpec.whiten`` asks (slime refuses them without ``--normalize-advantages``)."""
@@ -186,10 +207,11 @@ def estimate_advantages(
 
     1. The estimator:
 
-       - ``grpo`` / ``gspo`` / ``reinforce_plus_plus_baseline``: the sequence's score (its summed
-         token rewards: the reward minus ``kl_coef`` times the summed KL) is normalised within its
-         group of ``spec.group_size`` consecutive samples (:func:`grpo_advantages`; REINFORCE++-
-         baseline only subtracts the group mean) and broadcast to every model token.
+       - ``grpo`` / ``gspo`` / ``rloo`` / ``reinforce_plus_plus_baseline``: the sequence's score
+         (its summed token rewards: the reward minus ``kl_coef`` times the summed KL) is compared
+         within its group of ``spec.group_size`` consecutive samples (:func:`grpo_advantages`;
+         :func:`rloo_advantages`; REINFORCE++-baseline only subtracts the group mean) and
+         broadcast to every model token.
        - ``reinforce_plus_plus``: the discounted returns of the token rewards (``spec.gamma``;
          :func:`reinforce_plus_plus_advantages` before its whitening).
        - ``ppo``: :func:`gae` with ``spec.gamma`` and ``spec.lambd``; returns are ``A + V``.
@@ -215,7 +237,7 @@ def estimate_advantages(
     _check_rows("log_probs", log_probs, lengths)
     _check_rows("ref_log_probs", ref_log_probs, lengths)
     _check_rows("token_terms", token_terms, lengths)
-    if spec.estimator in _GROUPED:
+    if spec.estimator in GROUPED_ESTIMATORS:
         _check_groups(len(samples), spec.group_size)
         _check_group_ids(samples, spec.group_size)
     if spec.estimator == "ppo" and samples and not values:
@@ -253,6 +275,8 @@ def estimate_advantages(
 
     if spec.estimator in ("grpo", "gspo"):  # GSPO differs in the policy loss's ratio only
         adv = grpo_advantages(scores, spec.group_size, spec.normalize_std).unsqueeze(1) * mask
+    elif spec.estimator == "rloo":
+        adv = rloo_advantages(scores, spec.group_size).unsqueeze(1) * mask
     elif spec.estimator == "reinforce_plus_plus_baseline":
         adv = grpo_advantages(scores, spec.group_size, normalize_std=False).unsqueeze(1) * mask
     elif spec.estimator == "reinforce_plus_plus":

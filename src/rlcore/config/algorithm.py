@@ -11,6 +11,7 @@ from rlcore.config.fields import option, problem
 from rlcore.config.rollout import RolloutConfig
 from rlcore.errors import ConfigProblem
 from rlcore.specs import (
+    GROUPED_ESTIMATORS,
     AdvantageEstimator,
     ISLevel,
     ISMode,
@@ -29,8 +30,8 @@ class AlgorithmConfig:
     advantage_estimator: AdvantageEstimator = option(
         "grpo",
         "--advantage-estimator",
-        "grpo, gspo (sequence-level ratio), reinforce_plus_plus, reinforce_plus_plus_baseline "
-        "or ppo",
+        "grpo, gspo (sequence-level ratio), rloo (leave-one-out baseline), reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline or ppo",
     )
     use_critic: bool = option(
         False, "--use-critic", "train a critic (implied by --advantage-estimator ppo)"
@@ -142,7 +143,7 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
 
     warm_start_only = r.num_rollout is not None and a.sft_warmup_rollouts >= r.num_rollout > 0
     if (
-        a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
+        a.advantage_estimator in GROUPED_ESTIMATORS
         and r.n_samples_per_prompt < 2
         and not warm_start_only
     ):
