@@ -260,3 +260,30 @@ def masked_floats(
     x = torch.tensor(values, dtype=torch.float64).reshape(b, t)
     mask = torch.tensor([[j < n for j in range(t)] for n in lengths])
     return x, mask
+
+
+@st.composite
+def padded_episodes(
+    draw: st.DrawFn, max_b: int = 4, max_t: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(response, mask)``, both ``BoolTensor[B, T]``: each row's response is a prefix of the
+    width (0 to ``T`` tokens: an empty response too), and ``mask`` is True on its model tokens,
+    False on padding and on a multi-turn episode's environment tokens, in any order (a row may
+    have none: a response of observations only)."""
+    b = draw(st.integers(1, max_b))
+    t = draw(st.integers(1, max_t))
+    responses, masks = [], []
+    for _ in range(b):
+        n = draw(st.integers(0, t))
+        multiturn = draw(st.booleans())
+        row = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if multiturn else [True] * n
+        responses.append([True] * n + [False] * (t - n))
+        masks.append(row + [False] * (t - n))
+    return torch.tensor(responses, dtype=torch.bool), torch.tensor(masks, dtype=torch.bool)
+
+
+def tensor_like(data: st.DataObject, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """A float64 tensor of ``mask``'s shape with entries drawn from ``[low, high]``."""
+    n = mask.numel()
+    values = data.draw(st.lists(st.floats(low, high, allow_nan=False), min_size=n, max_size=n))
+    return torch.tensor(values, dtype=torch.float64).reshape(mask.shape)
