@@ -19,7 +19,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.algorithms.batching import TensorBatch
 from rlcore.algorithms.correction import importance_weights
 from rlcore.algorithms.losses import (
     actor_loss,
@@ -29,6 +28,7 @@ from rlcore.algorithms.losses import (
     value_loss,
 )
 from rlcore.specs import ISCorrection, KLType, LossAggMode, LossSpec, RatioLevel
+from tests.algorithms.test_loss_mask import batch as padded_batch
 from tests.strategies import KL_TYPES, padded_episodes, tensor_like
 
 MODES: tuple[LossAggMode, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-budget")
@@ -122,21 +122,6 @@ def _rows(x: torch.Tensor) -> list[list[float]]:
 
 def _mask(m: torch.Tensor) -> list[list[bool]]:
     return [[bool(v) for v in row] for row in m.tolist()]
-
-
-def _batch(episodes: Episodes, advantages: torch.Tensor, **fields: torch.Tensor) -> TensorBatch:
-    """The padded episodes as a batch; the losses read only the per-token fields."""
-    response, mask = episodes
-    b, t = mask.shape
-    return TensorBatch(
-        tokens=torch.zeros(b, t + 1, dtype=torch.long),
-        attention_mask=torch.ones(b, t + 1, dtype=torch.bool),
-        response_index=torch.arange(t).expand(b, t),
-        response_mask=response,
-        advantages=advantages,
-        model_token_mask=mask,
-        **fields,
-    )
 
 
 corrections = st.builds(
@@ -381,7 +366,9 @@ def test_the_actor_loss_and_its_gradient(
     rollout = old + tensor_like(data, mask, -1.0, 1.0)
     adv = tensor_like(data, mask, -3.0, 3.0)
     entropy = tensor_like(data, mask, 0.0, 3.0).requires_grad_()
-    batch = _batch(episodes, adv, old_log_probs=old, ref_log_probs=ref, rollout_log_probs=rollout)
+    response, _ = episodes
+    fields = {"old_log_probs": old, "ref_log_probs": ref, "rollout_log_probs": rollout}
+    batch = padded_batch(mask, response, advantages=adv, **fields)
     out = actor_loss(logp, batch, spec, entropy)
     got = out.loss / loss_normalizer(mode, mask)
     m = _mask(mask)
