@@ -25,7 +25,7 @@ def test_the_bar_keeps_count_and_elapsed_time_on_a_narrow_terminal(width: int) -
     out = io.StringIO()
     console = Console(file=out, width=width, force_terminal=True, color_system=None)
     sink = ProgressSink(total=160, console=console)
-    sink.log(36, LONG)
+    sink.log(37, LONG)  # the step is the rollout's number: the count done
     sink.close()
     last = out.getvalue().split("\r")[-1]
     line = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", last).strip()
@@ -40,14 +40,14 @@ def test_without_a_terminal_one_plain_line_per_rollout_goes_to_the_log(
     console = Console(file=io.StringIO(), width=80)  # a file: not a terminal
     sink = ProgressSink(total=3, console=console)
     with caplog.at_level(logging.INFO, logger="rlcore"):
-        for step in range(3):
-            sink.log(step, {"rollout/reward": step / 4, "rollout/weight_version": step + 1.0})
+        for step in range(1, 4):
+            sink.log(step, {"rollout/reward": (step - 1) / 4, "rollout/weight_version": step})
             sink.log(step, {"eval/heldout/reward": 0.5})  # not a rollout: no line of its own
     sink.close()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3
-    for step, line in enumerate(lines):
-        assert re.fullmatch(rf"rollout {step + 1}/3  0:00:\d\d  .*", line), line
+    for step, line in enumerate(lines, start=1):
+        assert re.fullmatch(rf"rollout {step}/3  0:00:\d\d  .*", line), line
     assert lines[0].endswith("rollout/reward=0.000")
     assert lines[2].endswith("rollout/reward=0.500  eval/heldout/reward=0.500")
     assert console.file.getvalue() == ""  # type: ignore[attr-defined]  # no bar drawn
@@ -56,7 +56,7 @@ def test_without_a_terminal_one_plain_line_per_rollout_goes_to_the_log(
 def test_long_runs_log_every_nth_rollout_and_the_last(caplog: pytest.LogCaptureFixture) -> None:
     sink = ProgressSink(total=250, console=Console(file=io.StringIO()))
     with caplog.at_level(logging.INFO, logger="rlcore"):
-        for step in range(250):
-            sink.log(step, {"rollout/weight_version": step + 1.0})
+        for step in range(1, 251):
+            sink.log(step, {"rollout/weight_version": float(step)})
     done = [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records]
     assert done == [*range(3, 250, 3), 250]

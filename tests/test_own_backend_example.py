@@ -40,8 +40,9 @@ def test_own_backend_learns_saves_and_evaluates(
         in capsys.readouterr().out
     )
     state = torch.load(
-        tmp_path / "ckpt" / "rollout_000029" / "actor" / "state.pt", weights_only=True
+        tmp_path / "ckpt" / "rollout_000030" / "actor" / "state.pt", weights_only=True
     )
     stack = module.TorchEvalStack(module.rlcore.EvalSpec(module.rlcore.ModelSpec("actor", None)))
-    assert stack.load(tmp_path / "ckpt" / "rollout_000029" / "actor") == 29
+    # The 30th rollout's checkpoint; the stack records the loop's rollout id, from 0.
+    assert stack.load(tmp_path / "ckpt" / "rollout_000030" / "actor") == 29
     assert torch.equal(stack.model.state_dict()["head.weight"], state["model"]["head.weight"])

@@ -24,12 +24,12 @@ def test_a_restart_resumes_from_the_runs_own_latest_checkpoint(tmp_path: Path) -
 
     write_checkpoint(tmp_path / "ckpt", CheckpointMeta(3, 8, ("actor",)), {"actor": lambda p: None})
     restarted, through = restart_config(config)
-    assert through == 3
+    assert through == 4  # rollout id 3 is rollout 4, the step its metrics row has
     c = restarted.checkpoint
     assert (c.load, c.save, c.finetune, c.start_rollout_id) == (
         tmp_path / "ckpt",
         tmp_path / "ckpt",
-        False,  # --finetune again would start over at rollout 0 with fresh optimizer state
+        False,  # --finetune again would start over at rollout 1 with fresh optimizer state
         None,
     )
     assert c.max_restarts == 2 and restarted.rollout == config.rollout

@@ -4,7 +4,8 @@ config (a run's saved settings) and a CLI's checks before start-up read them.
 
 Layout under the ``--save`` folder::
 
-    rollout_000003/          one folder per saved rollout
+    rollout_000003/          one folder per saved rollout, named by its number (the count of
+                             rollouts done: the third rollout's; :func:`rollout_number`)
         actor/  critic/      written by each training stack's ``save``
         manifest.json        every other file's size and a checksum of its first and last MiB
         rlcore.json          rollout id, dataset position, stacks saved, the run's settings
@@ -33,13 +34,15 @@ __all__ = [
     "MANIFEST_FILE",
     "META_FILE",
     "CheckpointMeta",
+    "complete_checkpoints",
     "find_checkpoint",
     "find_checkpoint_of",
     "newest_intact_checkpoint",
     "recorded_model_folder",
     "read_meta",
-    "saved_checkpoints",
     "rollout_dir_name",
+    "rollout_number",
+    "saved_checkpoints",
 ]
 
 META_FILE = "rlcore.json"
@@ -54,6 +57,9 @@ class CheckpointMeta:
     """What the core records beside the stacks' own state."""
 
     rollout_id: int
+    """The id of the rollout saved, counted from 0 as the loop does (its number is
+    :func:`rollout_number` of it); read from here, never from the folder's name, so that a folder
+    named by the id (before rollouts were numbered by count) resumes where it stopped."""
     consumed_prompts: int
     stacks: tuple[str, ...]
     settings: Mapping[str, Any] = attrs.field(factory=dict)
@@ -62,8 +68,19 @@ class CheckpointMeta:
     its defaults from. Empty in checkpoints written before it was recorded."""
 
 
-def rollout_dir_name(rollout_id: int) -> str:
-    return f"rollout_{rollout_id:06d}"
+def rollout_number(rollout_id: int) -> int:
+    """The number a rollout goes by wherever a person sees it (checkpoint and export folders,
+    saved rollout files, metrics steps, logs, ``summary.json``, flags): the count of rollouts
+    done once it is trained, so rollout id 0 (the first) is rollout 1, the checkpoint after 80
+    rollouts is ``rollout_000080``, and ``-1`` (before training) is 0. The loop, the rollout
+    seam (:attr:`~rlcore.protocols.RolloutContext.rollout_id`) and
+    :class:`~rlcore.loop.RunResult` count ids from 0, as slime does."""
+    return rollout_id + 1
+
+
+def rollout_dir_name(number: int) -> str:
+    """The folder of rollout ``number`` (:func:`rollout_number`): ``rollout_NNNNNN``."""
+    return f"rollout_{number:06d}"
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -85,29 +102,42 @@ def find_checkpoint(path: Path) -> Path:
     return target
 
 
-def find_checkpoint_of(path: Path, rollout_id: int | None) -> Path:
-    """:func:`find_checkpoint`, or with ``rollout_id`` the checkpoint of that rollout in the save
-    folder ``path`` (slime's ``--ckpt-step``). Raises :class:`CheckpointError` naming the
-    rollouts whose checkpoints the folder holds when it has none of ``rollout_id``."""
-    if rollout_id is None:
+def find_checkpoint_of(path: Path, number: int | None) -> Path:
+    """:func:`find_checkpoint`, or with ``number`` the checkpoint of that rollout
+    (:func:`rollout_number`) in the save folder ``path`` (slime's ``--ckpt-step``), found by the
+    rollout each checkpoint records, whatever its folder is named. Raises
+    :class:`CheckpointError` naming the rollouts whose checkpoints the folder holds when it has
+    none of ``number``."""
+    if number is None:
         return find_checkpoint(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     if (path / META_FILE).is_file():
         raise CheckpointError(
-            f"{path} is one checkpoint, not a save folder to pick rollout {rollout_id}'s from; "
+            f"{path} is one checkpoint, not a save folder to pick rollout {number}'s from; "
             f"point at the save folder {path.parent}, or drop the step"
         )
-    target = path / rollout_dir_name(rollout_id)
-    if (target / META_FILE).is_file():
-        return target
-    held = [
-        p.name.removeprefix("rollout_").lstrip("0") or "0"
-        for p in saved_checkpoints(path)
-        if (p / META_FILE).is_file()
-    ]
-    have = f"checkpoints of rollouts {', '.join(held)}" if held else "no complete checkpoint"
-    raise CheckpointError(f"{path} has no checkpoint of rollout {rollout_id}: it holds {have}")
+    held = complete_checkpoints(path)
+    for folder, held_number in held.items():
+        if held_number == number:
+            return folder
+    numbers = ", ".join(str(n) for n in held.values())
+    have = f"checkpoints of rollouts {numbers}" if held else "no complete checkpoint"
+    raise CheckpointError(f"{path} has no checkpoint of rollout {number}: it holds {have}")
+
+
+def complete_checkpoints(save: Path) -> dict[Path, int]:
+    """The complete checkpoints in the save folder ``save`` and the number of the rollout each
+    records (:func:`rollout_number`), oldest first; a checkpoint whose record is unreadable is
+    left out (:func:`read_meta` names it where it is loaded)."""
+    found = {}
+    for folder in saved_checkpoints(save):
+        if folder.is_dir() and (folder / META_FILE).is_file():
+            try:
+                found[folder] = rollout_number(read_meta(folder).rollout_id)
+            except CheckpointError:
+                continue
+    return dict(sorted(found.items(), key=lambda item: item[1]))
 
 
 def recorded_model_folder(folder: Path) -> Path:

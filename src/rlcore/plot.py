@@ -1,11 +1,12 @@
 """Curves of a run, from its ``metrics.jsonl``: ``python -m rlcore.plot METRICS... [-o FILE]``.
 
-Panels against the rollout id: the sampled reward (``rollout/reward``), held-out accuracy (every
-``eval/NAME/reward``), KL (``rollout/kl_penalty`` or the actor's ``kl_loss``), entropy (the
-sampled tokens' ``rollout/entropy``, or the actor's ``entropy``) and seconds per step (the sum
-of the ``perf/*_s`` times). Several files are drawn over each other, one line each, named by
-``--label`` or by the folder that holds the file; ``--table`` prints the held-out accuracy at
-each evaluation as a Markdown table instead of (or beside) the picture.
+Panels against the rollout (its number: the metrics step): the sampled reward
+(``rollout/reward``), held-out accuracy (every ``eval/NAME/reward``), KL (``rollout/kl_penalty``
+or the actor's ``kl_loss``), entropy (the sampled tokens' ``rollout/entropy``, or the actor's
+``entropy``) and seconds per step (the sum of the ``perf/*_s`` times). Several files are drawn
+over each other, one line each, named by ``--label`` or by the folder that holds the file;
+``--table`` prints the held-out accuracy at each evaluation as a Markdown table instead of (or
+beside) the picture.
 
 The picture needs matplotlib (``pip install 'rlcore[plot]'``); the table does not.
 """

@@ -463,6 +463,8 @@ class RolloutContext:
     """
 
     rollout_id: int
+    """Counted from 0, as slime's ``rollout_id``: the run's files, metrics steps and logs call
+    this rollout ``rollout_id + 1``."""
     prompts: PromptSource
     engine: RolloutEngine
     reward_fn: RewardFn

@@ -100,12 +100,12 @@ class ProgressSink:
         status = "  ".join(self._status.values())
         done = "rollout/weight_version" in metrics  # the loop's per-rollout record
         if self._progress is not None:
-            if done:
-                self._progress.update(self._task, completed=step + 1)
+            if done:  # its step is the rollout's number, the count done
+                self._progress.update(self._task, completed=step)
             self._progress.update(self._task, status=status)
-        elif done and ((step + 1) % self._every == 0 or step + 1 == self._total):
+        elif done and (step % self._every == 0 or step == self._total):
             elapsed = datetime.timedelta(seconds=int(time.monotonic() - self._started))
-            log.info("rollout %d/%d  %s  %s", step + 1, self._total, elapsed, status)
+            log.info("rollout %d/%d  %s  %s", step, self._total, elapsed, status)
 
     def close(self) -> None:
         if self._progress is not None:

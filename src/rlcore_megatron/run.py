@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.config import RunConfig
 from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
@@ -46,6 +47,7 @@ from rlcore_megatron.console import ProgressSink, WandbSink, log_to_file, setup_
 from rlcore_megatron.prepare import Prepared, local_node, placement_problem, prepare
 from rlcore_megatron.run_record import (
     interrupted_message,
+    numbered,
     restart_config,
     resume_hint,
     rewind_metrics,
@@ -440,20 +442,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if result.stopped:
         print(
-            f"stopped on request after rollout {result.trained[-1]}: "
+            f"stopped on request after rollout {rollout_number(result.trained[-1])}: "
             f"{resume_hint(prepared.config)}",
             file=sys.stderr,
         )
         return STOPPED_EXIT
     evals = {k: round(v, 4) for k, v in result.last_eval.items()}
+    record = numbered(result)
     if result.trained:
-        trained = f"rollouts {result.trained[0]}..{result.trained[-1]}"
+        trained = f"rollouts {record['trained'][0]}..{record['trained'][-1]}"
     elif result.rollouts:
-        trained = f"nothing (rollout-only: rollouts {result.rollouts[0]}..{result.rollouts[-1]})"
+        trained = (
+            f"nothing (rollout-only: rollouts {record['rollouts'][0]}..{record['rollouts'][-1]})"
+        )
     else:
         trained = "nothing (eval-only)"
     print(
-        f"done: trained {trained}, saved {list(result.saved)}, built {list(result.built)}, "
+        f"done: trained {trained}, saved {record['saved']}, built {list(result.built)}, "
         f"last eval {evals}",
         file=sys.stderr,
     )

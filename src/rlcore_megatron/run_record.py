@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
-from rlcore.checkpoint_files import find_checkpoint, read_meta
+from rlcore.checkpoint_files import find_checkpoint, read_meta, rollout_number
 from rlcore.config import RunConfig
 from rlcore.errors import CheckpointError
 from rlcore.loop import RunResult
@@ -34,6 +34,7 @@ __all__ = [
     "RUN_FILES",
     "interrupted_message",
     "latest_checkpoint",
+    "numbered",
     "restart_config",
     "resume_hint",
     "rewind_metrics",
@@ -90,12 +91,13 @@ def restart_config(config: RunConfig) -> tuple[RunConfig, int | None]:
         no_load_rng=False,
         finetune=False,
     )
-    return attrs.evolve(config, checkpoint=checkpoint), read_meta(latest).rollout_id
+    return attrs.evolve(config, checkpoint=checkpoint), rollout_number(read_meta(latest).rollout_id)
 
 
 def rewind_metrics(path: Path, through: int) -> int:
-    """Drop the rows of the metrics file ``path`` logged after rollout ``through`` (steps above
-    it: that training was lost with the attempt); returns how many went. Rewritten atomically."""
+    """Drop the rows of the metrics file ``path`` logged after rollout number ``through`` (steps
+    above it: that training was lost with the attempt); returns how many went. Rewritten
+    atomically."""
     if not path.exists():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -122,29 +124,40 @@ def write_summary(
         status = "interrupted"
     elif result.stopped:
         status = "stopped"
-    summary = {"status": status, **attrs.asdict(result)}
+    summary = {"status": status, **numbered(result)}
     if error is not None:
         summary["error"] = {"type": type(error).__name__, "message": str(error)}
-    summary["last_trained"] = result.trained[-1] if result.trained else None
     summary["restarts"] = restarts
     latest = latest_checkpoint(config)
     summary["latest_checkpoint"] = None if latest is None else str(latest)
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
+def numbered(result: RunResult) -> dict[str, Any]:
+    """``result`` as ``summary.json`` records it: every rollout by its number
+    (:func:`~rlcore.checkpoint_files.rollout_number`, as the checkpoint folders and metrics
+    steps name them; an evaluation before training is 0), and ``last_trained``, the number of
+    the last rollout whose training finished."""
+    record = attrs.asdict(result)
+    for key in ("trained", "saved", "evaluated", "rollouts"):
+        record[key] = [rollout_number(i) for i in record[key]]
+    if result.interrupted_at is not None:
+        record["interrupted_at"] = rollout_number(result.interrupted_at)
+    record["last_trained"] = record["trained"][-1] if result.trained else None
+    return record
+
+
 def interrupted_message(result: RunResult, config: RunConfig) -> str:
     """What the console says after Ctrl-C: where the run stopped, what it trained, and how to
     resume it."""
+    record = numbered(result)
     where = (
-        f"at rollout {result.interrupted_at}"
+        f"at rollout {record['interrupted_at']}"
         if result.interrupted_at is not None
         else "before the first rollout"
     )
-    trained = (
-        f"trained rollouts {result.trained[0]}..{result.trained[-1]}"
-        if result.trained
-        else "trained nothing"
-    )
+    done = record["trained"]
+    trained = f"trained rollouts {done[0]}..{done[-1]}" if done else "trained nothing"
     return f"interrupted {where}: {trained}; {resume_hint(config)}; summary in " + str(
         config.output_dir / "summary.json"
     )

@@ -44,7 +44,7 @@ def test_eval_only_takes_the_checkpoints_settings_and_says_so(checkpoint: Path) 
     assert config.eval.temperature == 0.6
     assert (config.data.input_key, config.data.label_key) == ("question", "answer")
     assert config.data.rm_type == "math" and config.multiturn.max_turns == 3
-    where = f"eval-only run of {checkpoint / 'rollout_000002'}"
+    where = f"eval-only run of {checkpoint / 'rollout_000003'}"
     assert (
         f"{where}: rollout.max_response_len (--rollout-max-response-len) = 5: from the checkpoint"
         in report

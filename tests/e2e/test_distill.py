@@ -30,8 +30,8 @@ def _flags(demo: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def teacher_run(demo: Path, tmp_path_factory: pytest.TempPathFactory, ray_cluster: None) -> Path:
     """A run that taught the demo model the task on its labels (eight supervised warm-start
-    rollouts), saving a checkpoint (``ckpt/rollout_000007``) and a Hugging Face export of it
-    (``hf/rollout_000007``): a teacher that knows more than the untrained student."""
+    rollouts), saving a checkpoint (``ckpt/rollout_000008``) and a Hugging Face export of it
+    (``hf/rollout_000008``): a teacher that knows more than the untrained student."""
     folder = tmp_path_factory.mktemp("teacher_run")
     warm = ("--num-rollout", "8", "--sft-warmup-rollouts", "8", "--lr", "1e-2")
     saves = ("--save", str(folder / "ckpt"), "--save-hf", str(folder / "hf"))
@@ -55,18 +55,18 @@ def test_a_teacher_from_a_checkpoint_scores_as_its_hugging_face_export(
     loaded = tmp_path / "loaded"
     execute(
         load_config(
-            _flags(demo, loaded, *one, "--opd-teacher-load", str(ckpt), "--opd-teacher-ckpt-step=7")
+            _flags(demo, loaded, *one, "--opd-teacher-load", str(ckpt), "--opd-teacher-ckpt-step=8")
         )
     )
     exported = tmp_path / "exported"
-    hf = teacher_run / "hf" / "rollout_000007"
+    hf = teacher_run / "hf" / "rollout_000008"
     execute(load_config(_flags(demo, exported, *one, "--opd-teacher-hf-checkpoint", str(hf))))
     (a,), (b,) = _opd_rows(loaded), _opd_rows(exported)
     assert a["opd/kl_mean"] > 0.3, a
     assert a["opd/kl_mean"] == pytest.approx(b["opd/kl_mean"], abs=1e-5)
     assert a["opd/teacher_logprob_mean"] == pytest.approx(b["opd/teacher_logprob_mean"], abs=1e-5)
     log = (loaded / "run.log").read_text()
-    assert f"teacher: the actor of {ckpt / 'rollout_000007'} (rollout 7)" in log
+    assert f"teacher: the actor of {ckpt / 'rollout_000008'} (rollout 8)" in log
 
 
 def test_pure_distillation_trains_on_prompts_without_labels(

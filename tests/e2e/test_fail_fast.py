@@ -208,7 +208,7 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_refused(
     assert "distill from a teacher with the student's tokenizer" in err
 
 
-def _teacher_checkpoints(save: Path, model: Path, rollouts: tuple[int, ...] = (0,)) -> None:
+def _teacher_checkpoints(save: Path, model: Path, rollout_ids: tuple[int, ...] = (0,)) -> None:
     """Checkpoints as an rlcore run of ``model`` writes them: its settings recorded in
     ``rlcore.json``, the actor's Megatron record (``rollout.json``) of that model's shape."""
     from rlcore_megatron.arch import model_info, read_hf_config
@@ -220,8 +220,10 @@ def _teacher_checkpoints(save: Path, model: Path, rollouts: tuple[int, ...] = (0
     def actor(folder: Path) -> None:
         (folder / "rollout.json").write_text(json.dumps({**record, "rollout_id": 0}))
 
-    for rollout in rollouts:
-        write_checkpoint(save, CheckpointMeta(rollout, 8, ("actor",), settings), {"actor": actor})
+    for rollout_id in rollout_ids:
+        write_checkpoint(
+            save, CheckpointMeta(rollout_id, 8, ("actor",), settings), {"actor": actor}
+        )
 
 
 @pytest.mark.megatron  # a valid model folder: config.json is read by Megatron's validator
@@ -240,13 +242,13 @@ def test_a_teacher_checkpoint_that_cannot_be_the_teacher_is_refused(
     )
 
     save = tmp_path / "teacher_run"
-    _teacher_checkpoints(save, demo / "model", rollouts=(0, 2))
+    _teacher_checkpoints(save, demo / "model", rollout_ids=(0, 2))
     err = _refused(
         [*flags, "--opd-teacher-load", str(save), "--opd-teacher-ckpt-step", "5"], tmp_path
     )
     assert err.splitlines()[1] == (
         f"  - opd.opd_teacher_ckpt_step (--opd-teacher-ckpt-step): {save} has no checkpoint of "
-        "rollout 5: it holds checkpoints of rollouts 0, 2 (pick one of them)"
+        "rollout 5: it holds checkpoints of rollouts 1, 3 (pick one of them)"
     )
 
     other = tmp_path / "other"  # a model of another vocabulary, that its run trained
@@ -263,11 +265,11 @@ def test_a_teacher_checkpoint_that_cannot_be_the_teacher_is_refused(
     layers = config["num_hidden_layers"]
     (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers + 1}))
     err = _refused(
-        [*flags, "--opd-teacher-load", str(tmp_path / "deeper_run"), "--opd-teacher-ckpt-step=0"],
+        [*flags, "--opd-teacher-load", str(tmp_path / "deeper_run"), "--opd-teacher-ckpt-step=1"],
         tmp_path,
     )
     assert err.splitlines()[1] == (
-        f"  - opd.opd_teacher_load (--opd-teacher-load): {tmp_path / 'deeper_run/rollout_000000'}"
+        f"  - opd.opd_teacher_load (--opd-teacher-load): {tmp_path / 'deeper_run/rollout_000001'}"
         f"/actor holds weights of another shape than {deeper / 'config.json'} describes: "
         f"num_layers is {layers} there, {layers + 1} in the folder (the teacher's weights must "
         "fit the model folder its run recorded: restore that folder, or distill from another "
@@ -279,8 +281,8 @@ def test_a_fresh_run_refuses_a_save_folder_with_another_runs_checkpoints(
     demo: Path, tmp_path: Path
 ) -> None:
     save = tmp_path / "ckpt"
-    for rollout in (1, 3):
-        write_checkpoint(save, CheckpointMeta(rollout, 8, ("actor",)), {"actor": lambda f: None})
+    for rollout_id in (0, 2):  # the checkpoints of rollouts 1 and 3
+        write_checkpoint(save, CheckpointMeta(rollout_id, 8, ("actor",)), {"actor": lambda f: None})
     flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
     err = _refused([*flags, "--save", str(save)], tmp_path)
     assert err.splitlines()[1:] == [
@@ -309,8 +311,8 @@ def test_load_of_a_checkpoint_at_the_last_rollout(demo: Path, tmp_path: Path) ->
     flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
     err = _refused([*flags, "--load", str(ckpt)], tmp_path)
     assert err == (
-        f"error: --load {ckpt}: the checkpoint rollout_000002 is of rollout 2, so training would "
-        "start at rollout 3, but --num-rollout is 3: nothing is left to train. Raise "
+        f"error: --load {ckpt}: the checkpoint rollout_000003 is of rollout 3, so training would "
+        "start at rollout 4, but --num-rollout is 3: nothing is left to train. Raise "
         "--num-rollout above 3 to train on, or evaluate the checkpoint with --num-rollout 0 "
         f"--load {ckpt}\n"
     )
@@ -349,16 +351,16 @@ def test_a_damaged_checkpoint_is_refused_with_the_intact_one_to_load(
     def shard_of_4_kib(folder: Path) -> None:
         (folder / "shard.distcp").write_bytes(b"w" * 4096)
 
-    for rollout in (0, 1):
-        write_checkpoint(ckpt, CheckpointMeta(rollout, 8, ("actor",)), {"actor": shard_of_4_kib})
-    shard = ckpt / "rollout_000001" / "actor" / "shard.distcp"
+    for rollout_id in (0, 1):
+        write_checkpoint(ckpt, CheckpointMeta(rollout_id, 8, ("actor",)), {"actor": shard_of_4_kib})
+    shard = ckpt / "rollout_000002" / "actor" / "shard.distcp"
     shard.write_bytes(b"w" * 2048)
     flags = _flags(demo, tmp_path / "out", "--hf-checkpoint", str(demo / "model"))
     err = _refused([*flags, "--load", str(ckpt)], tmp_path)
     assert err.splitlines()[1:] == [
-        f"  - checkpoint.load (--load): checkpoint {ckpt / 'rollout_000001'} is damaged: {shard} "
+        f"  - checkpoint.load (--load): checkpoint {ckpt / 'rollout_000002'} is damaged: {shard} "
         f"has 2048 bytes, 4096 when it was saved (load the newest intact checkpoint instead: "
-        f"--load {ckpt / 'rollout_000000'})"
+        f"--load {ckpt / 'rollout_000001'})"
     ]
 
 

@@ -126,6 +126,6 @@ def test_grpo_then_eval_only(
     )
     assert code == 0
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
-    assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [0]
+    assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [1]
     rows = read_jsonl_metrics(tmp_path / "eval" / "metrics.jsonl")
     assert "eval/heldout/reward" in rows[0]

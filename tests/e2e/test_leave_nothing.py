@@ -106,7 +106,7 @@ def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
             sigint_ignored=sigint_ignored,
         )
         try:
-            cli.wait_for(save / "rollout_000001" / "rlcore.json", timeout_s=600)
+            cli.wait_for(save / "rollout_000002" / "rlcore.json", timeout_s=600)
             cli.interrupt()
             code = cli.wait(timeout_s=300)
         finally:
@@ -117,12 +117,14 @@ def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True
     k = summary["interrupted_at"]
-    assert summary["trained"] == list(range(k)) or summary["trained"] == list(range(k + 1))
+    # Rollouts by number, from 1: k's training may or may not have finished.
+    assert summary["trained"] in (list(range(1, k)), list(range(1, k + 1)))
     latest = find_checkpoint(save)
     assert summary["latest_checkpoint"] == str(latest)
-    assert read_meta(latest).rollout_id == summary["saved"][-1]
+    assert latest.name == f"rollout_{summary['saved'][-1]:06d}"
+    assert read_meta(latest).rollout_id + 1 == summary["saved"][-1]
     assert (
-        f"interrupted at rollout {k}: trained rollouts 0..{summary['trained'][-1]}; latest "
+        f"interrupted at rollout {k}: trained rollouts 1..{summary['trained'][-1]}; latest "
         f"checkpoint {latest} (resume with --load {save}); summary in {out / 'summary.json'}"
     ) in err
     assert cli.survivors(within_s=SURVIVAL_S) == []
@@ -143,7 +145,7 @@ def test_ctrl_c_stops_cleanly_with_a_summary_and_exit_130(
 def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     demo: Path, tmp_path: Path
 ) -> None:
-    """A run that fails after start-up (here its reward, at rollout 2) exits 1 and says why on
+    """A run that fails after start-up (here its reward, at rollout 3) exits 1 and says why on
     stderr, at the end of run.log and in summary.json (with --save-retain 1, the one checkpoint
     kept is the latest). The earlier run that wrote into the same
     output folder keeps its files, moved aside; the new metrics file holds this run alone."""
@@ -157,7 +159,7 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
         "def reward(prompt, generation):\n"
         "    global calls\n"
         "    calls += 1\n"
-        "    if calls > 16:  # rollouts 0 and 1 have 4 prompts x 2 samples\n"
+        "    if calls > 16:  # rollouts 1 and 2 have 4 prompts x 2 samples\n"
         "        raise ValueError('the grader is down')\n"
         "    return 0.0\n"
     )
@@ -177,17 +179,17 @@ def test_a_failed_run_leaves_its_record_and_the_earlier_runs_files_aside(
     assert code == 1, cli.stderr
     *_, error, hint = cli.stderr.splitlines()
     assert error.startswith("error: RewardError: ") and "the grader is down" in error, cli.stderr
-    assert hint == f"latest checkpoint {save / 'rollout_000001'} (resume with --load {save})"
+    assert hint == f"latest checkpoint {save / 'rollout_000002'} (resume with --load {save})"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "the grader is down" in summary["error"]["message"]
-    assert summary["trained"] == [0, 1] and summary["last_trained"] == 1
-    assert summary["latest_checkpoint"] == str(save / "rollout_000001")
-    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000001"]  # retain 1
+    assert summary["trained"] == [1, 2] and summary["last_trained"] == 2
+    assert summary["latest_checkpoint"] == str(save / "rollout_000002")
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000002"]  # retain 1
     last_line = (out / "run.log").read_text().splitlines()[-1]
     assert " ERROR rlcore: run failed: " in last_line and "the grader is down" in last_line
     rows = read_jsonl_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1]
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2]
     for name, text in earlier.items():
         assert (out / "previous" / "1" / name).read_text() == text
     assert cli.survivors(within_s=SURVIVAL_S) == []
@@ -206,14 +208,14 @@ def test_a_full_disk_stops_the_run_before_a_save_and_keeps_the_last_checkpoint(
     finally:
         cli.kill_everything()
     assert code == 1, cli.stderr
-    kept = save / "rollout_000000"
+    kept = save / "rollout_000001"
     assert (
         f"error: CheckpointError: not enough space on the disk holding {save} for checkpoint "
-        "rollout_000001: it needs about "
+        "rollout_000002: it needs about "
     ) in cli.stderr
     assert f"the latest checkpoint is still {kept}" in cli.stderr
     assert find_checkpoint(save) == kept
-    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000000"]
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_000001"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["latest_checkpoint"] == str(kept)
     assert cli.survivors(within_s=SURVIVAL_S) == []
@@ -340,10 +342,10 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_finishe
         re.MULTILINE,
     )
     assert restarted is not None, log[-3000:]
-    assert restarted.group(1) == str(save) and int(restarted.group(2)) in (1, 3)
+    assert restarted.group(1) == str(save) and int(restarted.group(2)) in (2, 4)
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["status"], summary["restarts"], summary["last_trained"]) == ("ok", 1, 5)
-    assert [r["step"] for r in _trained_rows(out)] == [0, 1, 2, 3, 4, 5]
+    assert (summary["status"], summary["restarts"], summary["last_trained"]) == ("ok", 1, 6)
+    assert [r["step"] for r in _trained_rows(out)] == [1, 2, 3, 4, 5, 6]
     assert read_meta(find_checkpoint(save)).rollout_id == 5
     assert cli.survivors(within_s=SURVIVAL_S) == []
     assert cli.shared_memory_left() == []

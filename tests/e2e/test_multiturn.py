@@ -61,7 +61,7 @@ def test_multiturn_grpo_save_resume_then_eval_only(
     assert first.trained == (0, 1, 2) and first.saved == (2,)
     rows = read_jsonl_metrics(tmp_path / "a" / "metrics.jsonl")
     rl = [r for r in rows if "rollout/reward" in r]
-    assert [r["step"] for r in rl] == [1, 2]
+    assert [r["step"] for r in rl] == [2, 3]  # rollout 1 is the warm start
     for r in rl:
         assert r["rollout/turns"] >= 1.0
         # Engine (HF) and trainer (Megatron) log-probs of the model's tokens agree: the trainer
@@ -69,7 +69,7 @@ def test_multiturn_grpo_save_resume_then_eval_only(
         assert r["train/actor/logprob_mismatch"] < 1e-3
     for rollout_id in (1, 2):
         samples = [s for g in load_rollout_data(str(saved), rollout_id) for s in g]
-        row = next(r for r in rl if r["step"] == rollout_id)
+        row = next(r for r in rl if r["step"] == rollout_id + 1)  # by number, from 1
         # The loss counted the model's tokens only.
         assert row["train/actor/tokens"] == sum(s.response.model_tokens for s in samples)
         for s in samples:

@@ -85,7 +85,7 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     assert first.evaluated == (-1, 1, 2)
     assert first.built == ("train:actor",)
     rows = read_jsonl_metrics(tmp_path / "a" / "metrics.jsonl")
-    assert [r["step"] for r in rows if "rollout/reward" in r] == [0, 1, 2]
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]  # numbers, from 1
     assert all(
         "train/actor/grad_norm" in r and r["train/actor/lr"] > 0
         for r in rows
@@ -111,7 +111,7 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
         r["step"]
         for r in read_jsonl_metrics(tmp_path / "b" / "metrics.jsonl")
         if "rollout/reward" in r
-    ] == [3, 4]
+    ] == [4, 5]
 
     # Eval-only on the saved checkpoint, with critic and KL flags that it must not act on. The
     # model folder, the data keys and the response length come from the checkpoint's run.
@@ -139,7 +139,7 @@ def test_grpo_save_resume_then_eval_only(demo: Path, tmp_path: Path, ray_cluster
     assert code == 0
     summary = _summary(tmp_path / "c")
     assert summary["built"] == ["eval:actor"]  # no optimizer, scheduler, critic or reference
-    assert summary["trained"] == [] and summary["evaluated"] == [4]
+    assert summary["trained"] == [] and summary["evaluated"] == [5]  # after rollout 5
     rows = read_jsonl_metrics(tmp_path / "c" / "metrics.jsonl")
     assert {"eval/heldout/reward", "eval/heldout/pass@2"} <= set(rows[0])
     assert rows[0]["eval/heldout/response_len"] <= 5
@@ -192,7 +192,7 @@ def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> N
     assert run.returncode == 0, run.stderr[-3000:]
     summary = _summary(tmp_path)
     assert summary["built"] == ["train:actor", "train:critic", "eval:reference"]
-    assert summary["trained"] == [0, 1]
+    assert summary["trained"] == [1, 2]
     rows = [r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl") if "rollout/reward" in r]
     assert len(rows) == 2
     for row in rows:
@@ -282,7 +282,7 @@ def test_bf16_grpo_then_eval_only(demo: Path, tmp_path: Path, ray_cluster: None)
 
     # The Hugging Face export of the last rollout (written by rank 0 of the Ray group) is the
     # same model in bf16 with the tokenizer: evaluated from it, greedy answers are the same.
-    export = tmp_path / "hf" / "rollout_000001"
+    export = tmp_path / "hf" / "rollout_000002"
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
     assert (export / "tokenizer.json").read_bytes() == (
         demo / "model" / "tokenizer.json"
@@ -385,8 +385,8 @@ def test_joins_a_ray_cluster_and_logs_to_tensorboard_and_wandb(
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == [
-        (0, pytest.approx(rewards[0])),
-        (1, pytest.approx(rewards[1])),
+        (1, pytest.approx(rewards[0])),  # the rollouts' numbers, as in metrics.jsonl
+        (2, pytest.approx(rewards[1])),
     ]
 
     # wandb's offline run: its record file holds the run's config and metric names (wandb 0.31
@@ -503,8 +503,8 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
         assert 0.5 <= row["train/actor/tis_weight"] <= 2.0
         assert row["train/actor/logprob_mismatch_max"] >= row["train/actor/logprob_mismatch"]
     assert sorted(p.name for p in rollouts.iterdir()) == [
-        "rollout_000000.json",
         "rollout_000001.json",
+        "rollout_000002.json",
     ]
 
     replay = tmp_path / "replay"
@@ -512,7 +512,7 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
     replay_flags += ["--load-debug-rollout-data", str(rollouts), "--debug-train-only"]
     assert main(replay_flags) == 0
     summary = _summary(replay)
-    assert summary["trained"] == [0, 1] and summary["evaluated"] == []
+    assert summary["trained"] == [1, 2] and summary["evaluated"] == []
     assert summary["built"] == ["train:actor"]
     assert "no rollout engine is used" in (replay / "run.log").read_text()
     again = [r for r in read_jsonl_metrics(replay / "metrics.jsonl") if "rollout/reward" in r]
@@ -524,8 +524,8 @@ def test_dynamic_sampling_and_tis_then_a_replay_and_a_rollout_only_run(
     only = _flags(demo, tmp_path / "only", "--num-rollout", "1", "--debug-rollout-only")
     assert main([*only, "--save-debug-rollout-data", str(saved_to / "{rollout_id}.json")]) == 0
     summary = _summary(tmp_path / "only")
-    assert summary["built"] == [] and summary["trained"] == [] and summary["rollouts"] == [0]
-    assert (saved_to / "0.json").is_file()
+    assert summary["built"] == [] and summary["trained"] == [] and summary["rollouts"] == [1]
+    assert (saved_to / "1.json").is_file()
     assert (
         "rollout-only run, not built: training stacks"
         in (tmp_path / "only" / "run.log").read_text()

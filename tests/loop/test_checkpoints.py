@@ -13,7 +13,9 @@ import pytest
 from rlcore.checkpoint_files import (
     MANIFEST_FILE,
     CheckpointMeta,
+    complete_checkpoints,
     find_checkpoint,
+    find_checkpoint_of,
     newest_intact_checkpoint,
     read_meta,
     verify_checkpoint,
@@ -40,6 +42,22 @@ def test_save_then_find_latest(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_a_checkpoint_is_named_by_its_rollouts_number_and_known_by_its_record(
+    tmp_path: Path,
+) -> None:
+    """After 80 rollouts (rollout id 79) the folder is rollout_000080. A folder named by the id,
+    as before rollouts were numbered by count, is still found by the number it records."""
+    final = write_checkpoint(tmp_path, CheckpointMeta(79, 4, ("actor",)), {"actor": _writer("a")})
+    assert final == tmp_path / "rollout_000080"
+    old = final.rename(tmp_path / "rollout_000079")
+    (tmp_path / "latest").write_text("rollout_000079\n")
+    assert find_checkpoint(tmp_path) == old and read_meta(old).rollout_id == 79
+    assert complete_checkpoints(tmp_path) == {old: 80}
+    assert find_checkpoint_of(tmp_path, 80) == old
+    with pytest.raises(CheckpointError, match="no checkpoint of rollout 79: it holds checkpoints "):
+        find_checkpoint_of(tmp_path, 79)
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) -> None:
     good = write_checkpoint(tmp_path, CheckpointMeta(0, 4, ("actor",)), {"actor": _writer("good")})
 
@@ -47,7 +65,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) 
         (folder / "weights").write_text("half")
         raise OSError("disk full")
 
-    with pytest.raises(CheckpointError, match="rollout_000001.*disk full"):
+    with pytest.raises(CheckpointError, match="rollout_000002.*disk full"):
         write_checkpoint(
             tmp_path,
             CheckpointMeta(1, 8, ("actor", "critic")),
@@ -55,7 +73,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_as_latest(tmp_path: Path) 
         )
     assert find_checkpoint(tmp_path) == good
     assert (good / "actor" / "weights").read_text() == "good"
-    assert not (tmp_path / "rollout_000001").exists()
+    assert not (tmp_path / "rollout_000002").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
@@ -96,8 +114,8 @@ def test_the_next_save_removes_what_an_interrupted_save_left_and_says_so(
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest",
-        "rollout_000000",
         "rollout_000001",
+        "rollout_000002",
     ]
     assert find_checkpoint(tmp_path) == final
     logged = [r.getMessage() for r in caplog.records]
@@ -147,12 +165,12 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(small_disk: SmallDis
         write_checkpoint(disk, CheckpointMeta(1, 8, ("actor",)), {"actor": _bytes_writer(600_000)})
     assert re.match(
         f"not enough space on the disk holding {re.escape(str(disk))} for checkpoint "
-        r"rollout_000001: it needs about 586\.\d KiB \(the size of rollout_000000\) and "
+        r"rollout_000002: it needs about 586\.\d KiB \(the size of rollout_000001\) and "
         r"4\d\d\.\d KiB is free",
         str(info.value),
     ), str(info.value)
     assert f"free; the latest checkpoint is still {first}" in str(info.value)
-    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000000"]
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000001"]
 
 
 @pytest.mark.parametrize("writer_error", ["ENOSPC", "its own words"])
@@ -177,11 +195,11 @@ def test_a_save_that_fills_the_disk_says_so_and_keeps_the_last_checkpoint(
         write_checkpoint(disk, CheckpointMeta(1, 8, ("actor",)), {"actor": fill})
     message = str(info.value)
     assert message.startswith(
-        f"saving checkpoint {disk / 'rollout_000001'} failed: no space left on the device "
+        f"saving checkpoint {disk / 'rollout_000002'} failed: no space left on the device "
         f"holding {disk} ("
     )
     assert f"the latest checkpoint is still {first}" in message
-    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000000"]
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "rollout_000001"]
 
 
 def test_the_manifest_names_a_damaged_file_and_the_newest_intact_checkpoint(
@@ -228,12 +246,12 @@ def test_save_retain_keeps_the_newest_and_the_loaded_checkpoint(
             )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest",
-        "rollout_000000",  # the one the run loaded
-        "rollout_000002",
+        "rollout_000001",  # the one the run loaded (rollout id 0: the first rollout)
         "rollout_000003",
+        "rollout_000004",
         "rollout_000009",
     ]
-    assert find_checkpoint(tmp_path) == tmp_path / "rollout_000003"
-    assert f"checkpoints: removed {tmp_path / 'rollout_000001'} (--save-retain 2)" in [
+    assert find_checkpoint(tmp_path) == tmp_path / "rollout_000004"
+    assert f"checkpoints: removed {tmp_path / 'rollout_000002'} (--save-retain 2)" in [
         r.getMessage() for r in caplog.records
     ]

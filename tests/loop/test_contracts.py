@@ -250,8 +250,8 @@ def test_load_of_a_checkpoint_at_the_last_rollout_is_refused_before_building(
             DATA,
         )
     assert str(info.value) == (
-        f"--load {tmp_path / 'ckpt'}: the checkpoint rollout_000003 is of rollout 3, so training "
-        "would start at rollout 4, but --num-rollout is 4: nothing is left to train. Raise "
+        f"--load {tmp_path / 'ckpt'}: the checkpoint rollout_000004 is of rollout 4, so training "
+        "would start at rollout 5, but --num-rollout is 4: nothing is left to train. Raise "
         "--num-rollout above 4 to train on, or evaluate the checkpoint with --num-rollout 0 "
         f"--load {tmp_path / 'ckpt'}"
     )
@@ -288,7 +288,7 @@ def test_ctrl_c_raises_run_interrupted_with_what_was_done(tmp_path: Path) -> Non
     assert result.trained == (0, 1) and result.saved == (0, 1)
     assert result.built == ("train:actor",)
     assert isinstance(info.value, KeyboardInterrupt)  # `except Exception` does not swallow it
-    assert str(info.value) == "interrupted at rollout 2"
+    assert str(info.value) == "interrupted at rollout 3"  # rollout id 2, by its number
 
 
 class InterruptedSync:
@@ -322,7 +322,7 @@ def test_a_rollout_trained_before_ctrl_c_keeps_its_metrics(tmp_path: Path) -> No
     result = info.value.result
     assert result.trained == (0, 1) and result.interrupted_at == 1
     trained_rows = [(step, m) for step, m in sink.records if "train/actor/loss" in m]
-    assert [step for step, _ in trained_rows] == [0, 1]
+    assert [step for step, _ in trained_rows] == [1, 2]  # steps are rollout numbers
     # Rollout 1 saved, then was interrupted in its weight sync: no sync time, no new version.
     assert "perf/save_s" in trained_rows[1][1] and "perf/weight_sync_s" not in trained_rows[1][1]
 
@@ -354,13 +354,13 @@ def test_a_stop_request_saves_the_next_rollout_and_stops(
         checkpoint__save_interval=10,
     )
     progress = Progress()
-    sink = StopsAfter(progress, at=0)
+    sink = StopsAfter(progress, at=1)  # the first rollout's row
     result = run(
         plan(config), FakeBackend(), ScriptedEngine(), label_reward, DATA, sink, progress=progress
     )
     assert result.stopped and not result.interrupted
     assert result.trained == (0, 1) and result.saved == (1,)
-    assert find_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "rollout_000001"
+    assert find_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "rollout_000002"
     # Not asked: the run goes to the end, and says it was not stopped.
     finished = run(
         plan(_config(tmp_path / "b")), FakeBackend(), ScriptedEngine(), label_reward, DATA

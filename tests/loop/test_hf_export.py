@@ -80,8 +80,9 @@ def test_exports_follow_their_interval_or_the_save_interval_and_the_last_rollout
 
 
 def test_a_folder_holds_one_export_per_rollout_and_a_template_names_them() -> None:
-    assert hf_folder("out/hf", 12) == Path("out/hf/rollout_000012")
-    assert hf_folder("out/iter_{rollout_id}/hf", 12) == Path("out/iter_12/hf")
+    # Named by the rollout's number, the count done: rollout id 12 is the 13th rollout.
+    assert hf_folder("out/hf", 12) == Path("out/hf/rollout_000013")
+    assert hf_folder("out/iter_{rollout_id}/hf", 12) == Path("out/iter_13/hf")
 
 
 def test_each_export_holds_the_weights_then_and_the_model_folders_tokenizer(
@@ -98,7 +99,7 @@ def test_each_export_holds_the_weights_then_and_the_model_folders_tokenizer(
     )
     backend = _train(the_plan, FakeBackend())
     exports = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert exports == ["rollout_000001", "rollout_000003", "rollout_000004"]  # no debris either
+    assert exports == ["rollout_000002", "rollout_000004", "rollout_000005"]  # no debris either
     for name, steps in zip(exports, (2, 4, 5), strict=True):
         folder = tmp_path / "hf" / name
         assert json.loads((folder / "config.json").read_text()) == {"steps": steps}
@@ -115,8 +116,8 @@ def test_each_export_holds_the_weights_then_and_the_model_folders_tokenizer(
 def test_the_asynchronous_schedule_exports_too(tmp_path: Path) -> None:
     the_plan = _train_plan(*_flags(4, "--save-hf", str(tmp_path / "hf"), "--max-staleness", "2"))
     _train(the_plan, FakeBackend())
-    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["rollout_000003"]
-    assert json.loads((tmp_path / "hf" / "rollout_000003" / "config.json").read_text()) == {
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["rollout_000004"]
+    assert json.loads((tmp_path / "hf" / "rollout_000004" / "config.json").read_text()) == {
         "steps": 4
     }
 
@@ -177,12 +178,12 @@ def test_a_failed_export_names_its_folder_and_leaves_the_earlier_ones(tmp_path: 
     with pytest.raises(CheckpointError) as info:
         _train(the_plan, _Backend(_FailingExport))
     assert str(info.value) == (
-        f"saving the Hugging Face export {hf / 'rollout_000003'} failed: _FailingExport (actor)"
+        f"saving the Hugging Face export {hf / 'rollout_000004'} failed: _FailingExport (actor)"
         ".save_hf raised OSError: the disk went away. The HFExporter contract is to raise rlcore "
         "errors (BackendError, ...); fix or wrap the component"
     )
-    assert [p.name for p in hf.iterdir()] == ["rollout_000001"]  # no half-written folder
-    assert json.loads((hf / "rollout_000001" / "config.json").read_text()) == {"steps": 2}
+    assert [p.name for p in hf.iterdir()] == ["rollout_000002"]  # no half-written folder
+    assert json.loads((hf / "rollout_000002" / "config.json").read_text()) == {"steps": 2}
 
 
 def test_the_export_flags_are_checked_and_runs_that_train_nothing_say_they_skip_it() -> None:

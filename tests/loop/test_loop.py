@@ -217,7 +217,8 @@ def test_eval_only_builds_only_the_actor_eval_stack_and_loads_it(tmp_path: Path)
     result = run(plan(config), backend, engine, label_reward, DATA)
     assert backend.roles_built == ["eval:actor"]
     assert backend.eval_stacks[0].loaded_from == find_checkpoint(tmp_path / "ckpt") / "actor"
-    assert engine.updates == [3]
+    assert engine.updates == [4]  # the weights after 4 rollouts: version 4, as training pushes
+    assert result.evaluated == (3,)  # after rollout id 3
     assert result.last_eval["eval/heldout/reward"] == pytest.approx(
         2 / 3
     )  # the script answers 0 and 2 right

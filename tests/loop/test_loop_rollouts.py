@@ -165,7 +165,8 @@ def test_replaying_saved_rollouts_needs_no_engine_and_trains_on_the_same_batches
     config = _config(tmp_path / "a", debug__save_debug_rollout_data=template)
     run(plan(config), original, ScriptedEngine(every_third_always_right), label_reward, DATA)
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [
-        f"{i}.json" for i in range(4)
+        f"{n}.json"
+        for n in range(1, 5)  # by the rollouts' numbers, from 1
     ]
     saved = load_rollout_data(template, 2)
     assert [s.prompt for g in saved for s in g] == [s.prompt for s in _batches(original)[2].samples]
@@ -185,7 +186,7 @@ def test_replaying_saved_rollouts_needs_no_engine_and_trains_on_the_same_batches
     assert [b.advantages for b in _batches(replayed)] == [b.advantages for b in _batches(original)]
 
     rollout_data_path(template, 3).unlink()
-    with pytest.raises(Exception, match=r"3\.json: no saved rollout 3"):
+    with pytest.raises(Exception, match=r"4\.json: no saved rollout 4"):
         run(plan(replay_config), FakeBackend(), None, label_reward, DATA)
 
 
@@ -219,7 +220,7 @@ def test_rollout_only_builds_no_training_stack(tmp_path: Path) -> None:
     assert backend.roles_built == [] and result.built == ()
     assert result.trained == () and result.rollouts == (0, 1, 2, 3)
     assert engine.updates == []  # the engine keeps the weights it started with
-    assert [step for step, _ in sink.records] == [0, 1, 2, 3]
+    assert [step for step, _ in sink.records] == [1, 2, 3, 4]
     assert all(rollout_data_path(template, i).is_file() for i in range(4))
 
     # From a checkpoint: the actor as an eval stack only, its weights pushed to the engine.
@@ -233,7 +234,7 @@ def test_rollout_only_builds_no_training_stack(tmp_path: Path) -> None:
     assert engine.updates == [2]
 
     # A checkpoint past --num-rollout: said before anything is built, not a silent empty run;
-    # with --finetune the checkpoint's weights generate from rollout 0.
+    # with --finetune the checkpoint's weights generate from the first rollout.
     short = plan(
         _config(
             tmp_path / "t",

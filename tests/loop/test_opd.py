@@ -218,7 +218,8 @@ def test_the_opd_flags_are_checked() -> None:
         load_config(_flags(2, *OPD, "--opd-teacher-load", "ckpt"))
     with pytest.raises(ConfigError, match=r"--opd-teacher-ckpt-step\): picks a checkpoint of"):
         load_config(_flags(2, *OPD, "--opd-teacher-ckpt-step", "3"))
-    with pytest.raises(ConfigError, match=r"--opd-teacher-ckpt-step\): must be >= 0, got -1"):
+    counted = r"--opd-teacher-ckpt-step\): must be >= 1 \(rollouts are counted from 1\), got -1"
+    with pytest.raises(ConfigError, match=counted):
         load_config(_flags(2, "--use-opd", "--opd-teacher-load", "c", "--opd-teacher-ckpt-step=-1"))
     with pytest.raises(ConfigError, match=r"opd.opd_only \(--opd-only\): has no effect without"):
         load_config(_flags(2, "--opd-only"))
@@ -257,14 +258,14 @@ def test_the_served_teacher_flags_are_checked() -> None:
 
 def _teacher_checkpoints(tmp_path: Path) -> Path:
     """A save folder written by a (fake-backend) training run of the model folder ``teacher``:
-    checkpoints of rollouts 0 and 1, recording that folder."""
+    checkpoints of rollouts 1 and 2, recording that folder."""
     save = tmp_path / "teacher_run"
     flags = ["--hf-checkpoint", str(tmp_path / "teacher"), "--save", str(save)]
     _train(*_flags(2, *flags, "--save-interval", "1"))
     return save
 
 
-@pytest.mark.parametrize("step", [None, 0], ids=["latest", "step-0"])
+@pytest.mark.parametrize("step", [None, 1], ids=["latest", "step-1"])
 def test_a_teacher_from_a_checkpoint_is_its_runs_model_with_the_checkpoints_weights(
     tmp_path: Path, step: int | None
 ) -> None:
@@ -273,7 +274,7 @@ def test_a_teacher_from_a_checkpoint_is_its_runs_model_with_the_checkpoints_weig
     flags = _flags(2, "--use-opd", "--opd-teacher-load", str(save), *picked)
     the_plan = plan(load_config(flags))
     assert isinstance(the_plan, TrainPlan) and the_plan.opd is not None
-    checkpoint = save / f"rollout_00000{1 if step is None else step}"
+    checkpoint = save / f"rollout_00000{2 if step is None else step}"
     assert the_plan.opd.teacher_load == checkpoint
     # The architecture is the model folder the checkpoint's run recorded, as --load's.
     assert isinstance(the_plan.opd.teacher, EvalSpec)
@@ -292,7 +293,7 @@ def test_a_teacher_checkpoint_step_that_is_not_there_names_those_that_are(tmp_pa
         plan(load_config(flags))
     assert (
         f"opd.opd_teacher_load (--opd-teacher-load): {save} has no checkpoint of rollout 7: it "
-        "holds checkpoints of rollouts 0, 1"
+        "holds checkpoints of rollouts 1, 2"
     ) in str(info.value)
     with pytest.raises(ConfigError, match="does not exist"):
         plan(load_config(_flags(2, "--use-opd", "--opd-teacher-load", str(tmp_path / "none"))))

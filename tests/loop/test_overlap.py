@@ -225,7 +225,7 @@ def test_no_sample_is_older_than_k_and_no_group_is_lost(
 
 
 class _StopAfter(RecordingSink):
-    """Ctrl-C right after rollout ``last`` was trained and saved."""
+    """Ctrl-C right after rollout number ``last`` was trained and saved."""
 
     def __init__(self, last: int) -> None:
         super().__init__()
@@ -262,11 +262,12 @@ def test_a_stopped_and_resumed_lockstep_run_equals_an_uninterrupted_one(
             ScriptedEngine(every_third_always_right),
             label_reward,
             DATA,
-            _StopAfter(3),
+            _StopAfter(4),
             Progress(),
         )
-    saved = tmp_path / "b" / "ckpt" / "rollout_000003" / "rollout" / "pending_000004.json"
-    assert saved.is_file() == (k == 1)  # K = 1 had generated rollout 4 ahead: it is kept
+    # (files inside a checkpoint keep the loop's rollout ids, from 0)
+    saved = tmp_path / "b" / "ckpt" / "rollout_000004" / "rollout" / "pending_000004.json"
+    assert saved.is_file() == (k == 1)  # K = 1 had generated rollout id 4 ahead: it is kept
     resumed = FakeBackend()
     run_overlapped_training(
         attrs.evolve(the_plan, load=tmp_path / "b" / "ckpt"),

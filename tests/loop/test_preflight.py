@@ -158,19 +158,19 @@ def test_a_save_folder_is_one_runs(tmp_path: Path) -> None:
     assert save_folder_problems(save, None, fresh=True, overwrite=False) == []  # no folder yet
     for rollout in (0, 1):
         write_checkpoint(save, CheckpointMeta(rollout, 4, ("actor",)), {"actor": lambda f: None})
-    (save / ".tmp-rollout_000002-42").mkdir()  # an interrupted save's debris is not a checkpoint
+    (save / ".tmp-rollout_000003-42").mkdir()  # an interrupted save's debris is not a checkpoint
     [refusal] = save_folder_problems(save, None, fresh=True, overwrite=False)
-    assert "already holds 2 checkpoint(s) of another run (rollout_000000 .. rollout_000001)" in (
+    assert "already holds 2 checkpoint(s) of another run (rollout_000001 .. rollout_000002)" in (
         refusal.message
     )
     assert save_folder_problems(save, save, fresh=False, overwrite=False) == []  # a resume
     assert save_folder_problems(save, None, fresh=True, overwrite=True) == []
     [loaded] = save_folder_problems(save, save, fresh=True, overwrite=True)  # --finetune
-    assert "would remove" in loaded.message and "rollout_000001" in loaded.message
+    assert "would remove" in loaded.message and "rollout_000002" in loaded.message
     assert [p.name for p in remove_earlier_checkpoints(save)] == [
-        "rollout_000000",
         "rollout_000001",
+        "rollout_000002",
         "latest",
     ]
-    assert [p.name for p in save.iterdir()] == [".tmp-rollout_000002-42"]
+    assert [p.name for p in save.iterdir()] == [".tmp-rollout_000003-42"]
     assert save_folder_problems(save, None, fresh=True, overwrite=False) == []

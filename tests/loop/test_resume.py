@@ -80,7 +80,7 @@ def test_extending_a_decayed_schedule_is_explicit(tmp_path: Path) -> None:
     _, sink = _train([*longer, "--override-opt-param-scheduler"])
     assert _lrs(sink) == pytest.approx([1e-3 * (1 - s / 8) for s in range(4, 8)])
     # A decay that has ended is refused, not trained at 0.
-    from_4 = ["--load", str(tmp_path / "ckpt" / "rollout_000003")]
+    from_4 = ["--load", str(tmp_path / "ckpt" / "rollout_000004")]
     ended = [*longer, *from_4, "--override-opt-param-scheduler", "--lr-decay-iters", "5"]
     error = _refused(ended)
     assert error.paths == ("optim.lr_decay_iters (--lr-decay-iters)",)
@@ -94,7 +94,7 @@ def test_finetune_loads_the_weights_and_starts_afresh(tmp_path: Path) -> None:
         *("--load", str(tmp_path / "ckpt"), "--finetune"),
     ]
     backend, sink = _train(argv)
-    assert [step for step, m in sink.records if "train/actor/lr" in m] == [0, 1]
+    assert [step for step, m in sink.records if "train/actor/lr" in m] == [1, 2]
     actor = backend.training_stacks[0]
     assert actor.optimizer.steps == 2  # a new optimizer: only this run's steps
     assert _lrs(sink) == [1e-4, 1e-4]  # this run's constant schedule from its step 0
@@ -112,7 +112,7 @@ def test_finetune_adds_a_critic_the_checkpoint_does_not_have(tmp_path: Path) -> 
     assert backend.roles_built == ["train:actor", "train:critic"]
     actor, critic = backend.training_stacks
     assert actor.optimizer.steps == critic.optimizer.steps == 3
-    assert (tmp_path / "rl" / "ckpt" / "rollout_000002" / "critic").is_dir()
+    assert (tmp_path / "rl" / "ckpt" / "rollout_000003" / "critic").is_dir()
 
 
 def test_the_seed_and_the_sharding_need_their_flags(tmp_path: Path) -> None:

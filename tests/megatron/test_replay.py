@@ -123,10 +123,10 @@ def test_replays_and_a_resume_reproduce_the_run_bit_for_bit(
         assert run(replay_plan, replayed, None, label_reward, DATA).trained == (0, 1, 2, 3)
         _equal(replayed.weights(), expected)
 
-    # Resume from the checkpoint after rollout 1: its carried groups and prompt position continue
-    # the stream exactly where the uninterrupted run was.
+    # Resume from the checkpoint after rollout 2 (id 1): its carried groups and prompt position
+    # continue the stream exactly where the uninterrupted run was.
     resumed = RecordingBackend()
-    middle = tmp_path / "a" / "ckpt" / "rollout_000001"
+    middle = tmp_path / "a" / "ckpt" / "rollout_000002"
     assert (middle / "rollout" / "carried.json").is_file()
     second = run(
         _plan(char_llama, tmp_path / "d", load=middle),

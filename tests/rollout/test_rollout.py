@@ -202,7 +202,7 @@ def test_a_rollout_function_that_raises_is_named_with_the_rollout(tmp_path: Path
         )
     assert str(info.value) == (
         "rollout function test_a_rollout_function_that_raises_is_named_with_the_rollout.<locals>"
-        ".mine raised ZeroDivisionError: oops at rollout 0; fix the rollout function given to "
+        ".mine raised ZeroDivisionError: oops at rollout 1; fix the rollout function given to "
         "rlcore.run"
     )
 
@@ -259,31 +259,32 @@ def saved_groups() -> tuple[tuple[Sample, ...], ...]:
 def test_saved_rollouts_read_back_exactly(tmp_path: Path) -> None:
     groups = saved_groups()
     template = str(tmp_path / "debug" / "rollout_{rollout_id}.json")
-    path = save_rollout_data(template, 3, groups)
-    assert path == tmp_path / "debug" / "rollout_3.json"
+    path = save_rollout_data(template, 3, groups)  # rollout id 3: the fourth rollout
+    assert path == tmp_path / "debug" / "rollout_4.json"
     assert load_rollout_data(template, 3) == groups
-    assert [p.name for p in (tmp_path / "debug").iterdir()] == ["rollout_3.json"]  # no temp file
+    assert [p.name for p in (tmp_path / "debug").iterdir()] == ["rollout_4.json"]  # no temp file
     folder = str(tmp_path / "as_folder")  # no placeholder: a folder of numbered files
-    assert save_rollout_data(folder, 12, groups) == Path(folder) / "rollout_000012.json"
-    assert rollout_data_path(folder, 12) == Path(folder) / "rollout_000012.json"
+    assert save_rollout_data(folder, 12, groups) == Path(folder) / "rollout_000013.json"
+    assert rollout_data_path(folder, 12) == Path(folder) / "rollout_000013.json"
     assert load_rollout_data(folder, 12) == groups
 
 
 def test_bad_rollout_files_name_the_file(tmp_path: Path) -> None:
     template = str(tmp_path / "r{rollout_id}.json")
-    with pytest.raises(DataError, match=r"r5\.json: no saved rollout 5"):
+    # Files are named by the rollouts' numbers (rollout id 0 is rollout 1) and record the id.
+    with pytest.raises(DataError, match=r"r6\.json: no saved rollout 6"):
         load_rollout_data(template, 5)
-    save_rollout_data(template, 1, saved_groups())
+    save_rollout_data(template, 0, saved_groups())
     (tmp_path / "r1.json").rename(tmp_path / "r2.json")
-    with pytest.raises(DataError, match=r"r2\.json: holds rollout 1, not 2"):
-        load_rollout_data(template, 2)
+    with pytest.raises(DataError, match=r"r2\.json: holds rollout 1, not 2; .* rename them one"):
+        load_rollout_data(template, 1)
     (tmp_path / "r3.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(DataError, match="not a rollout file of format 'rlcore.rollout/1'"):
-        load_rollout_data(template, 3)
-    (tmp_path / "r4.json").write_text('{"format": "rlcore.rollout/1", "rollout_id": 4, "groups"')
+        load_rollout_data(template, 2)
+    (tmp_path / "r4.json").write_text('{"format": "rlcore.rollout/1", "rollout_id": 3, "groups"')
     with pytest.raises(DataError, match=r"r4\.json: cannot read saved rollout 4"):
-        load_rollout_data(template, 4)
-    record = {"format": "rlcore.rollout/1", "rollout_id": 6, "groups": [[{"reward": 1.0}]]}
+        load_rollout_data(template, 3)
+    record = {"format": "rlcore.rollout/1", "rollout_id": 5, "groups": [[{"reward": 1.0}]]}
     (tmp_path / "r6.json").write_text(json.dumps(record))
     with pytest.raises(DataError, match=r"r6\.json: malformed rollout 6"):
-        load_rollout_data(template, 6)
+        load_rollout_data(template, 5)

@@ -49,7 +49,7 @@ def test_multiturn_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     )
     assert train.returncode == 0, train.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
-    assert summary["trained"] == [0, 1, 2]
+    assert summary["trained"] == [1, 2, 3]
     rows = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rollout/turns" in r]
     assert len(steps) == 2

@@ -102,7 +102,7 @@ def test_a_run_distils_from_a_teacher_server(tmp_path: Path) -> None:
         server.shutdown()
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["built"] == ["train:actor"] and summary["trained"] == [0, 1]
+    assert summary["built"] == ["train:actor"] and summary["trained"] == [1, 2]
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     rows = [row for row in map(json.loads, lines) if "opd/kl_mean" in row]
     assert len(rows) == 2

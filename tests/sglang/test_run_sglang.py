@@ -80,7 +80,7 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     )
     assert train.returncode == 0, train.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
-    assert summary["trained"] == [0, 1] and summary["saved"] == [1]
+    assert summary["trained"] == [1, 2] and summary["saved"] == [2]
     rows = [
         json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -106,7 +106,7 @@ def test_grpo_then_eval_only_with_sglang(tmp_path: Path) -> None:
     )
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
-    assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [1]
+    assert summary["built"] == ["eval:actor"] and summary["evaluated"] == [2]
     assert "eval/heldout/reward" in summary["last_eval"]
 
 
@@ -136,7 +136,7 @@ def test_free_running_generation_with_partial_rollouts(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["trained"] == [0, 1, 2, 3]
+    assert summary["trained"] == [1, 2, 3, 4]
     rows = [
         json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -182,7 +182,7 @@ def test_a_killed_server_is_restarted_with_the_policy_and_the_run_goes_on(tmp_pa
     )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["trained"] == [0, 1, 2]
+    assert summary["trained"] == [1, 2, 3]
     rows = [
         json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     ]

@@ -32,7 +32,10 @@ class CheckpointConfig:
         "the folder, so that two runs' checkpoints never mix)",
     )
     save_interval: int | None = option(
-        None, "--save-interval", "save every N rollouts (and always after the last)"
+        None,
+        "--save-interval",
+        "save every N rollouts (and always after the last): DIR/rollout_N, rollout_2N, ..., "
+        "each named by the count of rollouts done",
     )
     save_retain: int | None = option(
         None,
@@ -46,7 +49,8 @@ class CheckpointConfig:
         "--save-hf",
         "also write the actor as a Hugging Face folder (safetensors, config.json, the model "
         "folder's tokenizer files) into DIR/rollout_NNNNNN, or PATH with '{rollout_id}' replaced "
-        "(slime's flag); at --save-hf-interval and after the last rollout",
+        "by the rollout's number, the count done as checkpoints are named (slime's flag); at "
+        "--save-hf-interval and after the last rollout",
     )
     save_hf_interval: int | None = option(
         None,
@@ -64,7 +68,10 @@ class CheckpointConfig:
         None, "--load", "checkpoint folder (or one rollout_* inside it) to resume from"
     )
     start_rollout_id: int | None = option(
-        None, "--start-rollout-id", "first rollout id (default: loaded checkpoint's id + 1, else 0)"
+        None,
+        "--start-rollout-id",
+        "count N rollouts as done: the run trains rollouts N+1 .. --num-rollout (slime's id of "
+        "the first rollout, from 0); default: the loaded checkpoint's rollout, else 0",
     )
     override_opt_param_scheduler: bool = option(
         False,
@@ -103,13 +110,15 @@ class DebugConfig:
     save_debug_rollout_data: str | None = option(
         None,
         "--save-debug-rollout-data",
-        "write each rollout's samples to PATH, '{rollout_id}' replaced by the id "
-        "(without it, PATH is a folder of rollout_NNNNNN.json files)",
+        "write each rollout's samples to PATH, '{rollout_id}' replaced by the rollout's number, "
+        "the count done as checkpoints are named (without it, PATH is a folder of "
+        "rollout_NNNNNN.json files)",
     )
     load_debug_rollout_data: str | None = option(
         None,
         "--load-debug-rollout-data",
-        "train on rollouts saved by --save-debug-rollout-data; no rollout engine is built",
+        "train on rollouts saved by --save-debug-rollout-data (PATH as there: rollout N's file "
+        "feeds rollout N); no rollout engine is built",
     )
     debug_rollout_only: bool = option(
         False,

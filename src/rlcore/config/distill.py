@@ -72,8 +72,8 @@ class OPDConfig:
     opd_teacher_ckpt_step: int | None = option(
         None,
         "--opd-teacher-ckpt-step",
-        "with --opd-teacher-load DIR: the checkpoint of rollout N (DIR/rollout_NNNNNN) instead of "
-        "the latest (slime's flag)",
+        "with --opd-teacher-load DIR: the checkpoint of rollout N (DIR/rollout_NNNNNN, N the "
+        "count of rollouts done) instead of the latest (slime's flag)",
     )
     opd_only: bool = option(
         False,
@@ -143,8 +143,11 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
                 "picks a checkpoint of --opd-teacher-load, which is not given",
                 "add --opd-teacher-load DIR (a --save folder), or drop it",
             )
-        elif o.opd_teacher_ckpt_step < 0:
-            add("opd_teacher_ckpt_step", f"must be >= 0, got {o.opd_teacher_ckpt_step}")
+        elif o.opd_teacher_ckpt_step < 1:
+            add(
+                "opd_teacher_ckpt_step",
+                f"must be >= 1 (rollouts are counted from 1), got {o.opd_teacher_ckpt_step}",
+            )
     if o.opd_only:
         problems += _reward_free_problems(o, a)
     return problems

@@ -33,6 +33,7 @@ from rlcore.checkpoint_files import (
     find_checkpoint,
     read_meta,
     rollout_dir_name,
+    rollout_number,
     saved_checkpoints,
     write_manifest,
 )
@@ -93,7 +94,7 @@ def write_checkpoint(
     """
     root.mkdir(parents=True, exist_ok=True)
     remove_interrupted_saves(root)
-    name = rollout_dir_name(meta.rollout_id)
+    name = rollout_dir_name(rollout_number(meta.rollout_id))
     final = root / name
     _check_space(root, name)
 
@@ -305,9 +306,10 @@ PENDING_FOLDER = "rollout"
 
 @attrs.frozen
 class ResumePoint:
-    """Where a training run starts, read before any stack is built: its first rollout id, the
-    prompts already consumed, the checkpoint folder (``None`` for a fresh run) and what the run
-    changes from the checkpoint's settings (each applied; a refused one raised instead)."""
+    """Where a training run starts, read before any stack is built: its first rollout id (from 0,
+    so also the number of rollouts done before it), the prompts already consumed, the checkpoint
+    folder (``None`` for a fresh run) and what the run changes from the checkpoint's settings
+    (each applied; a refused one raised instead)."""
 
     first: int
     consumed: int
@@ -318,7 +320,7 @@ class ResumePoint:
         """Lines for the log: where the run resumes and every changed setting."""
         if self.folder is None:
             return []
-        lines = [f"resuming from {self.folder} at rollout {self.first}"]
+        lines = [f"resuming from {self.folder}: training goes on with rollout {self.first + 1}"]
         lines += [f"  changed on resume: {change}" for change in self.changes]
         return lines
 
@@ -349,10 +351,11 @@ def resume_point(plan: TrainPlan) -> ResumePoint:
         consumed = meta.consumed_prompts
     if first >= plan.num_rollout:
         raise PlanError(
-            f"--load {plan.load}: the checkpoint {folder.name} is of rollout {meta.rollout_id}, "
-            f"so training would start at rollout {first}, but --num-rollout is "
-            f"{plan.num_rollout}: nothing is left to train. Raise --num-rollout above {first} to "
-            f"train on, or evaluate the checkpoint with --num-rollout 0 --load {plan.load}"
+            f"--load {plan.load}: the checkpoint {folder.name} is of rollout "
+            f"{rollout_number(meta.rollout_id)}, so training would start at rollout {first + 1}, "
+            f"but --num-rollout is {plan.num_rollout}: nothing is left to train. Raise "
+            f"--num-rollout above {first} to train on, or evaluate the checkpoint with "
+            f"--num-rollout 0 --load {plan.load}"
         )
     changes: tuple[SettingChange, ...] = ()
     if meta.settings and plan.settings:

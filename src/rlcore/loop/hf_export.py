@@ -17,7 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from rlcore.checkpoint_files import rollout_dir_name
+from rlcore.checkpoint_files import rollout_dir_name, rollout_number
 from rlcore.loop.checkpoints import write_folder
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.stages import should_save
@@ -45,11 +45,13 @@ log = logging.getLogger("rlcore")
 
 
 def hf_folder(where: str, rollout_id: int) -> Path:
-    """The export folder of rollout ``rollout_id``: ``where`` with ``{rollout_id}`` replaced when
-    it has one (slime's template), else ``where/rollout_NNNNNN``."""
+    """The export folder after rollout id ``rollout_id``: ``where`` with ``{rollout_id}``
+    replaced by the rollout's number (:func:`~rlcore.checkpoint_files.rollout_number`) when it
+    has one (slime's template), else ``where/rollout_NNNNNN``."""
+    number = rollout_number(rollout_id)
     if "{" in where:
-        return Path(where.format(rollout_id=rollout_id))
-    return Path(where) / rollout_dir_name(rollout_id)
+        return Path(where.format(rollout_id=number))
+    return Path(where) / rollout_dir_name(number)
 
 
 def should_export_hf(plan: TrainPlan, rollout_id: int) -> bool:
@@ -87,5 +89,5 @@ def export_hf(plan: TrainPlan, exporter: HFExporter, rollout_id: int) -> Path:
     if model_folder is None:
         log.warning("exported %s without tokenizer files: the actor has no model folder", final)
     else:
-        log.info("exported the actor after rollout %d to %s", rollout_id, final)
+        log.info("exported the actor after rollout %d to %s", rollout_number(rollout_id), final)
     return final

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import assert_never
 
-from rlcore.checkpoint_files import find_checkpoint, read_meta
+from rlcore.checkpoint_files import find_checkpoint, read_meta, rollout_number
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import read_carried, resume_point
@@ -94,16 +94,17 @@ def run_eval_only(
         log.info("eval-only run, not built: %s", line)
     actor = build_eval_stack(backend, plan.actor)
     progress.built = ("eval:actor",)
-    version = 0
+    after = -1  # the rollout id the weights were trained through: none, for a model folder
     if plan.load is not None:
         folder = find_checkpoint(plan.load)
-        version = actor.load(folder / "actor")
-    push_weights(actor, engine, version=version)
+        after = actor.load(folder / "actor")
+    push_weights(actor, engine, version=rollout_number(after))
     metrics = evaluate(
         engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
     )
-    sink.log(version, metrics)
-    return RunResult((), (), (version,), metrics, {}, ("eval:actor",))
+    # At the step a training run logs its evaluation of the same weights.
+    sink.log(rollout_number(after), metrics)
+    return RunResult((), (), (after,), metrics, {}, ("eval:actor",))
 
 
 def run_rollout_only(
@@ -132,10 +133,10 @@ def run_rollout_only(
         if start >= plan.num_rollout:
             raise PlanError(
                 f"--load {plan.load}: the checkpoint {folder.name} is of rollout "
-                f"{meta.rollout_id}, so generation would start at rollout {start}, but "
-                f"--num-rollout is {plan.num_rollout}: nothing is left to generate. Raise "
-                f"--num-rollout above {start}, or add --finetune to start at rollout 0 with the "
-                "checkpoint's weights"
+                f"{rollout_number(meta.rollout_id)}, so generation would start at rollout "
+                f"{start + 1}, but --num-rollout is {plan.num_rollout}: nothing is left to "
+                f"generate. Raise --num-rollout above {start}, or add --finetune to start at "
+                "rollout 1 with the checkpoint's weights"
             )
         actor = build_eval_stack(backend, plan.actor)
         progress.built = ("eval:actor",)
@@ -157,7 +158,7 @@ def run_rollout_only(
             "perf/generate_s": time.perf_counter() - t0,
         }
         progress.rollouts.append(rollout_id)
-        sink.log(rollout_id, metrics)
+        sink.log(rollout_number(rollout_id), metrics)
     return RunResult((), (), (), {}, metrics, progress.built, tuple(progress.rollouts))
 
 

@@ -20,7 +20,10 @@ __all__ = ["JsonlSink", "MultiSink", "TensorBoardSink", "read_jsonl_metrics"]
 
 @final
 class JsonlSink:
-    """One JSON object per ``log`` call: ``{"step": k, "metric/name": value, ...}``."""
+    """One JSON object per ``log`` call: ``{"step": k, "metric/name": value, ...}``. The loop
+    logs rollout ``k``'s row (:func:`~rlcore.checkpoint_files.rollout_number`: the count of
+    rollouts done) and the evaluation after it at step ``k``, an evaluation before training at
+    step 0."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ import math
 import time
 from collections.abc import Mapping
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import resume, save_checkpoint
@@ -160,7 +161,7 @@ def run_overlapped_training(
             engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
         )
         progress.evaluated.append(after)
-        sink.log(after + 1, metrics)
+        sink.log(rollout_number(after), metrics)
         return metrics
 
     # Evaluated before the generator starts, so that it always comes first.
@@ -233,7 +234,7 @@ def run_overlapped_training(
                     metrics["rollout/weights_deferred"] = float(not pushing)
                 finally:
                     last_train = metrics
-                    sink.log(rollout_id, metrics)
+                    sink.log(rollout_number(rollout_id), metrics)
                 if evaluating:
                     last_eval = run_eval(rollout_id)
             if stopping:

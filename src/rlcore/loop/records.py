@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.samples import EvalSet, Prompt
 
 __all__ = ["NullSink", "Progress", "RunData", "RunInterrupted", "RunResult"]
@@ -30,7 +31,10 @@ class RunData:
 @attrs.frozen
 class RunResult:
     """What happened, for callers and tests: the rollout ids trained, saved and evaluated after
-    (``-1`` stands for "before training"), and the last metrics of each kind."""
+    (``-1`` stands for "before training"), and the last metrics of each kind. Ids count from 0,
+    as the loop and the rollout seam do; files, metrics steps, logs and ``summary.json`` name
+    rollout id ``i`` by its number ``i + 1``
+    (:func:`~rlcore.checkpoint_files.rollout_number`)."""
 
     trained: tuple[int, ...]
     saved: tuple[int, ...]
@@ -58,7 +62,7 @@ class RunInterrupted(KeyboardInterrupt):
 
     def __init__(self, result: RunResult) -> None:
         where = (
-            f"at rollout {result.interrupted_at}"
+            f"at rollout {rollout_number(result.interrupted_at)}"
             if result.interrupted_at is not None
             else "before its first rollout"
         )

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.errors import PlanError, RLCoreError, RolloutError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
@@ -165,7 +166,9 @@ def build_teacher(opd: OPDSpec, backend: Backend) -> EvalStack | None:
     teacher = build_eval_stack(backend, opd.teacher)
     if opd.teacher_load is not None:
         rollout_id = teacher.load(opd.teacher_load / "actor")
-        log.info("teacher: the actor of %s (rollout %d)", opd.teacher_load, rollout_id)
+        log.info(
+            "teacher: the actor of %s (rollout %d)", opd.teacher_load, rollout_number(rollout_id)
+        )
     return teacher
 
 
@@ -309,7 +312,7 @@ def _rollouts(
         except Exception as exc:
             raise RolloutError(
                 f"rollout function {name} raised {type(exc).__name__}: {exc} at rollout "
-                f"{rollout_id}; {fix}"
+                f"{rollout_number(rollout_id)}; {fix}"
             ) from exc
         output = check_rollout_output(returned, name, size, n)
         if spec.save_debug_data is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import resume, save_checkpoint
@@ -81,7 +82,7 @@ def run_training(
             engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
         )
         progress.evaluated.append(after)
-        sink.log(after + 1, metrics)
+        sink.log(rollout_number(after), metrics)
         return metrics
 
     last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
@@ -129,7 +130,7 @@ def run_training(
             # A trained rollout's metrics are logged even when its save or weight sync is
             # interrupted (Ctrl-C) or fails: the optimizer step they describe happened.
             last_train = metrics
-            sink.log(rollout_id, metrics)
+            sink.log(rollout_number(rollout_id), metrics)
         if should_eval(rollout_id, plan.num_rollout, plan.eval_interval):
             last_eval = run_eval(rollout_id)
         if stopping:

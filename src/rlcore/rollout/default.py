@@ -24,6 +24,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Final
 
+from rlcore.checkpoint_files import rollout_number
 from rlcore.errors import RolloutError
 from rlcore.imports import load_function
 from rlcore.protocols import (
@@ -103,10 +104,10 @@ def default_rollout(ctx: RolloutContext) -> RolloutOutput:
     while len(kept) < ctx.batch_size:
         if rounds == sampling.max_rounds:
             raise RolloutError(
-                f"rollout {ctx.rollout_id}: after {rounds} generation rounds only {len(kept)} of "
-                f"{ctx.batch_size} groups passed the filter ({generated} generated, {filtered} "
-                "filtered out); raise --dynamic-sampling-max-rounds or --over-sampling-batch-size, "
-                "or check the reward and --dynamic-sampling-filter-path"
+                f"rollout {rollout_number(ctx.rollout_id)}: after {rounds} generation rounds only "
+                f"{len(kept)} of {ctx.batch_size} groups passed the filter ({generated} generated, "
+                f"{filtered} filtered out); raise --dynamic-sampling-max-rounds or "
+                "--over-sampling-batch-size, or check the reward and --dynamic-sampling-filter-path"
             )
         rounds += 1
         prompts = ctx.prompts.take(sampling.over_sampling_batch_size)

@@ -6,8 +6,10 @@ One JSON file per rollout id holds the groups the rollout trained on: every samp
 text, finish reason, weight version) and its reward. Python floats survive JSON exactly, so a run
 that trains on a replayed rollout sees bit for bit the numbers the original run saw.
 
-``PATH`` is a template: ``{rollout_id}`` is replaced by the rollout id; a path without it is a
-folder holding ``rollout_000003.json`` and so on. Files are written atomically.
+``PATH`` is a template: ``{rollout_id}`` is replaced by the rollout's number (counted from 1, as
+checkpoints are: :func:`~rlcore.checkpoint_files.rollout_number`); a path without it is a folder
+holding ``rollout_000001.json`` (the first rollout's) and so on. Inside, each file records the
+rollout's id, from 0. Files are written atomically.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Final
 
 import cattrs
 
+from rlcore.checkpoint_files import rollout_dir_name, rollout_number
 from rlcore.errors import DataError
 from rlcore.protocols import RolloutOutput
 from rlcore.samples import Sample
@@ -41,10 +44,12 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
 def rollout_data_path(template: str, rollout_id: int) -> Path:
-    """The file of rollout ``rollout_id`` under ``template`` (module docstring)."""
+    """The file of rollout id ``rollout_id`` under ``template`` (module docstring), named by
+    the rollout's number (:func:`~rlcore.checkpoint_files.rollout_number`)."""
+    number = rollout_number(rollout_id)
     if "{rollout_id}" in template:
-        return Path(template.replace("{rollout_id}", str(rollout_id)))
-    return Path(template) / f"rollout_{rollout_id:06d}.json"
+        return Path(template.replace("{rollout_id}", str(number)))
+    return Path(template) / f"{rollout_dir_name(number)}.json"
 
 
 def save_rollout_data(
@@ -61,7 +66,8 @@ def load_rollout_data(template: str, rollout_id: int) -> tuple[tuple[Sample, ...
     path = rollout_data_path(template, rollout_id)
     if not path.is_file():
         raise DataError(
-            f"{path}: no saved rollout {rollout_id} for --load-debug-rollout-data {template}; "
+            f"{path}: no saved rollout {rollout_number(rollout_id)} for "
+            f"--load-debug-rollout-data {template}; "
             "save it with --save-debug-rollout-data, or train fewer rollouts (--num-rollout)"
         )
     return read_groups(path, rollout_id)
@@ -101,7 +107,9 @@ def read_output(path: Path, rollout_id: int) -> RolloutOutput:
         )
         metrics = {str(k): float(v) for k, v in record["metrics"].items()}
     except (KeyError, AttributeError, cattrs.BaseValidationError, ValueError, TypeError) as exc:
-        raise DataError(f"{path}: malformed rollout output {rollout_id}: {exc}") from exc
+        raise DataError(
+            f"{path}: malformed rollout output {rollout_number(rollout_id)}: {exc}"
+        ) from exc
     return RolloutOutput(_groups(path, rollout_id, record), metrics, surplus)
 
 
@@ -126,17 +134,22 @@ def _read(path: Path, rollout_id: int) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read saved rollout {rollout_id}: {exc}") from exc
+        raise DataError(
+            f"{path}: cannot read saved rollout {rollout_number(rollout_id)}: {exc}"
+        ) from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, dict) else type(record).__name__
         raise DataError(
             f"{path}: not a rollout file of format {FORMAT!r} (found {found!r}); "
             "point --load-debug-rollout-data at files written by --save-debug-rollout-data"
         )
-    if record.get("rollout_id") != rollout_id:
+    held = record.get("rollout_id")
+    if held != rollout_id:
+        what = rollout_number(held) if isinstance(held, int) else repr(held)
         raise DataError(
-            f"{path}: holds rollout {record.get('rollout_id')!r}, not {rollout_id}; "
-            "the file was renamed or the path template is wrong"
+            f"{path}: holds rollout {what}, not {rollout_number(rollout_id)}; the file was "
+            "renamed or the path template is wrong (files saved before rollouts were numbered "
+            "from 1 are named one below: rename them one up)"
         )
     return record
 
@@ -147,5 +160,5 @@ def _groups(path: Path, rollout_id: int, record: dict[str, Any]) -> tuple[tuple[
             record["groups"], tuple[tuple[Sample, ...], ...]
         )
     except (KeyError, cattrs.BaseValidationError, ValueError, TypeError) as exc:
-        raise DataError(f"{path}: malformed rollout {rollout_id}: {exc}") from exc
+        raise DataError(f"{path}: malformed rollout {rollout_number(rollout_id)}: {exc}") from exc
     return groups
