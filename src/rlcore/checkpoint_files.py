@@ -20,6 +20,7 @@ file is named), in time proportional to the number of files, not their size: a r
 from __future__ import annotations
 
 import json
+import string
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,7 +43,9 @@ __all__ = [
     "read_meta",
     "rollout_dir_name",
     "rollout_number",
+    "rollout_path",
     "saved_checkpoints",
+    "template_problem",
 ]
 
 META_FILE = "rlcore.json"
@@ -81,6 +84,43 @@ def rollout_number(rollout_id: int) -> int:
 def rollout_dir_name(number: int) -> str:
     """The folder of rollout ``number`` (:func:`rollout_number`): ``rollout_NNNNNN``."""
     return f"rollout_{number:06d}"
+
+
+def template_problem(path: str) -> str | None:
+    """Why ``path``, given where a run writes or reads one file or folder per rollout
+    (``--save-hf``, ``--save-debug-rollout-data``, ``--load-debug-rollout-data``), is neither a
+    plain path (no braces) nor a path template the way slime's are: ``str.format`` with the one
+    field ``{rollout_id}`` (a format spec such as ``{rollout_id:06d}`` allowed, a literal brace
+    doubled); ``None`` when it is one of them."""
+    if "{" not in path and "}" not in path:
+        return None
+    try:
+        fields = {field for _, field, _, _ in string.Formatter().parse(path) if field is not None}
+    except ValueError as exc:
+        return f"{path!r} has a brace that is not part of a field ({exc}; a literal one is doubled)"
+    other = sorted(fields - {"rollout_id"})
+    if other:
+        named = ", ".join(f"{{{field}}}" for field in other)
+        return f"{path!r} has {named}: the one field a path template takes is {{rollout_id}}"
+    if not fields:
+        return f"{path!r} has braces but no {{rollout_id}} field"
+    try:
+        path.format(rollout_id=0)
+    except ValueError as exc:
+        return f"{path!r} cannot format a rollout's number: {exc}"
+    return None
+
+
+def rollout_path(template: str, rollout_id: int, suffix: str = "") -> Path:
+    """Where rollout id ``rollout_id``'s file or folder goes under ``template``: with a
+    ``{rollout_id}`` field, ``template.format(rollout_id=N)`` (slime's convention), ``N`` the
+    rollout's number (:func:`rollout_number`); without braces, the folder ``template`` holding
+    ``rollout_NNNNNN`` + ``suffix``. The config refuses any other path
+    (:func:`template_problem`)."""
+    number = rollout_number(rollout_id)
+    if "{" in template or "}" in template:
+        return Path(template.format(rollout_id=number))
+    return Path(template) / f"{rollout_dir_name(number)}{suffix}"
 
 
 def find_checkpoint(path: Path) -> Path:

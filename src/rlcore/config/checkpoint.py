@@ -9,10 +9,16 @@ from pathlib import Path
 
 import attrs
 
+from rlcore.checkpoint_files import template_problem
 from rlcore.config.fields import flag_of, option, problem
 from rlcore.errors import ConfigProblem
 
 __all__ = ["CheckpointConfig", "DebugConfig", "checkpoint_problems", "debug_problems"]
+
+_TEMPLATE_HINT = (
+    "write DIR ({what} go to DIR/rollout_NNNNNN...) or a path with '{{rollout_id}}' (slime's "
+    "template, str.format: the rollout's number; a literal brace is doubled)"
+)
 
 
 @attrs.frozen
@@ -172,16 +178,8 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
             "is set but there is no Hugging Face export folder",
             "add --save-hf DIR",
         )
-    if c.save_hf is not None and "{" in c.save_hf:
-        try:
-            c.save_hf.format(rollout_id=0)
-        except (KeyError, IndexError, ValueError) as exc:
-            add(
-                "save_hf",
-                f"{c.save_hf!r} is not a path template with only '{{rollout_id}}' in braces "
-                f"({type(exc).__name__}: {exc})",
-                "write DIR (exports go to DIR/rollout_NNNNNN) or a path with {rollout_id}",
-            )
+    if c.save_hf is not None and (wrong := template_problem(c.save_hf)) is not None:
+        add("save_hf", wrong, _TEMPLATE_HINT.format(what="exports"))
     if c.save_interval is not None and c.save is None:
         add("save", "--save-interval is set but there is no save folder", "add --save DIR")
     if c.load is None:
@@ -220,6 +218,10 @@ def debug_problems(
     def add(name: str, message: str, hint: str = "") -> None:
         problems.append(problem(DebugConfig, "debug", name, message, hint))
 
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        path = getattr(d, name)
+        if path is not None and (wrong := template_problem(path)) is not None:
+            add(name, wrong, _TEMPLATE_HINT.format(what="rollout files"))
     if d.debug_rollout_only and d.replays:
         add(
             "debug_rollout_only",

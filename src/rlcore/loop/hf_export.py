@@ -17,7 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from rlcore.checkpoint_files import rollout_dir_name, rollout_number
+from rlcore.checkpoint_files import rollout_number, rollout_path
 from rlcore.loop.checkpoints import write_folder
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.stages import should_save
@@ -46,12 +46,9 @@ log = logging.getLogger("rlcore")
 
 def hf_folder(where: str, rollout_id: int) -> Path:
     """The export folder after rollout id ``rollout_id``: ``where`` with ``{rollout_id}``
-    replaced by the rollout's number (:func:`~rlcore.checkpoint_files.rollout_number`) when it
-    has one (slime's template), else ``where/rollout_NNNNNN``."""
-    number = rollout_number(rollout_id)
-    if "{" in where:
-        return Path(where.format(rollout_id=number))
-    return Path(where) / rollout_dir_name(number)
+    replaced by the rollout's number when it has one (slime's template), else
+    ``where/rollout_NNNNNN`` (:func:`~rlcore.checkpoint_files.rollout_path`)."""
+    return rollout_path(where, rollout_id)
 
 
 def should_export_hf(plan: TrainPlan, rollout_id: int) -> bool:

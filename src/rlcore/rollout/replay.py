@@ -6,9 +6,10 @@ One JSON file per rollout id holds the groups the rollout trained on: every samp
 text, finish reason, weight version) and its reward. Python floats survive JSON exactly, so a run
 that trains on a replayed rollout sees bit for bit the numbers the original run saw.
 
-``PATH`` is a template: ``{rollout_id}`` is replaced by the rollout's number (counted from 1, as
-checkpoints are: :func:`~rlcore.checkpoint_files.rollout_number`); a path without it is a folder
-holding ``rollout_000001.json`` (the first rollout's) and so on. Inside, each file records the
+``PATH`` is a template as slime's are (``str.format`` with ``{rollout_id}``, replaced by the
+rollout's number, counted from 1 as checkpoints are:
+:func:`~rlcore.checkpoint_files.rollout_path`); a path without braces is a folder holding
+``rollout_000001.json`` (the first rollout's) and so on. Inside, each file records the
 rollout's id, from 0. Files are written atomically.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, Final
 
 import cattrs
 
-from rlcore.checkpoint_files import rollout_dir_name, rollout_number
+from rlcore.checkpoint_files import rollout_number, rollout_path
 from rlcore.errors import DataError
 from rlcore.protocols import RolloutOutput
 from rlcore.samples import Sample
@@ -45,11 +46,8 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 
 def rollout_data_path(template: str, rollout_id: int) -> Path:
     """The file of rollout id ``rollout_id`` under ``template`` (module docstring), named by
-    the rollout's number (:func:`~rlcore.checkpoint_files.rollout_number`)."""
-    number = rollout_number(rollout_id)
-    if "{rollout_id}" in template:
-        return Path(template.replace("{rollout_id}", str(number)))
-    return Path(template) / f"{rollout_dir_name(number)}.json"
+    the rollout's number (:func:`~rlcore.checkpoint_files.rollout_path`)."""
+    return rollout_path(template, rollout_id, ".json")
 
 
 def save_rollout_data(
