@@ -207,28 +207,54 @@ STOPPED_EXIT = 143
 @contextlib.contextmanager
 def stop_on_signals(progress: Progress) -> Iterator[None]:
     """The first SIGTERM or SIGUSR1 asks the run to stop once the rollout being trained is
-    saved (:attr:`Progress.stop`); a second one stops it at once, as Ctrl-C does."""
+    saved (:attr:`Progress.stop`); a second one stops it at once, as Ctrl-C does, however soon
+    it follows the first.
+
+    Python runs a signal's handler once for every delivery that came before it could run (a flag
+    per signal, set by the C-level handler): while the driver waits in a call that checks for
+    signals only now and then (``ray.get`` does about once a second), two SIGTERMs 50 ms apart
+    reached the handler as one. CPython's C-level handler also writes the number of every
+    signal it receives to the wakeup file descriptor (:func:`signal.set_wakeup_fd`), so the
+    handler counts the deliveries there."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    deliveries, wakeup = os.pipe()
+    for fd in (deliveries, wakeup):
+        os.set_blocking(fd, False)
+    counted = {int(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+
+    def arrived() -> int:
+        """The stop signals delivered since the handler last ran."""
+        numbers = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(deliveries, 4096):
+                numbers += chunk
+        return max(1, sum(number in counted for number in numbers))
 
     def handler(signum: int, frame: object) -> None:
         del frame
-        if progress.stop.is_set():
+        name = signal.Signals(signum).name
+        if progress.stop.is_set() or arrived() > 1:
+            log.warning("%s again: the run stops at once, without saving", name)
             raise KeyboardInterrupt
         progress.stop.set()
         log.warning(
             "%s: the run stops once the rollout being trained is saved (send it again to stop "
             "at once, without saving)",
-            signal.Signals(signum).name,
+            name,
         )
 
+    previous_wakeup = signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        signal.set_wakeup_fd(previous_wakeup)
+        os.close(deliveries)
+        os.close(wakeup)
 
 
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:

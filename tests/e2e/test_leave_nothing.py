@@ -7,6 +7,7 @@ next save removes what an interrupted one left.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -300,6 +301,25 @@ def test_a_second_stop_signal_stops_at_once(sig: signal.Signals) -> None:
         os.kill(os.getpid(), sig)
         time.sleep(5)  # the handler raises before this ends
     assert signal.getsignal(sig) == before
+
+
+def test_two_stop_signals_that_python_sees_as_one_still_stop_at_once() -> None:
+    """Both SIGTERMs arrive while the main thread is in a long C call (as the driver is in
+    ``ray.get``): Python runs the handler once for the two, and the handler, counting the
+    deliveries the C-level handler recorded, stops at once."""
+    progress = Progress()
+    pid = os.getpid()
+    sender = subprocess.Popen(
+        ["sh", "-c", f"sleep 0.3; kill -TERM {pid}; sleep 0.05; kill -TERM {pid}"]
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_on_signals(progress):
+            # A C loop of a second or two that never looks at signals; the handler runs after.
+            hashlib.pbkdf2_hmac("sha256", b"rlcore", b"salt", 8_000_000)
+            time.sleep(5)  # not reached: the handler raises as the loop returns
+    finally:
+        sender.wait(timeout=30)
+    assert sender.returncode == 0
 
 
 def _rank_processes(cli: WatchedCLI) -> list[psutil.Process]:
