@@ -1,15 +1,26 @@
 """What a restart (``--max-restarts``) goes on from: the run's own latest checkpoint, with none of
-the resume flags a first ``--load`` needed, and a metrics file without the lost attempt's rows."""
+the resume flags a first ``--load`` needed, and a metrics file without the lost attempt's rows;
+and ``summary.json``'s history of attempts."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config import load_config
+from rlcore.loop import RunResult
 from rlcore.loop.checkpoints import write_checkpoint
-from rlcore_megatron.run_record import restart_config, rewind_metrics
+from rlcore_megatron.run_record import (
+    begin_attempt,
+    mark_restarted,
+    record_early_exit,
+    restart_config,
+    rewind_metrics,
+    write_summary,
+)
 
 
 def test_a_restart_resumes_from_the_runs_own_latest_checkpoint(tmp_path: Path) -> None:
@@ -43,3 +54,51 @@ def test_rewinding_drops_the_rows_after_the_checkpoint(tmp_path: Path) -> None:
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 2]
     assert rewind_metrics(path, through=2) == 0
     assert rewind_metrics(tmp_path / "none.jsonl", through=0) == 0
+
+
+def _record(path: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary
+
+
+def test_summary_json_keeps_every_attempts_record(tmp_path: Path) -> None:
+    """Each attempt says it is running as it starts, then its record takes that place; one that
+    died without writing it is "lost" when the next begins; an older summary without a history
+    is its first attempt; and an exit before start is recorded only where a summary is."""
+    config = load_config(["--num-rollout", "4", "--output-dir", str(tmp_path)])
+    path = tmp_path / "summary.json"
+    record_early_exit(tmp_path, "refused", ValueError("bad"), "error: bad")
+    assert not path.exists()  # a refused run into a folder without a record leaves none
+    path.write_text(json.dumps({"status": "ok", "trained": [1, 2]}))  # before the history
+    begin_attempt(config, None)
+    running = _record(path)
+    assert running["status"] == "running" and running["exit_code"] is None
+    assert [a["status"] for a in running["attempts"]] == ["ok", "running"]
+    done = RunResult((0, 1), (1,), (-1, 1), {"eval/x": 1.0}, {}, stopped=True)
+    write_summary(path, done, config)
+    stopped = _record(path)
+    assert (stopped["status"], stopped["exit_code"], stopped["started"]) == (
+        "stopped",
+        143,
+        running["started"],
+    )
+    assert (stopped["trained"], stopped["saved"], stopped["evaluated"]) == ([1, 2], [2], [0, 2])
+    assert [a["status"] for a in stopped["attempts"]] == ["ok", "stopped"]
+    # Killed: its "running" record stays until the next attempt says what became of it.
+    begin_attempt(config, tmp_path / "ckpt" / "rollout_000002", restarts=0)
+    record = _record(path)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    record["attempts"][-1]["pid"] = record["pid"] = ended.pid  # a process that has ended
+    path.write_text(json.dumps(record))
+    record_early_exit(tmp_path, "refused", ValueError("--lr nan"), "error: --lr nan")
+    refused = _record(path)
+    assert (refused["status"], refused["exit_code"], refused["trained"]) == ("refused", 2, [])
+    assert refused["error"] == {"type": "ValueError", "message": "--lr nan"}
+    history = refused["attempts"]
+    assert [a["status"] for a in history] == ["ok", "stopped", "lost", "refused"]
+    assert history[2]["resumed_from"] == str(tmp_path / "ckpt" / "rollout_000002")
+    assert "without writing its record" in history[2]["message"]
+    mark_restarted(path, "restart 1 of 1 (rank 0 died)")
+    assert _record(path)["attempts"][-1]["restarted"] == "restart 1 of 1 (rank 0 died)"
+    assert _record(path)["exit_code"] is None

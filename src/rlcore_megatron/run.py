@@ -16,6 +16,7 @@ Metrics go to ``OUTPUT_DIR/metrics.jsonl`` (and TensorBoard / wandb when asked);
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -25,7 +26,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from rlcore.checkpoint_files import rollout_number
+import attrs
+
+from rlcore.checkpoint_files import find_checkpoint
 from rlcore.config import RunConfig
 from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
@@ -46,12 +49,16 @@ from rlcore.specs import Precision
 from rlcore_megatron.console import ProgressSink, WandbSink, log_to_file, setup_logging
 from rlcore_megatron.prepare import Prepared, local_node, placement_problem, prepare
 from rlcore_megatron.run_record import (
-    interrupted_message,
-    numbered,
+    EXIT_CODES,
+    Status,
+    begin_attempt,
+    mark_restarted,
+    outcome_lines,
+    record_early_exit,
     restart_config,
-    resume_hint,
     rewind_metrics,
     start_output_folder,
+    status_of,
     write_summary,
 )
 from rlcore_megatron.watchdog import watch_tree
@@ -200,8 +207,6 @@ def _no_second_interrupt(active: bool) -> Iterator[None]:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Preemption (``kill``, ``scancel``, a Kubernetes eviction) and SLURM's ``--signal=USR1@T``."""
-STOPPED_EXIT = 143
-"""The exit status of a run stopped by one of :data:`STOP_SIGNALS` after saving (128 + SIGTERM)."""
 
 
 @contextlib.contextmanager
@@ -289,7 +294,9 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
                 where = f"from {config.checkpoint.load} after rollout {through}"
                 where += f" ({dropped} metrics rows after it dropped)" if dropped else ""
             reason = str(lost).splitlines()[0]
-            log.warning("restart %d of %d (%s): %s", restarts, limit, reason, where)
+            restart = f"restart {restarts} of {limit} ({reason}): {where}"
+            log.warning("%s", restart)
+            mark_restarted(config.output_dir / "summary.json", restart)
             prepared = prepare(config)
 
 
@@ -305,8 +312,10 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
     data, reward_fn, request = prepared.data, prepared.reward_fn, prepared.request
     c = config.checkpoint
     resumes = isinstance(the_plan, TrainPlan) and c.load is not None and not c.finetune
+    resumed_from = find_checkpoint(c.load) if resumes and c.load is not None else None
     earlier_run = start_output_folder(config.output_dir, continues=resumes)
     setup_logging(config.output_dir / "run.log")
+    begin_attempt(config, resumed_from, restarts)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
     if earlier_run is not None:
         log.info("output: the files of the run that wrote here before moved to %s", earlier_run)
@@ -385,7 +394,14 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
             if watchdog is not None:
                 watchdog.stop()
         try:
-            write_summary(config.output_dir / "summary.json", result, config, failure, restarts)
+            write_summary(
+                config.output_dir / "summary.json",
+                result,
+                config,
+                failure,
+                restarts,
+                resumed_from=resumed_from,
+            )
         except OSError as exc:  # a full disk, say: the run's own error matters more
             log.warning("could not write summary.json: %s", exc)
     if interrupted is not None:
@@ -450,45 +466,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unplaceable is not None:
                 print(f"error: {type(unplaceable).__name__}: {unplaceable}", file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
+        _early_exit(args, parser, "refused", exc, f"error: {exc}")
         return 2
     except RLCoreError as exc:  # the data, the placement: found before anything started
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        message = f"error: {type(exc).__name__}: {exc}"
+        print(message, file=sys.stderr)
+        _early_exit(args, parser, "refused", exc, message)
         return 2
     except KeyboardInterrupt:
         print("interrupted before the run started", file=sys.stderr)
+        _early_exit(args, parser, "interrupted", None, "interrupted before the run started")
         return 130
+    failure: RLCoreError | None = None
     try:
         result = launch_restarting(prepared, notes)
     except RLCoreError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        print(resume_hint(prepared.config), file=sys.stderr)
-        return 1
+        failure, result = exc, RunResult((), (), (), {}, {})
     except RunInterrupted as exc:
-        print(interrupted_message(exc.result, prepared.config), file=sys.stderr)
-        return 130
-    if result.stopped:
-        print(
-            f"stopped on request after rollout {rollout_number(result.trained[-1])}: "
-            f"{resume_hint(prepared.config)}",
-            file=sys.stderr,
-        )
-        return STOPPED_EXIT
-    evals = {k: round(v, 4) for k, v in result.last_eval.items()}
-    record = numbered(result)
-    if result.trained:
-        trained = f"rollouts {record['trained'][0]}..{record['trained'][-1]}"
-    elif result.rollouts:
-        trained = (
-            f"nothing (rollout-only: rollouts {record['rollouts'][0]}..{record['rollouts'][-1]})"
-        )
-    else:
-        trained = "nothing (eval-only)"
-    print(
-        f"done: trained {trained}, saved {record['saved']}, built {list(result.built)}, "
-        f"last eval {evals}",
-        file=sys.stderr,
-    )
-    return 0
+        result = exc.result
+    for line in outcome_lines(result, prepared.config, failure):
+        print(line, file=sys.stderr)
+    return EXIT_CODES[status_of(result, failure)]
+
+
+def _early_exit(
+    args: Sequence[str],
+    parser: argparse.ArgumentParser,
+    status: Status,
+    error: BaseException | None,
+    message: str,
+) -> None:
+    """The record of a run that ends before it starts, in the output folder its flags name
+    (:func:`~rlcore_megatron.run_record.record_early_exit`), when they can be read at all."""
+    try:
+        given = read_settings(args, parser).get("output_dir")
+    except ConfigError:
+        return  # the --config file cannot be read: no output folder is known
+    default = attrs.fields(RunConfig).output_dir.default  # (runs/latest)
+    output_dir = Path(given) if isinstance(given, str) else default
+    if output_dir is None:
+        return
+    try:
+        record_early_exit(output_dir, status, error, message)
+    except OSError as exc:  # the record matters less than saying why the run did not start
+        print(f"could not write {output_dir / 'summary.json'}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ however it ends.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,21 +33,27 @@ from rlcore.errors import CheckpointError
 from rlcore.loop import RunResult
 
 __all__ = [
+    "EXIT_CODES",
     "RUN_FILES",
+    "begin_attempt",
     "interrupted_message",
     "latest_checkpoint",
+    "mark_restarted",
     "numbered",
+    "outcome_lines",
+    "record_early_exit",
     "restart_config",
     "resume_hint",
     "rewind_metrics",
     "start_output_folder",
+    "status_of",
     "write_summary",
 ]
 
 RUN_FILES = ("metrics.jsonl", "run.log", "summary.json")
 """The files a run writes into its output folder that belong to that run alone."""
 
-Status = Literal["ok", "failed", "interrupted", "stopped"]
+Status = Literal["running", "ok", "failed", "interrupted", "stopped", "refused", "lost"]
 
 
 def start_output_folder(output_dir: Path, *, continues: bool) -> Path | None:
@@ -109,28 +117,202 @@ def rewind_metrics(path: Path, through: int) -> int:
     return len(lines) - len(kept)
 
 
+EXIT_CODES: Mapping[str, int] = {
+    "ok": 0,
+    "failed": 1,
+    "refused": 2,
+    "interrupted": 130,
+    "stopped": 143,
+}
+"""The CLI's exit status for each way a run ends (``python -m rlcore_megatron.run``): a run
+stopped by SIGTERM or SIGUSR1 after its save exits as a SIGTERM does (128 + 15), one Ctrl-C
+stopped as a SIGINT does (128 + 2)."""
+
+
+def status_of(result: RunResult, error: BaseException | None) -> Status:
+    """How an attempt that got as far as ``result`` ended: ``error`` is what failed it (a
+    Ctrl-C's interruption is in ``result``)."""
+    if result.interrupted:
+        return "interrupted"
+    if result.stopped:
+        return "stopped"
+    return "failed" if error is not None else "ok"
+
+
+def begin_attempt(config: RunConfig, resumed_from: Path | None, restarts: int = 0) -> None:
+    """Say in ``summary.json`` that an attempt of the run is under way (``"running"``, with the
+    process's id), appended to the history of the attempts in the output folder, so that no
+    reader takes an earlier attempt's record for this one's."""
+    record = _record("running", RunResult((), (), (), {}, {}), config, restarts, resumed_from)
+    record["pid"] = os.getpid()
+    _append(config.output_dir / "summary.json", record)
+
+
 def write_summary(
     path: Path,
     result: RunResult,
     config: RunConfig,
     error: BaseException | None = None,
     restarts: int = 0,
+    *,
+    resumed_from: Path | None = None,
 ) -> None:
-    """``summary.json`` for ``result``; ``error`` is what ended a failed run (a Ctrl-C's
-    interruption is in ``result``); ``restarts``: how many times ``--max-restarts`` rebuilt
-    the run."""
-    status: Status = "failed" if error is not None else "ok"
-    if result.interrupted:
-        status = "interrupted"
-    elif result.stopped:
-        status = "stopped"
-    summary = {"status": status, **numbered(result)}
+    """``summary.json`` for the attempt that ended with ``result``: its record in place of the
+    ``"running"`` one :func:`begin_attempt` wrote (or appended, without one). ``error`` is what
+    ended a failed attempt (a Ctrl-C's interruption is in ``result``); ``restarts``: how many
+    times ``--max-restarts`` rebuilt the run before it."""
+    record = _record(status_of(result, error), result, config, restarts, resumed_from)
     if error is not None:
-        summary["error"] = {"type": type(error).__name__, "message": str(error)}
-    summary["restarts"] = restarts
+        record["error"] = _error(error)
+    _append(path, record, replacing_running=True)
+
+
+def record_early_exit(
+    output_dir: Path, status: Status, error: BaseException | None, message: str
+) -> None:
+    """A run that ends before it starts (``refused`` by its checks, exit 2, or ``interrupted``
+    by Ctrl-C during them) into an output folder that has a ``summary.json``: its record is
+    appended there, so that a job reading the file does not take an earlier run's success for
+    this one's. With no ``summary.json`` nothing is written (a refused run leaves nothing)."""
+    path = output_dir / "summary.json"
+    if not path.is_file():
+        return
+    record: dict[str, Any] = {
+        "status": status,
+        "exit_code": EXIT_CODES[status],
+        **numbered(RunResult((), (), (), {}, {}, interrupted=status == "interrupted")),
+        "started": _now(),
+        "ended": _now(),
+        "resumed_from": None,
+        "restarts": 0,
+        "latest_checkpoint": None,
+        "message": message,
+    }
+    if error is not None:
+        record["error"] = _error(error)
+    _append(path, record)
+
+
+def mark_restarted(path: Path, restart: str) -> None:
+    """The last attempt in ``summary.json`` did not end the process: ``--max-restarts`` went on
+    with another (``restart`` says which and why)."""
+    attempts = _attempts(path)
+    if attempts:
+        attempts[-1] = {**attempts[-1], "exit_code": None, "restarted": restart}
+        _write(path, attempts)
+
+
+def _record(
+    status: Status,
+    result: RunResult,
+    config: RunConfig,
+    restarts: int,
+    resumed_from: Path | None,
+) -> dict[str, Any]:
     latest = latest_checkpoint(config)
-    summary["latest_checkpoint"] = None if latest is None else str(latest)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+    return {
+        "status": status,
+        "exit_code": EXIT_CODES.get(status),
+        **numbered(result),
+        "started": _now(),
+        "ended": None if status == "running" else _now(),
+        "resumed_from": None if resumed_from is None else str(resumed_from),
+        "restarts": restarts,
+        "latest_checkpoint": None if latest is None else str(latest),
+    }
+
+
+def _error(error: BaseException) -> dict[str, str]:
+    return {"type": type(error).__name__, "message": str(error)}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+_ATTEMPT_KEYS = (
+    "status",
+    "exit_code",
+    "started",
+    "ended",
+    "resumed_from",
+    "trained",
+    "saved",
+    "last_trained",
+    "interrupted_at",
+    "latest_checkpoint",
+    "error",
+    "message",
+    "pid",
+    "restarted",
+)
+"""What each attempt in the history keeps of its record (the whole of it is at the top level
+while it is the latest)."""
+
+
+def _append(path: Path, record: dict[str, Any], *, replacing_running: bool = False) -> None:
+    """``record`` as the latest attempt of ``summary.json`` at ``path``, at the end of the
+    history: taking the place of this process's ``"running"`` record (``replacing_running``);
+    a ``"running"`` attempt before it whose process is gone becomes ``"lost"``."""
+    attempts = _attempts(path)
+    mine = [
+        i
+        for i, a in enumerate(attempts)
+        if replacing_running and a.get("status") == "running" and a.get("pid") == os.getpid()
+    ]
+    if mine:  # (the last one, unless a run refused meanwhile recorded itself after it)
+        record["started"] = attempts.pop(mine[-1]).get("started", record["started"])
+    last = attempts[-1] if attempts else {}
+    if last.get("status") == "running" and not _alive(last.get("pid")):
+        attempts[-1] = {
+            **last,
+            "status": "lost",
+            "message": "the process ended without writing its record (killed, or its machine "
+            "went down)",
+        }
+    attempts.append(record)
+    _write(path, attempts)
+
+
+def _alive(pid: object) -> bool:
+    """Whether the process ``pid`` (a record's) is still there."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
+
+
+def _attempts(path: Path) -> list[dict[str, Any]]:
+    """The full records of the attempts ``summary.json`` holds, oldest first (the latest in
+    full, the earlier ones as the history kept them); one written before the history was kept
+    counts as one attempt."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(summary, dict):
+        return []
+    history = summary.get("attempts")
+    if not isinstance(history, list):
+        return [summary] if "status" in summary else []
+    earlier = [a for a in history[:-1] if isinstance(a, dict)]
+    latest = {k: v for k, v in summary.items() if k != "attempts"}
+    return [*earlier, latest]
+
+
+def _write(path: Path, attempts: list[dict[str, Any]]) -> None:
+    """``summary.json``: the latest attempt's whole record at the top level (the fields tools
+    read), and ``attempts``, every attempt's, oldest first. Written atomically."""
+    history = [{k: a[k] for k in _ATTEMPT_KEYS if k in a} for a in attempts]
+    summary = {**attempts[-1], "attempts": history}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def numbered(result: RunResult) -> dict[str, Any]:
@@ -145,6 +327,34 @@ def numbered(result: RunResult) -> dict[str, Any]:
         record["interrupted_at"] = rollout_number(result.interrupted_at)
     record["last_trained"] = record["trained"][-1] if result.trained else None
     return record
+
+
+def outcome_lines(result: RunResult, config: RunConfig, error: BaseException | None) -> list[str]:
+    """What the console says as a run ends (its last lines on stderr), which ``summary.json``
+    keeps as the attempt's ``message`` and, but for a failure's (whose error ends the log
+    already), ``run.log`` too: the error and where to resume from; where Ctrl-C stopped it; the
+    rollout a stop request saved and how to resume; or what a finished run did."""
+    status = status_of(result, error)
+    if status == "failed":
+        return [f"error: {type(error).__name__}: {error}", resume_hint(config)]
+    if status == "interrupted":
+        return [interrupted_message(result, config)]
+    record = numbered(result)
+    if status == "stopped":
+        return [f"stopped on request after rollout {record['last_trained']}: {resume_hint(config)}"]
+    if record["trained"]:
+        trained = f"rollouts {record['trained'][0]}..{record['trained'][-1]}"
+    elif record["rollouts"]:
+        trained = (
+            f"nothing (rollout-only: rollouts {record['rollouts'][0]}..{record['rollouts'][-1]})"
+        )
+    else:
+        trained = "nothing (eval-only)"
+    evals = {k: round(v, 4) for k, v in result.last_eval.items()}
+    return [
+        f"done: trained {trained}, saved {record['saved']}, built {list(result.built)}, "
+        f"last eval {evals}"
+    ]
 
 
 def interrupted_message(result: RunResult, config: RunConfig) -> str:

@@ -260,14 +260,14 @@ def test_sigterm_saves_then_stops_and_the_resumed_run_goes_on_exactly(
     k = summary["last_trained"]
     assert summary["status"] == "stopped" and summary["saved"] == [k] and k >= 1
     saved = save / f"rollout_{k:06d}"
-    assert cli.stderr.splitlines()[-1] == (
+    stop_line = (
         f"stopped on request after rollout {k}: latest checkpoint {saved} (resume with --load "
         f"{save})"
     )
-    assert (
-        "SIGTERM: the run stops once the rollout being trained is saved"
-        in (out / "run.log").read_text()
-    )
+    assert cli.stderr.splitlines()[-1] == stop_line
+    assert summary["exit_code"] == 143
+    log = (out / "run.log").read_text()
+    assert "SIGTERM: the run stops once the rollout being trained is saved" in log
     assert cli.survivors(within_s=SURVIVAL_S) == []
     assert cli.shared_memory_left() == []
 
@@ -287,6 +287,13 @@ def test_sigterm_saves_then_stops_and_the_resumed_run_goes_on_exactly(
     keys = ("step", "rollout/reward", "train/actor/loss", "train/actor/grad_norm")
     resumed = [[r[key] for key in keys] for r in _trained_rows(out)]
     assert resumed[-2:] == [[r[key] for key in keys] for r in _trained_rows(straight)][k + 1 :]
+    # The resumed run's record follows the stopped one's in summary.json, not over it.
+    attempts = json.loads((out / "summary.json").read_text())["attempts"]
+    assert [(a["status"], a["exit_code"], a["resumed_from"]) for a in attempts] == [
+        ("stopped", 143, None),
+        ("ok", 0, str(saved)),
+    ]
+    assert attempts[1]["trained"] == [k + 1, k + 2, k + 3]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
