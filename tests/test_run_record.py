@@ -75,7 +75,7 @@ def test_summary_json_keeps_every_attempts_record(tmp_path: Path) -> None:
     assert running["status"] == "running" and running["exit_code"] is None
     assert [a["status"] for a in running["attempts"]] == ["ok", "running"]
     done = RunResult((0, 1), (1,), (-1, 1), {"eval/x": 1.0}, {}, stopped=True)
-    write_summary(path, done, config)
+    write_summary(path, done, config, message="stopped on request after rollout 2: ...")
     stopped = _record(path)
     assert (stopped["status"], stopped["exit_code"], stopped["started"]) == (
         "stopped",
@@ -83,6 +83,7 @@ def test_summary_json_keeps_every_attempts_record(tmp_path: Path) -> None:
         running["started"],
     )
     assert (stopped["trained"], stopped["saved"], stopped["evaluated"]) == ([1, 2], [2], [0, 2])
+    assert stopped["message"] == "stopped on request after rollout 2: ..."
     assert [a["status"] for a in stopped["attempts"]] == ["ok", "stopped"]
     # Killed: its "running" record stays until the next attempt says what became of it.
     begin_attempt(config, tmp_path / "ckpt" / "rollout_000002", restarts=0)

@@ -393,6 +393,10 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
                 ray.shutdown()
             if watchdog is not None:
                 watchdog.stop()
+        lines = outcome_lines(result, config, failure)
+        if failure is None:  # (a failure's error ends the log already)
+            for line in lines:
+                log_to_file(logging.WARNING if result.stopped else logging.INFO, line)
         try:
             write_summary(
                 config.output_dir / "summary.json",
@@ -401,6 +405,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
                 failure,
                 restarts,
                 resumed_from=resumed_from,
+                message="\n".join(lines),
             )
         except OSError as exc:  # a full disk, say: the run's own error matters more
             log.warning("could not write summary.json: %s", exc)

@@ -1,12 +1,16 @@
 """What a run of ``python -m rlcore_megatron.run`` leaves in its output folder (``--output-dir``),
 however it ends.
 
-- ``summary.json``, on every exit the process lives through: ``status`` (``"ok"``, ``"failed"``,
-  ``"interrupted"`` by Ctrl-C, or ``"stopped"`` by SIGTERM after a save), for a failed run the
-  error's type and message, what the run built, trained, saved and evaluated (``last_trained``:
-  the last rollout whose training finished), its last metrics and the latest checkpoint in
-  ``--save``.
-- ``run.log`` ends with a failed run's error, as the console does.
+- ``summary.json``: the run's record, attempt by attempt (``attempts``; the README lists the
+  fields). An attempt says it is ``"running"`` as it starts (:func:`begin_attempt`), and every
+  exit the process lives through writes how it ended (:func:`write_summary`): ``status``
+  (``"ok"``, ``"failed"``, ``"interrupted"`` by Ctrl-C, ``"stopped"`` by SIGTERM after a save)
+  and ``exit_code``, the console's last lines, a failure's error, what it built, trained, saved
+  and evaluated (by rollout number; ``last_trained``: the last rollout whose training finished),
+  its last metrics and the latest checkpoint in ``--save``; the latest attempt's record is also
+  the top level. A run refused before it starts adds its record to a ``summary.json`` already
+  there (:func:`record_early_exit`).
+- ``run.log`` ends with what the console ends with: a failed run's error, the stop line, ...
 - One run per ``metrics.jsonl``: a run that does not continue the run recorded in the folder
   (anything but a training run resumed with ``--load``) first moves that run's files into
   ``previous/N/`` (:func:`start_output_folder`), so that no metrics file holds two runs with
@@ -156,14 +160,17 @@ def write_summary(
     restarts: int = 0,
     *,
     resumed_from: Path | None = None,
+    message: str = "",
 ) -> None:
     """``summary.json`` for the attempt that ended with ``result``: its record in place of the
     ``"running"`` one :func:`begin_attempt` wrote (or appended, without one). ``error`` is what
     ended a failed attempt (a Ctrl-C's interruption is in ``result``); ``restarts``: how many
-    times ``--max-restarts`` rebuilt the run before it."""
+    times ``--max-restarts`` rebuilt the run before it; ``message``: what the console said at
+    the end."""
     record = _record(status_of(result, error), result, config, restarts, resumed_from)
     if error is not None:
         record["error"] = _error(error)
+    record["message"] = message
     _append(path, record, replacing_running=True)
 
 

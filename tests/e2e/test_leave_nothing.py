@@ -264,10 +264,12 @@ def test_sigterm_saves_then_stops_and_the_resumed_run_goes_on_exactly(
         f"stopped on request after rollout {k}: latest checkpoint {saved} (resume with --load "
         f"{save})"
     )
+    # The line to resume with, on the console, at the end of run.log and in summary.json.
     assert cli.stderr.splitlines()[-1] == stop_line
-    assert summary["exit_code"] == 143
+    assert (summary["message"], summary["exit_code"]) == (stop_line, 143)
     log = (out / "run.log").read_text()
     assert "SIGTERM: the run stops once the rollout being trained is saved" in log
+    assert log.splitlines()[-1].endswith(f" WARNING rlcore: {stop_line}")
     assert cli.survivors(within_s=SURVIVAL_S) == []
     assert cli.shared_memory_left() == []
 
@@ -293,7 +295,7 @@ def test_sigterm_saves_then_stops_and_the_resumed_run_goes_on_exactly(
         ("stopped", 143, None),
         ("ok", 0, str(saved)),
     ]
-    assert attempts[1]["trained"] == [k + 1, k + 2, k + 3]
+    assert attempts[0]["message"] == stop_line and attempts[1]["trained"] == [k + 1, k + 2, k + 3]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
