@@ -46,14 +46,32 @@ def test_a_restart_resumes_from_the_runs_own_latest_checkpoint(tmp_path: Path) -
     assert c.max_restarts == 2 and restarted.rollout == config.rollout
 
 
-def test_rewinding_drops_the_rows_after_the_checkpoint(tmp_path: Path) -> None:
+def test_a_resume_moves_the_rows_past_its_checkpoint_aside(tmp_path: Path) -> None:
+    """Resumed after rollout 2: the rows after it (an attempt that went on past the checkpoint)
+    move to rewound/1/, and so does the evaluation at 2 when the resumed run evaluates before it
+    trains (its own takes its place); the file keeps one row per rollout and evaluation."""
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "x": float(s)} for s in (0, 1, 2, 2, 3, 4)]
+    rows = [{"step": 0, "eval/h/reward": 0.0}]
+    for step in (1, 2, 3):
+        rows += [{"step": step, "rollout/reward": step}, {"step": step, "eval/h/reward": step}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert rewind_metrics(path, through=2) == 2
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 2]
-    assert rewind_metrics(path, through=2) == 0
-    assert rewind_metrics(tmp_path / "none.jsonl", through=0) == 0
+    rewound = rewind_metrics(tmp_path, 2, evaluates_again=True)
+    assert (rewound.moved, rewound.kept_in) == (3, tmp_path / "rewound" / "1" / "metrics.jsonl")
+    assert str(rewound) == (
+        "metrics: the 3 rows logged after rollout 2 (by the attempt that went on past the "
+        f"checkpoint) moved to {rewound.kept_in}"
+    )
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]
+    assert rewound.kept_in is not None
+    assert [json.loads(line) for line in rewound.kept_in.read_text().splitlines()] == [
+        rows[4],
+        rows[5],
+        rows[6],
+    ]
+    nothing = rewind_metrics(tmp_path, 2, evaluates_again=False)
+    assert (nothing.moved, nothing.kept_in) == (0, None)
+    assert not (tmp_path / "rewound" / "2").exists()
+    assert rewind_metrics(tmp_path / "none", 0, evaluates_again=True).moved == 0
 
 
 def _record(path: Path) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import ConfigError, PlanError, RLCoreError, causes
-from rlcore.loop import RunInterrupted, RunResult, run
+from rlcore.loop import RunInterrupted, RunResult, resume_point, run
 from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan
 from rlcore.loop.preflight import remove_earlier_checkpoints
@@ -270,9 +270,9 @@ def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
 def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResult:
     """:func:`launch`, and with ``--max-restarts N`` up to N more times when a training rank is
     lost (:class:`~rlcore_megatron.ray_group.RankLostError`): every piece is closed, then the run
-    is prepared again from the latest checkpoint in ``--save`` (its metrics rows after it
-    dropped) or, with none yet, from its start. Each restart is logged, and counted in
-    ``summary.json``."""
+    is prepared again from the latest checkpoint in ``--save`` (a resume, which sets aside the
+    metrics rows logged after it) or, with none yet, from its start. Each restart is logged, and
+    counted in ``summary.json``."""
     from rlcore_megatron.ray_group import RankLostError
 
     restarts = 0
@@ -289,10 +289,8 @@ def launch_restarting(prepared: Prepared, notes: Sequence[str] = ()) -> RunResul
             config, through = restart_config(prepared.config)
             if through is None:
                 where = "from the start: no checkpoint yet"
-            else:
-                dropped = rewind_metrics(config.output_dir / "metrics.jsonl", through)
+            else:  # (launch cuts the metrics back to it, as for every resume)
                 where = f"from {config.checkpoint.load} after rollout {through}"
-                where += f" ({dropped} metrics rows after it dropped)" if dropped else ""
             reason = str(lost).splitlines()[0]
             restart = f"restart {restarts} of {limit} ({reason}): {where}"
             log.warning("%s", restart)
@@ -316,6 +314,13 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
     earlier_run = start_output_folder(config.output_dir, continues=resumes)
     setup_logging(config.output_dir / "run.log")
     begin_attempt(config, resumed_from, restarts)
+    if isinstance(the_plan, TrainPlan) and resumed_from is not None:
+        # Every resume, a restart's included: the rows logged past the checkpoint go aside.
+        first = resume_point(the_plan).first
+        again = the_plan.eval_before_train
+        rewound = rewind_metrics(config.output_dir, first, evaluates_again=again)
+        if rewound.moved:
+            log.info("%s", rewound)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
     if earlier_run is not None:
         log.info("output: the files of the run that wrote here before moved to %s", earlier_run)

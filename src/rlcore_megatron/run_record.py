@@ -15,9 +15,10 @@ however it ends.
   (anything but a training run resumed with ``--load``) first moves that run's files into
   ``previous/N/`` (:func:`start_output_folder`), so that no metrics file holds two runs with
   their steps starting again half-way.
-- A restart (``--max-restarts``) goes on from the latest checkpoint (:func:`restart_config`) and
-  first drops the rows the lost attempt logged after it (:func:`rewind_metrics`): every rollout
-  appears in ``metrics.jsonl`` once, as the run that carried on trained it.
+- Every resume (``--load``, a ``--max-restarts`` restart from the latest checkpoint:
+  :func:`restart_config`) first moves the rows an earlier attempt logged past the checkpoint it
+  loads into ``rewound/N/`` (:func:`rewind_metrics`): every rollout appears in
+  ``metrics.jsonl`` once, as the run that carried on trained it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rlcore.loop import RunResult
 __all__ = [
     "EXIT_CODES",
     "RUN_FILES",
+    "RewoundRows",
     "begin_attempt",
     "interrupted_message",
     "latest_checkpoint",
@@ -66,10 +68,7 @@ def start_output_folder(output_dir: Path, *, continues: bool) -> Path | None:
     found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
     if continues or not found:
         return None
-    n = 1
-    while (output_dir / "previous" / str(n)).exists():
-        n += 1
-    folder = output_dir / "previous" / str(n)
+    folder = _first_free(output_dir / "previous")
     folder.mkdir(parents=True)
     for path in found:
         path.rename(folder / path.name)
@@ -106,19 +105,58 @@ def restart_config(config: RunConfig) -> tuple[RunConfig, int | None]:
     return attrs.evolve(config, checkpoint=checkpoint), rollout_number(read_meta(latest).rollout_id)
 
 
-def rewind_metrics(path: Path, through: int) -> int:
-    """Drop the rows of the metrics file ``path`` logged after rollout number ``through`` (steps
-    above it: that training was lost with the attempt); returns how many went. Rewritten
-    atomically."""
+def rewind_metrics(output_dir: Path, through: int, *, evaluates_again: bool) -> RewoundRows:
+    """Cut ``output_dir/metrics.jsonl`` back to a resume from rollout number ``through``: the
+    rows logged after it (the attempt that logged them went on past the checkpoint the run
+    resumes from) and, when the resumed run ``evaluates_again`` before it trains, the
+    evaluation at ``through`` (it logs its own, of the same weights) move to
+    ``output_dir/rewound/N/metrics.jsonl`` (the first free ``N``), kept, not deleted. Every
+    rollout and evaluation is then in ``metrics.jsonl`` once, as the run that carried on logged
+    it. Rewritten atomically; nothing moves when nothing is past the checkpoint."""
+    path = output_dir / "metrics.jsonl"
     if not path.exists():
-        return 0
+        return RewoundRows(through, 0, None)
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= through]
-    if len(kept) < len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
-    return len(lines) - len(kept)
+    rows = [json.loads(line) for line in lines]
+    past = [
+        row["step"] > through
+        or (evaluates_again and row["step"] == through and any(k.startswith("eval/") for k in row))
+        for row in rows
+    ]
+    moved = [line for line, out in zip(lines, past, strict=True) if out]
+    if not moved:
+        return RewoundRows(through, 0, None)
+    folder = _first_free(output_dir / "rewound")
+    folder.mkdir(parents=True)
+    (folder / path.name).write_text("".join(f"{line}\n" for line in moved))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line, out in zip(lines, past, strict=True) if not out))
+    os.replace(tmp, path)
+    return RewoundRows(through, len(moved), folder / path.name)
+
+
+@attrs.frozen
+class RewoundRows:
+    """What :func:`rewind_metrics` did: the rollout number it cut back to, how many rows it
+    moved, and where they are now."""
+
+    through: int
+    moved: int
+    kept_in: Path | None
+
+    def __str__(self) -> str:
+        return (
+            f"metrics: the {self.moved} rows logged after rollout {self.through} (by the attempt "
+            f"that went on past the checkpoint) moved to {self.kept_in}"
+        )
+
+
+def _first_free(parent: Path) -> Path:
+    """``parent/N`` for the first ``N`` from 1 that does not exist."""
+    n = 1
+    while (parent / str(n)).exists():
+        n += 1
+    return parent / str(n)
 
 
 EXIT_CODES: Mapping[str, int] = {
