@@ -122,9 +122,13 @@ def _fixed(width: int) -> Column:
 @final
 class WandbSink:
     """Weights & Biases logging. Without ``WANDB_API_KEY`` it runs offline (``wandb sync``
-    later)."""
+    later). The run's id is kept in ``folder/wandb/rlcore_run_id``; a resumed run
+    (``rewind_to``: the first step it logs anew) goes on in that W&B run, rewound to that step
+    (W&B's ``resume_from="ID?_step=N"``: what the run logged from step N on is set aside), or
+    starts a new W&B run when there is none to go on or W&B refuses the rewind (said in the
+    log)."""
 
-    def __init__(self, folder: Path, config: RunConfig) -> None:
+    def __init__(self, folder: Path, config: RunConfig, rewind_to: int | None = None) -> None:
         try:
             wandb: Any = importlib.import_module(
                 "wandb"
@@ -136,9 +140,26 @@ class WandbSink:
         mode = os.environ.get(
             "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
         )
-        self._run: Any = wandb.init(
-            dir=str(folder), mode=mode, config=attrs.asdict(config, value_serializer=_plain)
-        )
+        kept = folder / "wandb" / "rlcore_run_id"
+        earlier = kept.read_text().strip() if rewind_to is not None and kept.is_file() else ""
+        settings = {
+            "dir": str(folder),
+            "mode": mode,
+            "config": attrs.asdict(config, value_serializer=_plain),
+        }
+        try:
+            rewind = {"resume_from": f"{earlier}?_step={rewind_to}"} if earlier else {}
+            self._run: Any = wandb.init(**settings, **rewind)
+        except Exception as exc:  # a server without rewinds, say: the run still logs
+            if not earlier:
+                raise
+            log.warning("wandb: could not rewind run %s (%s); logging to a new run", earlier, exc)
+            self._run = wandb.init(**settings)
+        else:
+            if earlier:
+                log.info("wandb: run %s rewound to step %d (%s)", earlier, rewind_to, mode)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(f"{self._run.id}\n")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)

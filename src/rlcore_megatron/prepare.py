@@ -296,8 +296,7 @@ def preflight(config: RunConfig) -> list[Path]:
     c = config.checkpoint
     if c.save is not None:
         outputs.append((with_flag("checkpoint.save"), c.save))
-        fresh = c.load is None or c.finetune
-        problems += save_folder_problems(c.save, c.load, fresh=fresh, overwrite=c.overwrite_save)
+        problems += save_folder_problems(c)
     created: list[Path] = []
     try:
         created = prepare_output_folders(outputs)

@@ -28,16 +28,16 @@ from pathlib import Path
 
 import attrs
 
-from rlcore.checkpoint_files import find_checkpoint
+from rlcore.checkpoint_files import find_checkpoint, rollout_number
 from rlcore.config import RunConfig
 from rlcore.config.flags import build_parser, load_config, read_settings
 from rlcore.data import HFTokenizer
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.errors import ConfigError, PlanError, RLCoreError, causes
 from rlcore.loop import RunInterrupted, RunResult, resume_point, run
-from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink
+from rlcore.loop.metrics import JsonlSink, MultiSink, StepsFrom, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan
-from rlcore.loop.preflight import remove_earlier_checkpoints
+from rlcore.loop.preflight import remove_earlier_checkpoints, rewind_checkpoints
 from rlcore.loop.records import Progress
 from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
 from rlcore.rollout.multiturn import (
@@ -134,23 +134,57 @@ def episodes(
     )
 
 
-def _sinks(config: RunConfig, the_plan: Plan) -> MetricsSink:
+def _sinks(config: RunConfig, the_plan: Plan, resumed_at: int | None = None) -> MetricsSink:
     """Every sink the config asks for; when one fails to start, those already started are closed
-    (the progress display included) before the error propagates."""
+    (the progress display included) before the error propagates. A resumed run
+    (``resumed_at``: the first step it logs anew, :func:`_rewind`) rewinds TensorBoard
+    (``purge_step``) and W&B (``resume_from``) to that step and sends them no earlier one: they
+    keep what the earlier attempt logged before it, the evaluation of the loaded checkpoint
+    included."""
     out = config.output_dir
     sinks: list[MetricsSink] = []
+
+    def resumed(sink: MetricsSink) -> MetricsSink:
+        return sink if resumed_at is None else StepsFrom(sink, resumed_at)
+
     try:
         sinks.append(JsonlSink(out / "metrics.jsonl"))
         if isinstance(the_plan, TrainPlan | RolloutOnlyPlan):
             sinks.append(ProgressSink(total=the_plan.num_rollout))
         if config.use_tensorboard:
-            sinks.append(TensorBoardSink(out / "tensorboard"))
+            sinks.append(resumed(TensorBoardSink(out / "tensorboard", purge_step=resumed_at)))
         if config.use_wandb:
-            sinks.append(WandbSink(out, config))
+            sinks.append(resumed(WandbSink(out, config, rewind_to=resumed_at)))
     except BaseException:
         MultiSink(sinks).close()
         raise
     return MultiSink(sinks)
+
+
+def _rewind(config: RunConfig, the_plan: Plan, resumed_from: Path | None) -> int | None:
+    """Take a resumed run back to the checkpoint it loads, ``resumed_from``: with
+    ``--rewind-save`` the save folder's later checkpoints move aside
+    (:func:`~rlcore.loop.preflight.rewind_checkpoints`), and on every resume (a restart's too)
+    the metrics rows logged past it (:func:`~rlcore_megatron.run_record.rewind_metrics`); each
+    said in the log. Returns the first step the run logs anew (for the sinks that keep their own
+    history), ``None`` for a run that does not resume."""
+    if not isinstance(the_plan, TrainPlan) or resumed_from is None:
+        return None
+    c = config.checkpoint
+    if c.rewind_save and c.save is not None:
+        moved, folder = rewind_checkpoints(c.save, resumed_from)
+        if moved:
+            log.info(
+                "checkpoints: --rewind-save moved %s (past %s, which this run resumes from) to %s",
+                ", ".join(p.name for p in moved),
+                resumed_from.name,
+                folder,
+            )
+    first = resume_point(the_plan).first
+    rewound = rewind_metrics(config.output_dir, first, evaluates_again=the_plan.eval_before_train)
+    if rewound.moved:
+        log.info("%s", rewound)
+    return rollout_number(first)
 
 
 def _start_ray(config: RunConfig) -> None:
@@ -314,13 +348,6 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
     earlier_run = start_output_folder(config.output_dir, continues=resumes)
     setup_logging(config.output_dir / "run.log")
     begin_attempt(config, resumed_from, restarts)
-    if isinstance(the_plan, TrainPlan) and resumed_from is not None:
-        # Every resume, a restart's included: the rows logged past the checkpoint go aside.
-        first = resume_point(the_plan).first
-        again = the_plan.eval_before_train
-        rewound = rewind_metrics(config.output_dir, first, evaluates_again=again)
-        if rewound.moved:
-            log.info("%s", rewound)
     log.info("plan: %s, output in %s", type(the_plan).__name__, config.output_dir)
     if earlier_run is not None:
         log.info("output: the files of the run that wrote here before moved to %s", earlier_run)
@@ -330,6 +357,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         log.info("%s", note)
     for note in prepared.notes:
         log.warning("%s", note)
+    resumed_at = _rewind(config, the_plan, resumed_from)
 
     if config.ray_address is None and "ray" not in sys.modules:
         # Token authentication stays on (Ray's default for a cluster it starts), said explicitly
@@ -352,7 +380,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
     result = progress.result(interrupted=False)
     try:
         _start_ray(config)
-        sink = _sinks(config, the_plan)
+        sink = _sinks(config, the_plan, resumed_at)
         # Every slot of the run is reserved (or refused) before any rank or server starts.
         placement = ClusterPlacement.reserve(request)
         if placement.driver_threads is not None:

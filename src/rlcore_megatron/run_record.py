@@ -36,6 +36,7 @@ from rlcore.checkpoint_files import find_checkpoint, read_meta, rollout_number
 from rlcore.config import RunConfig
 from rlcore.errors import CheckpointError
 from rlcore.loop import RunResult
+from rlcore.loop.preflight import first_free
 
 __all__ = [
     "EXIT_CODES",
@@ -68,7 +69,7 @@ def start_output_folder(output_dir: Path, *, continues: bool) -> Path | None:
     found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
     if continues or not found:
         return None
-    folder = _first_free(output_dir / "previous")
+    folder = first_free(output_dir / "previous")
     folder.mkdir(parents=True)
     for path in found:
         path.rename(folder / path.name)
@@ -97,6 +98,7 @@ def restart_config(config: RunConfig) -> tuple[RunConfig, int | None]:
         load=config.checkpoint.save,
         start_rollout_id=None,
         overwrite_save=False,
+        rewind_save=False,
         override_opt_param_scheduler=False,
         no_load_optim=False,
         no_load_rng=False,
@@ -126,7 +128,7 @@ def rewind_metrics(output_dir: Path, through: int, *, evaluates_again: bool) -> 
     moved = [line for line, out in zip(lines, past, strict=True) if out]
     if not moved:
         return RewoundRows(through, 0, None)
-    folder = _first_free(output_dir / "rewound")
+    folder = first_free(output_dir / "rewound")
     folder.mkdir(parents=True)
     (folder / path.name).write_text("".join(f"{line}\n" for line in moved))
     tmp = path.with_name(f".{path.name}.tmp")
@@ -149,14 +151,6 @@ class RewoundRows:
             f"metrics: the {self.moved} rows logged after rollout {self.through} (by the attempt "
             f"that went on past the checkpoint) moved to {self.kept_in}"
         )
-
-
-def _first_free(parent: Path) -> Path:
-    """``parent/N`` for the first ``N`` from 1 that does not exist."""
-    n = 1
-    while (parent / str(n)).exists():
-        n += 1
-    return parent / str(n)
 
 
 EXIT_CODES: Mapping[str, int] = {

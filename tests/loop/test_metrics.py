@@ -12,7 +12,13 @@ import attrs
 import pytest
 from rich.console import Console
 
-from rlcore.loop.metrics import JsonlSink, MultiSink, TensorBoardSink, read_jsonl_metrics
+from rlcore.loop.metrics import (
+    JsonlSink,
+    MultiSink,
+    StepsFrom,
+    TensorBoardSink,
+    read_jsonl_metrics,
+)
 
 
 def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None:
@@ -42,6 +48,33 @@ def test_jsonl_and_tensorboard_sinks_record_every_metric(tmp_path: Path) -> None
     assert [e.value for e in events.Scalars("eval/heldout/reward")] == [1.0]
 
 
+def test_a_resumed_tensorboard_sink_takes_over_from_its_first_step(tmp_path: Path) -> None:
+    """A first attempt logged rollouts 1..3 and the evaluation after 2; a run resumed from
+    rollout 2 purges 3 (TensorBoard's purge_step) and is given nothing before it (its own
+    evaluation of rollout 2 stays the first attempt's): every step reads once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardSink(tmp_path / "tb")
+    for step in (1, 2, 3):
+        first.log(step, {"rollout/reward": float(step)})
+    first.log(2, {"eval/heldout/reward": 0.25})
+    first.close()
+    resumed = StepsFrom(TensorBoardSink(tmp_path / "tb", purge_step=3), 3)
+    resumed.log(2, {"eval/heldout/reward": 0.5})  # the resumed run's evaluation before training
+    for step in (3, 4):
+        resumed.log(step, {"rollout/reward": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
+    assert [(e.step, e.value) for e in events.Scalars("eval/heldout/reward")] == [(2, 0.25)]
+
+
 def test_a_sink_that_fails_to_start_stops_those_started_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,7 +85,7 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
     from rlcore_megatron.console import ProgressSink
 
     class UnreachableWandb:
-        def __init__(self, folder: Path, config: object) -> None:
+        def __init__(self, folder: Path, config: object, rewind_to: int | None) -> None:
             raise RuntimeError("wandb cannot start")
 
     monkeypatch.setattr(run_module, "WandbSink", UnreachableWandb)

@@ -14,14 +14,16 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from rlcore.checkpoint_files import CheckpointMeta
-from rlcore.errors import ConfigError
+from rlcore.checkpoint_files import CheckpointMeta, find_checkpoint
+from rlcore.config.checkpoint import CheckpointConfig
+from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.loop.checkpoints import write_checkpoint
 from rlcore.loop.preflight import (
     check_model_folder,
     prepare_output_folders,
     remove_earlier_checkpoints,
     remove_folders,
+    rewind_checkpoints,
     safetensors_problem,
     save_folder_problems,
 )
@@ -151,21 +153,39 @@ def test_a_corrupt_header_is_named(tmp_path: Path) -> None:
     )
 
 
+def _checks(
+    save: Path,
+    load: Path | None = None,
+    *,
+    finetune: bool = False,
+    overwrite_save: bool = False,
+    rewind_save: bool = False,
+) -> list[ConfigProblem]:
+    c = CheckpointConfig(
+        save=save,
+        load=load,
+        finetune=finetune,
+        overwrite_save=overwrite_save,
+        rewind_save=rewind_save,
+    )
+    return save_folder_problems(c)
+
+
 def test_a_save_folder_is_one_runs(tmp_path: Path) -> None:
     """A fresh run may not save among another run's checkpoints; a resumed one may; with
     --overwrite-save they go, but never the one --load names."""
     save = tmp_path / "ckpt"
-    assert save_folder_problems(save, None, fresh=True, overwrite=False) == []  # no folder yet
+    assert _checks(save) == []  # no folder yet
     for rollout in (0, 1):
         write_checkpoint(save, CheckpointMeta(rollout, 4, ("actor",)), {"actor": lambda f: None})
     (save / ".tmp-rollout_000003-42").mkdir()  # an interrupted save's debris is not a checkpoint
-    [refusal] = save_folder_problems(save, None, fresh=True, overwrite=False)
+    [refusal] = _checks(save)
     assert "already holds 2 checkpoint(s) of another run (rollout_000001 .. rollout_000002)" in (
         refusal.message
     )
-    assert save_folder_problems(save, save, fresh=False, overwrite=False) == []  # a resume
-    assert save_folder_problems(save, None, fresh=True, overwrite=True) == []
-    [loaded] = save_folder_problems(save, save, fresh=True, overwrite=True)  # --finetune
+    assert _checks(save, save) == []  # a resume
+    assert _checks(save, overwrite_save=True) == []
+    [loaded] = _checks(save, save, finetune=True, overwrite_save=True)
     assert "would remove" in loaded.message and "rollout_000002" in loaded.message
     assert [p.name for p in remove_earlier_checkpoints(save)] == [
         "rollout_000001",
@@ -173,4 +193,41 @@ def test_a_save_folder_is_one_runs(tmp_path: Path) -> None:
         "latest",
     ]
     assert [p.name for p in save.iterdir()] == [".tmp-rollout_000003-42"]
-    assert save_folder_problems(save, None, fresh=True, overwrite=False) == []
+    assert _checks(save) == []
+
+
+def test_a_resume_from_an_older_checkpoint_into_the_same_folder_rewinds_it_or_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints of rollouts 2 and 4: resuming from 2 into the same folder would save over 4.
+    Refused, naming both and the ways out; with --rewind-save the later ones move aside, kept,
+    and 'latest' is 2. A checkpoint of another folder may not resume into one with checkpoints."""
+    save, other = tmp_path / "ckpt", tmp_path / "other"
+    for rollout_id in (1, 3):
+        write_checkpoint(save, CheckpointMeta(rollout_id, 4, ("actor",)), {"actor": lambda f: None})
+    write_checkpoint(other, CheckpointMeta(1, 4, ("actor",)), {"actor": lambda f: None})
+    older = save / "rollout_000002"
+    [refusal] = _checks(save, older)
+    assert refusal.path == "checkpoint.save (--save)"
+    assert refusal.message == (
+        f"--load {older} resumes from rollout_000002 (rollout 2), but {save}'s latest checkpoint "
+        f"is rollout_000004 (rollout 4): this run would save over rollout_000004 and mix two runs "
+        f"in {save}"
+    )
+    assert refusal.hint == (
+        "save into another folder (--save NEW), or add --rewind-save to move the checkpoints "
+        f"after rollout 2 to {save / 'rewound'}/N/ and cut metrics.jsonl back to it (slime and "
+        "verl have no such flag: they save over the later checkpoints)"
+    )
+    assert _checks(save, older, rewind_save=True) == []
+    assert _checks(save, save / "rollout_000004") == _checks(save, save) == []  # its latest
+    assert _checks(tmp_path / "new", older) == []  # another, empty, --save
+    [foreign] = _checks(save, other, rewind_save=True)
+    assert f"resumes from {other / 'rollout_000002'}, which is not in {save}" in foreign.message
+    assert "--rewind-save rewinds" in foreign.hint
+
+    assert rewind_checkpoints(save, older) == ([save / "rollout_000004"], save / "rewound" / "1")
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "rewound", "rollout_000002"]
+    assert find_checkpoint(save) == older
+    assert (save / "rewound" / "1" / "rollout_000004" / "rlcore.json").is_file()  # kept whole
+    assert rewind_checkpoints(save, older) == ([], None)  # nothing past it any more

@@ -37,6 +37,14 @@ class CheckpointConfig:
         "a run that starts afresh removes the checkpoints already in --save (else it refuses "
         "the folder, so that two runs' checkpoints never mix)",
     )
+    rewind_save: bool = option(
+        False,
+        "--rewind-save",
+        "resume into --save from one of its older checkpoints (--load SAVE/rollout_N): the "
+        "checkpoints after it move to SAVE/rewound/K/ (kept, never deleted), 'latest' points at "
+        "it, and metrics.jsonl, TensorBoard and W&B go back to it; without it such a resume is "
+        "refused (slime and verl have no such flag: they save over the later checkpoints)",
+    )
     save_interval: int | None = option(
         None,
         "--save-interval",
@@ -105,7 +113,13 @@ class CheckpointConfig:
     @property
     def resume_flags(self) -> tuple[str, ...]:
         """The resume flags that are on, by their flag names."""
-        names = ("override_opt_param_scheduler", "no_load_optim", "no_load_rng", "finetune")
+        names = (
+            "override_opt_param_scheduler",
+            "no_load_optim",
+            "no_load_rng",
+            "finetune",
+            "rewind_save",
+        )
         return tuple(flag_of(CheckpointConfig, n) for n in names if getattr(self, n))
 
 
@@ -194,6 +208,8 @@ def checkpoint_problems(c: CheckpointConfig, num_rollout: int | None) -> list[Co
             "would change nothing",
             f"drop {others}",
         )
+    if c.rewind_save and c.save is None:
+        add("rewind_save", "rewinds the save folder, but there is none", "add --save DIR")
     if c.start_rollout_id is not None and num_rollout is not None:
         if c.start_rollout_id >= num_rollout > 0:
             add(

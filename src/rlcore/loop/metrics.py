@@ -15,7 +15,7 @@ from typing import IO, final
 from rlcore.errors import BackendUnavailableError
 from rlcore.protocols import MetricsSink
 
-__all__ = ["JsonlSink", "MultiSink", "TensorBoardSink", "read_jsonl_metrics"]
+__all__ = ["JsonlSink", "MultiSink", "StepsFrom", "TensorBoardSink", "read_jsonl_metrics"]
 
 
 @final
@@ -52,16 +52,18 @@ def read_jsonl_metrics(path: Path) -> list[dict[str, float]]:
 
 @final
 class TensorBoardSink:
-    """Scalars into TensorBoard event files under ``folder``."""
+    """Scalars into TensorBoard event files under ``folder``. ``purge_step``: a resumed run's
+    first step; TensorBoard then hides what earlier event files hold from that step on
+    (``SummaryWriter``'s convention for a run that restarts from a checkpoint)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise BackendUnavailableError(
                 "TensorBoard logging needs the tensorboard package: pip install tensorboard"
             ) from exc
-        self._writer = SummaryWriter(log_dir=str(folder))
+        self._writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
@@ -70,6 +72,22 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+@final
+class StepsFrom:
+    """``sink``, given only the steps from ``first`` on: a sink rewound to ``first`` (a resumed
+    run's TensorBoard or W&B) keeps what it holds before it."""
+
+    def __init__(self, sink: MetricsSink, first: int) -> None:
+        self.sink, self.first = sink, first
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step >= self.first:
+            self.sink.log(step, metrics)
+
+    def close(self) -> None:
+        self.sink.close()
 
 
 @final

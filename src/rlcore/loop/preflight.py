@@ -8,34 +8,47 @@ hour of training.
   so a run that stops during its other checks can remove them again (:func:`remove_folders`).
 - The save folder (``--save``) is one run's: :func:`save_folder_problems` refuses a run that
   starts afresh (no ``--load``, or ``--finetune``) into a folder holding checkpoints, unless
-  ``--overwrite-save`` asks for them to go (:func:`remove_earlier_checkpoints`); two runs'
-  checkpoints mixed under one ``latest`` cannot be told apart.
+  ``--overwrite-save`` asks for them to go (:func:`remove_earlier_checkpoints`), and a resume
+  from another checkpoint than the folder's latest, unless ``--rewind-save`` asks for the later
+  ones to move aside (:func:`rewind_checkpoints`); two runs' checkpoints mixed under one
+  ``latest`` cannot be told apart.
 - A Hugging Face model folder (``--hf-checkpoint``): :func:`check_model_folder` says what is
   missing (``config.json``, weights, tokenizer), whether ``config.json`` is readable JSON, and
   whether every safetensors file is complete (:func:`safetensors_problem` reads only the header
   and the file size). Model hub names are not downloaded: the folder must exist locally.
 
 Every check returns :class:`~rlcore.errors.ConfigProblem` s, so the caller reports all of them in
-one :class:`~rlcore.errors.ConfigError`. Standard library only.
+one :class:`~rlcore.errors.ConfigError`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlcore.checkpoint_files import find_checkpoint, saved_checkpoints
+from rlcore.checkpoint_files import (
+    LATEST_FILE,
+    complete_checkpoints,
+    find_checkpoint,
+    read_meta,
+    rollout_number,
+    saved_checkpoints,
+)
+from rlcore.config.checkpoint import CheckpointConfig
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem
 
 __all__ = [
     "check_model_folder",
+    "first_free",
     "prepare_output_folders",
     "remove_earlier_checkpoints",
     "remove_folders",
+    "rewind_checkpoints",
     "save_folder_problems",
     "safetensors_problem",
 ]
@@ -106,18 +119,25 @@ def remove_folders(created: Sequence[Path]) -> None:
             pass  # not empty (something was written there after all) or already gone
 
 
-def save_folder_problems(
-    save: Path, load: Path | None, *, fresh: bool, overwrite: bool
-) -> list[ConfigProblem]:
-    """Why a run may not save into ``save``: a run that starts afresh (``fresh``: no ``--load``,
-    or ``--finetune``) into a folder that holds checkpoints, without ``overwrite``; or
-    ``overwrite`` asked of the folder that holds the checkpoint ``--load`` names."""
-    earlier = [p for p in saved_checkpoints(save) if p.is_dir()]
-    if not earlier or not fresh:
+def save_folder_problems(c: CheckpointConfig) -> list[ConfigProblem]:
+    """Why a run may not save into ``--save`` (``c.save``):
+
+    - it starts afresh (no ``--load``, or ``--finetune``) into a folder that holds checkpoints,
+      without ``--overwrite-save``; or ``--overwrite-save`` would remove the checkpoint
+      ``--load`` names;
+    - it resumes from another checkpoint than the folder's latest (an older one of its own, or
+      one elsewhere): its checkpoints would replace or mix with the ones there. An older one of
+      its own is taken with ``--rewind-save``, which moves the later ones aside at start
+      (:func:`rewind_checkpoints`)."""
+    save = c.save
+    earlier = [p for p in saved_checkpoints(save) if p.is_dir()] if save is not None else []
+    if save is None or not earlier:
         return []
     where = "checkpoint.save (--save)"
-    if overwrite:
-        loaded = _loaded(load)
+    if c.load is not None and not c.finetune:
+        return _resume_problems(save, c.load, rewind=c.rewind_save)
+    if c.overwrite_save:
+        loaded = _loaded(c.load)
         if loaded is not None and loaded.resolve().parent == save.resolve():
             return [
                 ConfigProblem(
@@ -127,7 +147,7 @@ def save_folder_problems(
                 )
             ]
         return []
-    resume = f"resume that run with --load {save} (without --finetune), " if load is None else ""
+    resume = f"resume that run with --load {save} (without --finetune), " if c.load is None else ""
     return [
         ConfigProblem(
             where,
@@ -137,6 +157,80 @@ def save_folder_problems(
             f"{resume}save into a new folder, or add --overwrite-save to remove them",
         )
     ]
+
+
+def _resume_problems(save: Path, load: Path, *, rewind: bool) -> list[ConfigProblem]:
+    """A resume from ``load`` into the save folder ``save``, which holds checkpoints: refused
+    unless it loads the folder's latest, or (``rewind``) an older one of the folder's own."""
+    loaded = _loaded(load)
+    try:
+        latest = find_checkpoint(save)
+    except CheckpointError:
+        return []  # checkpoints without a 'latest': the save removes what an interrupted one left
+    if loaded is None or loaded.resolve() == latest.resolve():
+        return []
+    where = "checkpoint.save (--save)"
+    mine = loaded.resolve().parent == save.resolve()
+    numbers = complete_checkpoints(save)
+    later = [p.name for p, n in numbers.items() if n > _number(loaded) and p != loaded]
+    if mine and rewind:
+        return []
+    if mine:
+        return [
+            ConfigProblem(
+                where,
+                f"--load {load} resumes from {loaded.name} (rollout {_number(loaded)}), but "
+                f"{save}'s latest checkpoint is {latest.name} (rollout {_number(latest)}): this "
+                f"run would save over {', '.join(later) or latest.name} and mix two runs in "
+                f"{save}",
+                f"save into another folder (--save NEW), or add --rewind-save to move the "
+                f"checkpoints after rollout {_number(loaded)} to {save / 'rewound'}/N/ and cut "
+                "metrics.jsonl back to it (slime and verl have no such flag: they save over "
+                "the later checkpoints)",
+            )
+        ]
+    return [
+        ConfigProblem(
+            where,
+            f"--load {load} resumes from {loaded}, which is not in {save}, and {save} already "
+            f"holds checkpoints up to {latest.name} (rollout {_number(latest)}): this run's "
+            "checkpoints would mix with another run's there",
+            f"save into another folder (--save NEW), or resume that run from its latest "
+            f"(--load {save})"
+            + (f"; --rewind-save rewinds {save} to a checkpoint of its own" if rewind else ""),
+        )
+    ]
+
+
+def first_free(parent: Path) -> Path:
+    """``parent/N`` for the first ``N`` from 1 that does not exist: where files set aside (not
+    deleted) go, numbered in the order they went."""
+    n = 1
+    while (parent / str(n)).exists():
+        n += 1
+    return parent / str(n)
+
+
+def _number(checkpoint: Path) -> int:
+    return rollout_number(read_meta(checkpoint).rollout_id)
+
+
+def rewind_checkpoints(save: Path, loaded: Path) -> tuple[list[Path], Path | None]:
+    """``--rewind-save``: move the checkpoints of ``save`` after ``loaded`` (one of its own,
+    older than its latest) into ``save/rewound/N/`` (the first free ``N``), and point ``latest``
+    at ``loaded``; returns what moved (by their old paths) and where, never deleting anything."""
+    after = _number(loaded)
+    later = [p for p, n in complete_checkpoints(save).items() if n > after and p != loaded]
+    if not later:
+        return [], None
+    folder = first_free(save / "rewound")
+    folder.mkdir(parents=True)
+    for path in later:
+        path.rename(folder / path.name)
+    pointer = save / f".{LATEST_FILE}.tmp"
+    pointer.write_text(loaded.name + "\n")
+    os.replace(pointer, save / LATEST_FILE)
+    return later, folder
 
 
 def _loaded(load: Path | None) -> Path | None:
