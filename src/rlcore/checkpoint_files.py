@@ -31,6 +31,7 @@ import attrs
 from rlcore.errors import CheckpointError
 
 __all__ = [
+    "INTERRUPTED_SAVES",
     "LATEST_FILE",
     "MANIFEST_FILE",
     "META_FILE",
@@ -50,6 +51,9 @@ __all__ = [
 
 META_FILE = "rlcore.json"
 LATEST_FILE = "latest"
+INTERRUPTED_SAVES = (".tmp-rollout_*", ".old-rollout_*", f".{LATEST_FILE}.tmp")
+"""What an interrupted save can leave in the save folder: the temporary folder of the checkpoint
+it was writing, the previous folder of a re-save, the new ``latest`` pointer."""
 MANIFEST_FILE = "manifest.json"
 _ENDS = 2**20
 """Bytes at each end of a file that its checksum covers."""
@@ -132,6 +136,14 @@ def find_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint folder {path} does not exist; check --load")
     if not latest.is_file():
+        interrupted = sorted(path.glob(INTERRUPTED_SAVES[0]))
+        if interrupted:
+            raise CheckpointError(
+                f"{path} holds no checkpoint: its only save was interrupted before it was "
+                f"complete (it left the temporary folder {interrupted[-1].name}). Start the run "
+                f"again without --load: its first save into {path} removes that folder (or "
+                "delete it yourself)"
+            )
         raise CheckpointError(
             f"{path} is neither a checkpoint (no {META_FILE}) nor a save folder "
             f"(no '{LATEST_FILE}' file); point --load at a folder written by --save"

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
+from rlcore.config.flags import load_config
 from rlcore.loop.metrics import read_jsonl_metrics
+from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
@@ -182,3 +184,23 @@ def test_resumes_never_mix_two_runs(demo: Path, tmp_path: Path) -> None:
         ("refused", 2, None),
         ("ok", 0, str(old)),
     ]
+
+
+def test_a_save_folder_whose_only_save_was_interrupted_says_so(demo: Path, tmp_path: Path) -> None:
+    """kill -9 during the first save leaves only its temporary folder in --save: --load of that
+    folder says so and what to do (not that it was never written by --save), and a run started
+    again without --load into the same folder passes every check."""
+    out, save = tmp_path / "out", tmp_path / "ckpt"
+    debris = save / ".tmp-rollout_000002-4242"  # what the killed save had written of rollout 2
+    (debris / "actor").mkdir(parents=True)
+    flags = _flags(demo, out, save)
+    code, err = _run([*flags, "--load", str(save)], tmp_path / "cli", dict(os.environ))
+    assert code == 2, err
+    assert err.splitlines()[1] == (
+        f"  - checkpoint.load (--load): {save} holds no checkpoint: its only save was "
+        f"interrupted before it was complete (it left the temporary folder {debris.name}). Start "
+        f"the run again without --load: its first save into {save} removes that folder (or "
+        "delete it yourself)"
+    )
+    assert not out.exists() and debris.is_dir()  # refused before anything, nothing removed
+    prepare(load_config(flags))  # again without --load: the folder is fine for a fresh run

@@ -27,6 +27,7 @@ from pathlib import Path
 import attrs
 
 from rlcore.checkpoint_files import (
+    INTERRUPTED_SAVES,
     LATEST_FILE,
     META_FILE,
     CheckpointMeta,
@@ -60,9 +61,6 @@ __all__ = [
     "write_checkpoint",
     "write_folder",
 ]
-
-_DEBRIS = (".tmp-rollout_*", ".old-rollout_*", f".{LATEST_FILE}.tmp")
-"""What an interrupted :func:`write_checkpoint` can leave in the save folder."""
 
 log = logging.getLogger("rlcore")
 
@@ -236,7 +234,7 @@ def remove_interrupted_saves(root: Path) -> list[Path]:
     """Remove what interrupted saves left in the save folder ``root`` (their temporary folders);
     returns the paths removed, each also logged."""
     removed = []
-    for pattern in _DEBRIS:
+    for pattern in INTERRUPTED_SAVES:
         for path in sorted(root.glob(pattern)):
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
