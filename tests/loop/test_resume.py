@@ -137,7 +137,7 @@ def test_a_checkpoint_that_named_our_dr_grpo_mode_verls_way_resumes_with_the_sam
     is refused (it would mean another number)."""
     dr_grpo = ("--loss-agg-mode", "seq-mean-token-sum-budget")
     _train(_flags(tmp_path, 2, *dr_grpo))
-    meta = tmp_path / "ckpt" / "rollout_000001" / "rlcore.json"
+    meta = tmp_path / "ckpt" / "rollout_000002" / "rlcore.json"
     recorded = json.loads(meta.read_text())
     assert recorded["settings"]["algorithm"]["loss_agg_mode"] == "seq-mean-token-sum-budget"
     recorded["settings"]["algorithm"]["loss_agg_mode"] = "seq-mean-token-sum-norm"  # as before
