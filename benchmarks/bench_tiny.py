@@ -7,10 +7,10 @@ transformers 5.24.0, tokenizers 0.23.3):
 
 - ``tokenizer/``: a character tokenizer over ``"0123456789+= "`` (16 ids with ``<pad>``, ``<bos>``,
   ``<eos>`` = 0, 1, 2), left padding, ``<bos>`` prepended;
-  :func:`rlcore.testing.tiny.build_char_tokenizer`.
+  :func:`rlcore.new_model.build_char_tokenizer`.
 - ``model/``: ``LlamaForCausalLM`` (vocab 16, hidden 256, 4 layers, 4 heads, 2 KV heads, FFN 688,
   128 positions, untied), fp32, initialised after ``torch.manual_seed(0)``;
-  :func:`rlcore.testing.tiny.build_tiny_llama`. 2,910,464 parameters.
+  :func:`rlcore.new_model.build_model`. 2,910,464 parameters.
 - ``prompts.jsonl``: 1024 rows ``{"prompt": "a+b=", "answer": "a+b"}`` with ``a, b`` drawn by
   ``random.Random(1234).randint(10, 99)``, in that order.
 
@@ -72,11 +72,11 @@ def build_assets(folder: Path) -> Path:
     Deterministic: two builds with the same versions are byte-identical. The global torch RNG is
     left as it was.
     """
-    from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
+    from rlcore.new_model import build_char_tokenizer, build_model
 
     folder.mkdir(parents=True, exist_ok=True)
     build_char_tokenizer(folder / "tokenizer", ALPHABET, model_max_length=128)
-    build_tiny_llama(
+    build_model(
         folder / "model",
         vocab_size=3 + len(ALPHABET),
         hidden_size=256,

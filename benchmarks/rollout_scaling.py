@@ -1,7 +1,7 @@
 """Rollout throughput as answers grow: the embedded engine beside ``model.generate`` (and SGLang).
 
 The workload (issue #13): a 17M-parameter Llama built with
-:func:`rlcore.testing.tiny.build_tiny_llama`
+:func:`rlcore.new_model.build_model`
 (hidden 512, 6 layers, 8 heads, 4 KV heads, FFN 1376, the 16-token bench-tiny vocabulary, random
 fp32 weights, positions enough for the longest answer), 32 distinct 17-token prompts x 4 samples,
 sampling at temperature 1, 2 threads. Per answer length (default 32, 128, 512 and 2048 new tokens)
@@ -78,10 +78,10 @@ Runner = Callable[[int, bool], int]
 
 
 def build_assets(folder: Path, max_new_tokens: int) -> HFTokenizer:
-    from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
+    from rlcore.new_model import build_char_tokenizer, build_model
 
     tokenizer = build_char_tokenizer(folder / "model", ALPHABET)  # SGLang reads it from there
-    build_tiny_llama(
+    build_model(
         folder / "model",
         vocab_size=VOCAB,
         hidden_size=512,

@@ -41,11 +41,11 @@ import ray
 import torch
 
 from benchmarks.results import Ratio, write_ratios
+from rlcore import new_model
 from rlcore.loop import push_weights
 from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore.weights import AnyProcess
 from rlcore_megatron.ray_group import RankContext
 from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend
@@ -60,8 +60,8 @@ MODES = (*WEIGHT_SYNC_MODES, "driver")
 def build_model(folder: Path, vocab_size: int, hidden: int, layers: int) -> tuple[int, int]:
     """By default about 420M parameters: hidden 1024, 24 layers, MLP 4x hidden, vocabulary 8192,
     untied head. Returns (parameters, bytes)."""
-    build_char_tokenizer(folder, ALPHABET)
-    build_tiny_llama(
+    new_model.build_char_tokenizer(folder, ALPHABET)
+    new_model.build_model(
         folder,
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -15,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
+from rlcore.new_model import build_char_tokenizer, build_model
 from rlcore.protocols import Tokenizer
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.replay import load_rollout_data
 from rlcore.samples import Generation, Prompt, Turn
-from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore_megatron.run import main
 
 ALPHABET = "0123456789<>?"  # every character a prompt, a turn or an observation uses
@@ -56,7 +56,7 @@ def reward(prompt: Prompt, generation: Generation) -> float:
 
 def run(folder: Path) -> int:
     tokenizer = build_char_tokenizer(folder / "model", ALPHABET)
-    build_tiny_llama(folder / "model", vocab_size=len(tokenizer), hidden_size=32, num_layers=1)
+    build_model(folder / "model", vocab_size=len(tokenizer), hidden_size=32, num_layers=1)
     rows = [{"prompt": "?", "secret": str(n % 10)} for n in range(100)]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = main(

@@ -238,34 +238,20 @@ def build_family_model(
     decoding has clear winners (a random model's logits are nearly flat and their argmax would
     hinge on rounding). The global torch RNG state is left as it was.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import PreTrainedModel
 
-    cfg = dict(config)
-    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        # transformers leaves from_config unannotated.
-        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            hf_config, dtype=torch.float32
-        )
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 1:
-                    param.add_(0.1 * torch.randn_like(param))
-            if peaked:
-                model.get_output_embeddings().weight.mul_(40.0)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    # GenerationConfig's constructor takes untyped ``**kwargs``.
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=1, eos_token_id=2, pad_token_id=0
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    from rlcore.new_model import build_char_tokenizer, write_model
+
+    def noisy(model: PreTrainedModel) -> None:
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+        if peaked:
+            # transformers leaves get_output_embeddings unannotated.
+            model.get_output_embeddings().weight.mul_(40.0)  # type: ignore[no-untyped-call]
+
+    write_model(folder, config, seed=seed, adjust=noisy)
     if alphabet is not None:
-        from rlcore.testing.tiny import build_char_tokenizer
-
         build_char_tokenizer(folder, alphabet)
     return folder
 

@@ -97,11 +97,11 @@ def test_all_is_pinned() -> None:
 
 def test_import_rlcore_is_light() -> None:
     code = (
-        "import sys, json, rlcore, rlcore.testing, rlcore.data, rlcore.rollout.rewards, "
-        "rlcore.loop.metrics; "
+        "import sys, json, rlcore, rlcore.testing, rlcore.testing.tiny, rlcore.new_model, "
+        "rlcore.data, rlcore.rollout.rewards, rlcore.loop.metrics; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'numpy', 'rlcore_megatron', "
-        "'rlcore_sglang'))))"
+        "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'tokenizers', 'numpy', "
+        "'rlcore_megatron', 'rlcore_sglang'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

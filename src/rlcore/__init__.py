@@ -12,10 +12,11 @@ it):
 - the middle: :mod:`rlcore.data` (prompt files, tokenizers, the prompt stream),
   :mod:`rlcore.rollout` (the default rollout, rewards, multi-turn episodes, tools, replay),
   :mod:`rlcore.engines` (rollout engines by name, the embedded engine), :mod:`rlcore.algorithms`
-  (the torch maths: advantages, losses, KL);
+  (the torch maths: advantages, losses, KL), :mod:`rlcore.new_model` (a small model folder of
+  your own from scratch: ``python -m rlcore.new_model``);
 - :mod:`rlcore.config`: the run configuration, flags and TOML;
 - :mod:`rlcore.loop`: the plan, the stages of a run and their schedule, checkpoints, metrics;
-- beside the loop, :mod:`rlcore.testing`: fakes and tiny local models for tests;
+- beside the loop, :mod:`rlcore.testing`: fakes for tests;
 - on top, :mod:`rlcore.plot`: a run's curves from its ``metrics.jsonl`` (``python -m
   rlcore.plot``).
 

@@ -80,6 +80,26 @@ class HFTokenizer:
         self._eos = eos
         self._pad = pad if isinstance(pad, int) else eos
 
+    @classmethod
+    def from_folder(cls, folder: Path) -> HFTokenizer:
+        """The tokenizer of a local model folder (never a model hub lookup): ``AutoTokenizer``'s,
+        except that a folder whose ``tokenizer_config.json`` names the generic class
+        (``TokenizersBackend`` or ``PreTrainedTokenizerFast``: ``rlcore.new_model`` writes one)
+        gets that class; transformers 5 replaces it by some families' own (``qwen2``: a BPE
+        rebuilt from the vocabulary, which cuts other text differently)."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            declared = json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+        except (OSError, ValueError, KeyError, TypeError):
+            declared = None
+        loader = (
+            PreTrainedTokenizerFast
+            if declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
+            else AutoTokenizer
+        )
+        return cls(loader.from_pretrained(str(folder), local_files_only=True))
+
     @property
     def pad_token_id(self) -> int:
         return self._pad

@@ -11,7 +11,8 @@ samples 32 prompts per round and keeps the groups whose rewards differ (DAPO's d
 ``--dynamic-sampling-filter-path``); the learning rate decays from 1e-3 to 1e-4 (cosine) so the
 last rollouts do not undo what was learned.
 
-Everything is built locally: a character tokenizer, a tiny Llama, the data files.
+Everything is built locally (:mod:`rlcore.new_model`): a character tokenizer, a tiny Llama, the
+data files.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import random
 from pathlib import Path
 
-from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
+from rlcore.new_model import build_char_tokenizer, build_model
 
 __all__ = ["ALPHABET", "demo_flags", "opd_demo_flags", "prepare_demo"]
 
@@ -38,9 +39,10 @@ def prepare_demo(folder: Path, seed: int = 0) -> None:
     model = folder / "model"
     if not (model / "config.json").is_file():
         tokenizer = build_char_tokenizer(model, ALPHABET)
-        build_tiny_llama(
+        build_model(
             model,
             vocab_size=len(tokenizer),
+            family="llama",
             hidden_size=64,
             num_layers=2,
             num_heads=4,

@@ -325,9 +325,7 @@ def _damaged(checkpoint: Path, path: str, flag: str) -> list[ConfigProblem]:
 
 
 def load_tokenizer(config: RunConfig) -> HFTokenizer:
-    """The model folder's tokenizer, from local files only."""
-    from transformers import AutoTokenizer
-
+    """The model folder's tokenizer, from local files only (:meth:`HFTokenizer.from_folder`)."""
     folder = config.model.hf_checkpoint
     if folder is None:
         raise ConfigError(
@@ -341,7 +339,7 @@ def load_tokenizer(config: RunConfig) -> HFTokenizer:
         )
     try:
         # A local folder only: never a model hub lookup (which waits on the network).
-        return HFTokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+        return HFTokenizer.from_folder(folder)
     except OSError as exc:
         raise ConfigError(
             [

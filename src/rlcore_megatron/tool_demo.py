@@ -28,7 +28,7 @@ optimizer and learning-rate schedule at the lower RL rate). The held-out set is 
 tool (``heldout``) and, at the end, with a calculator that refuses every call (``no_calculator``:
 the model must add by itself).
 
-Everything is built locally: tokenizer, tiny Llama, data files.
+Everything is built locally (:mod:`rlcore.new_model`): tokenizer, tiny Llama, data files.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from rlcore.samples import Generation, Prompt
 __all__ = [
     "DIGITS",
     "add",
-    "build_tool_tokenizer",
     "calculator",
     "final_answer_reward",
     "no_calculator",
@@ -71,46 +70,11 @@ ALPHABET: Final = "".join(chr(c) for c in range(32, 127)) + "\n"
 """Single characters: printable ASCII and newline, so that every observation (error messages
 quote the model's malformed JSON) encodes: a WordLevel model without ``<unk>`` refuses others."""
 OBSERVATION_FORMAT: Final = RESPONSE_OPEN + "{content}" + RESPONSE_CLOSE
-SPECIAL: Final = ("<pad>", "<bos>", "<eos>")
 
 
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return int(a) + int(b)
-
-
-def build_tool_tokenizer(folder: Path) -> object:
-    """A character tokenizer plus one token per fixed piece of a call (``<tool_call>``, the JSON
-    up to the first argument, ...), saved with ``save_pretrained`` into ``folder``; ids: pad 0,
-    bos 1, eos 2. Returns the ``PreTrainedTokenizerFast``."""
-    import re
-
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for piece in (*PIECES_ALL, *ALPHABET):
-        vocab.setdefault(piece, len(vocab))
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token=None))
-    pattern = "|".join(re.escape(p) for p in sorted(PIECES_ALL, key=len, reverse=True)) + "|."
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    raw.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 1)]
-    )
-    raw.decoder = decoders.Fuse()
-    raw.add_special_tokens(list(SPECIAL))
-    wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: unannotated
-        tokenizer_object=raw,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        padding_side="left",
-        model_max_length=128,
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(folder))
-    return wrapped
 
 
 def _trace(a: int, b: int) -> str:
@@ -172,14 +136,15 @@ def prepare_tool_demo(
     A training row's label is the whole tool-use trace (a share ``tool_fraction`` of them) or
     the sum alone; a held-out row's label is always the trace (the reward reads its final
     answer)."""
-    from rlcore.testing.tiny import build_tiny_llama
+    from rlcore.new_model import build_model, build_tokenizer
 
     model = folder / "model"
     if not (model / "config.json").is_file():
-        tokenizer = build_tool_tokenizer(model)
-        build_tiny_llama(
+        tokenizer = build_tokenizer(model, alphabet=ALPHABET, words=PIECES_ALL)
+        build_model(
             model,
-            vocab_size=len(tokenizer),  # type: ignore[arg-type]  # a PreTrainedTokenizerFast
+            vocab_size=len(tokenizer),
+            family="llama",
             hidden_size=64,
             num_layers=2,
             num_heads=4,

@@ -15,6 +15,7 @@ import torch
 import transformers
 from megatron.core.models.gpt import GPTModel
 
+from rlcore import new_model
 from rlcore.errors import ConfigError
 from rlcore.samples import Sample
 from rlcore_megatron.arch import ModelArch, RopeScaling, arch_from_hf_config, read_hf_config
@@ -84,6 +85,23 @@ def test_logits_equal_transformers(family: Family, family_models: FamilyModels) 
     torch.testing.assert_close(
         megatron_logits(model, tokens, arch.vocab_size),
         hf_logits(folder, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_new_model_folders_build_with_transformers_logits(
+    family: Family, tmp_path: Path, megatron_rank: None
+) -> None:
+    """A folder from ``python -m rlcore.new_model`` is a model the backend builds as
+    transformers does."""
+    assert new_model.main([str(tmp_path), "--family", family, "--alphabet", "abcdefgh"]) == 0
+    model, arch = loaded_model(tmp_path)
+    tokens = random_tokens(arch.vocab_size)
+    torch.testing.assert_close(
+        megatron_logits(model, tokens, arch.vocab_size),
+        hf_logits(tmp_path, tokens),
         rtol=1e-5,
         atol=1e-5,
     )

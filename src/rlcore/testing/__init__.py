@@ -4,8 +4,8 @@ They satisfy the protocols structurally, like any backend, so a test that passes
 exercises the real loop, planner and checkpoint code. The core's own tests use them; users' tests
 can too. They import nothing heavy.
 
-:mod:`rlcore.testing.tiny` builds tiny, fully local models and tokenizers (it imports torch and
-transformers) for tests, demos and benchmarks.
+:mod:`rlcore.testing.tiny` keeps the names tests use for tiny local models and tokenizers; they
+live in :mod:`rlcore.new_model` (``python -m rlcore.new_model``).
 """
 
 from __future__ import annotations
