@@ -223,7 +223,7 @@ def read_meta(folder: Path) -> CheckpointMeta:
         raw = json.loads(path.read_text())
         settings = raw.get("settings", {})
         if not isinstance(settings, dict):
-            raise TypeError(f"settings is a {type(settings).__name__}, not an object")
+            raise TypeError(f"settings is of type {type(settings).__name__}, not an object")
         return CheckpointMeta(
             rollout_id=int(raw["rollout_id"]),
             consumed_prompts=int(raw["consumed_prompts"]),
@@ -292,7 +292,7 @@ def verify_checkpoint(folder: Path) -> list[str]:
 def _read_files(path: Path) -> list[tuple[str, Any]]:
     files = json.loads(path.read_text())["files"]
     if not isinstance(files, dict):
-        raise TypeError(f"'files' is a {type(files).__name__}, not an object")
+        raise TypeError(f"'files' is of type {type(files).__name__}, not an object")
     return list(files.items())
 
 

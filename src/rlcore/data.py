@@ -269,6 +269,7 @@ def load_prompts(
     apply_chat_template: Literal[False] = ...,
     max_prompt_len: int | None = ...,
     dropped: list[str] | None = ...,
+    flag: str = ...,
 ) -> tuple[Prompt, ...]: ...
 
 
@@ -282,6 +283,7 @@ def load_prompts(
     apply_chat_template: bool,
     max_prompt_len: int | None = ...,
     dropped: list[str] | None = ...,
+    flag: str = ...,
 ) -> tuple[Prompt, ...]: ...
 
 
@@ -294,6 +296,7 @@ def load_prompts(
     apply_chat_template: bool = False,
     max_prompt_len: int | None = None,
     dropped: list[str] | None = None,
+    flag: str = "--prompt-data",
 ) -> tuple[Prompt, ...]:
     """Read and tokenize every prompt in ``path`` (``.jsonl`` or ``.parquet``).
 
@@ -304,7 +307,8 @@ def load_prompts(
     conversation. Blank lines in JSON lines files are skipped. Prompts of more than
     ``max_prompt_len`` tokens are left out (slime's ``--rollout-max-prompt-len``), each one's
     place (``"path:line (N tokens)"``) appended to ``dropped`` when given. ``Prompt.index`` is
-    the prompt's 0-based position among those kept.
+    the prompt's 0-based position among those kept. ``flag`` is the setting that named the file,
+    for the messages.
 
     Raises :class:`DataError` naming the file and 1-based line (or row) for: a missing file, an
     unknown extension, invalid JSON, a record that is not an object, a missing key, a wrongly
@@ -312,7 +316,7 @@ def load_prompts(
     whose every prompt is too long.
     """
     return _load_prompts(
-        path, tokenizer, input_key, label_key, apply_chat_template, max_prompt_len, dropped
+        path, tokenizer, input_key, label_key, apply_chat_template, max_prompt_len, dropped, flag
     )
 
 
@@ -365,6 +369,7 @@ def _load_prompts(
     apply_chat_template: bool,
     max_prompt_len: int | None = None,
     dropped: list[str] | None = None,
+    flag: str = "--prompt-data",
 ) -> tuple[Prompt, ...]:
     if apply_chat_template and not isinstance(tokenizer, ChatTokenizer):
         raise DataError(
@@ -421,7 +426,7 @@ def _load_prompts(
             "--rollout-max-response-len) or shorten the prompts"
         )
     if not prompts:
-        raise DataError(f"{path}: the file holds no prompts; point the flag at a non-empty file")
+        raise DataError(f"{path}: the file holds no prompts; point {flag} at a non-empty file")
     return tuple(prompts)
 
 
@@ -485,6 +490,7 @@ def load_eval_sets(
                 apply_chat_template,
                 max_prompt_len,
                 dropped,
+                "--eval-prompt-data",
             ),
         )
         for name, path in pairs

@@ -46,6 +46,15 @@ class ConfigProblem:
     path: str
     message: str
     hint: str = ""
+    reads: tuple[str, ...] = attrs.field(default=(), eq=False, repr=False)
+    """The other settings (field paths: ``rollout.num_rollout``) whose values the broken rule
+    read: the problem is derived from them, and is not reported when one of them has a problem
+    of its own (:func:`rlcore.config.fields.root_problems`)."""
+
+    @property
+    def field(self) -> str:
+        """The setting the problem is about, without its flag (``rollout.num_rollout``)."""
+        return self.path.split(" (", 1)[0]
 
     def __str__(self) -> str:
         text = f"{self.path}: {self.message}"

@@ -55,7 +55,9 @@ def load_function(path: str, *, field: str, arity: int, signature: str) -> Any:
                 "check the name after the module",
             ) from exc
     if not callable(obj):
-        raise problem(f"{attr_path} is a {type(obj).__name__}, not a function", "point at one")
+        raise problem(
+            f"{attr_path} is not a function (it is of type {type(obj).__name__})", "point at one"
+        )
     try:
         inspect.signature(obj).bind(*([None] * arity))
     except TypeError as exc:

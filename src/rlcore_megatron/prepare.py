@@ -236,7 +236,7 @@ def _shape_problems(
     try:
         saved = json.loads(record.read_text())["model"]
         if not isinstance(saved, dict):
-            raise TypeError(f"model is a {type(saved).__name__}")
+            raise TypeError(f"model is of type {type(saved).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [ConfigProblem(where, f"{record} cannot be read: {exc}")]
     here = model_info(arch_from_hf_config(hf_config, str(folder / "config.json")), "teacher")

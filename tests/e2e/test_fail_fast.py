@@ -80,7 +80,7 @@ def test_an_empty_model_folder_says_which_files_are_missing(demo: Path, tmp_path
     )
     assert (
         f"{tmp_path / 'empty'} has no config.json, weights (model.safetensors, or "
-        "model.safetensors.index.json and shards), a tokenizer (tokenizer.json, tokenizer.model "
+        "model.safetensors.index.json and shards) and tokenizer (tokenizer.json, tokenizer.model "
         "or vocab files)"
     ) in err
 

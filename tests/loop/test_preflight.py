@@ -92,7 +92,7 @@ def test_missing_and_empty_model_folders_say_what_is_missing(tmp_path: Path) -> 
     (problem,), _ = check_model_folder(tmp_path / "empty", WHERE)
     assert problem.message == (
         f"{tmp_path / 'empty'} has no config.json, weights (model.safetensors, or "
-        "model.safetensors.index.json and shards), a tokenizer (tokenizer.json, tokenizer.model "
+        "model.safetensors.index.json and shards) and tokenizer (tokenizer.json, tokenizer.model "
         "or vocab files)"
     )
     (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"x")

@@ -142,14 +142,16 @@ def test_load_custom_reward(reward_module: str) -> None:
     ("suffix", "message"),
     [
         (":nope", "has no attribute 'nope'"),
-        (":NOT_CALLABLE", "NOT_CALLABLE is a int, not a function"),
+        (":NOT_CALLABLE", r"NOT_CALLABLE is not a function \(it is of type int\)"),
         (":one_arg", r"cannot be called as fn\(prompt, generation\)"),
         ("", "expected 'module:function'"),
     ],
 )
 def test_bad_custom_reward_paths(reward_module: str, suffix: str, message: str) -> None:
     path = reward_module + suffix
-    with pytest.raises(ConfigError, match=rf"custom_rm_path: '{path}': .*{message}"):
+    with pytest.raises(
+        ConfigError, match=rf"custom_rm_path \(--custom-rm-path\): '{path}': .*{message}"
+    ):
         load_custom_reward(path)
 
 

@@ -226,7 +226,7 @@ def test_user_functions_load_from_either_spelling_and_bad_paths_name_the_flag() 
     cases = {
         "no_such_module_xyz:fn": "cannot import module 'no_such_module_xyz'",
         "rlcore.rollout:nope": "has no attribute 'nope'",
-        "rlcore.rollout:DEFAULT_MAX_ROUNDS": "is a int, not a function",
+        "rlcore.rollout:DEFAULT_MAX_ROUNDS": "is not a function (it is of type int)",
         "rlcore.rollout:check_rollout_output": "cannot be called with 1 argument",
         "justaname": "expected 'module:function'",
     }

@@ -138,8 +138,8 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
     coefficients in range."""
     problems = correction_problems(a, r.max_staleness)
 
-    def add(name: str, message: str, hint: str = "") -> None:
-        problems.append(problem(AlgorithmConfig, "algorithm", name, message, hint))
+    def add(name: str, message: str, hint: str = "", reads: tuple[str, ...] = ()) -> None:
+        problems.append(problem(AlgorithmConfig, "algorithm", name, message, hint, reads=reads))
 
     warm_start_only = r.num_rollout is not None and a.sft_warmup_rollouts >= r.num_rollout > 0
     if (
@@ -155,6 +155,7 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
                 f"{a.advantage_estimator} compares samples within a prompt's group, so it needs "
                 ">= 2",
                 "raise --n-samples-per-prompt",
+                reads=("algorithm.advantage_estimator",),
             )
         )
     # (with --num-epoch, num_rollout is None: known once the prompt file is read)
@@ -164,6 +165,7 @@ def algorithm_problems(a: AlgorithmConfig, r: RolloutConfig) -> list[ConfigProbl
             f"must be in [0, num_rollout] (= [0, {r.num_rollout}]), got {a.sft_warmup_rollouts}",
             "a run of warm start only sets both to the same number; RL can follow from its "
             "checkpoint with --load DIR --finetune",
+            reads=("rollout.num_rollout",),
         )
     if a.kl_coef < 0 or a.kl_loss_coef < 0:
         add("kl_coef" if a.kl_coef < 0 else "kl_loss_coef", "must be >= 0")

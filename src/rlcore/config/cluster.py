@@ -200,9 +200,9 @@ def engine_and_cluster_problems(r: RolloutConfig, k: ClusterConfig) -> list[Conf
     if not runs_servers:
         why = f"the {r.engine!r} engine starts no servers (with these settings)"
         if k.rollout_num_gpus is not None:
-            add(ClusterConfig, "cluster", "rollout_num_gpus", why, "drop the flag")
+            add(ClusterConfig, "cluster", "rollout_num_gpus", why, "drop --rollout-num-gpus")
         if k.colocate:
-            add(ClusterConfig, "cluster", "colocate", why, "drop the flag")
+            add(ClusterConfig, "cluster", "colocate", why, "drop --colocate")
         return problems
     if k.rollout_gpus % k.rollout_num_gpus_per_engine:
         add(

@@ -67,8 +67,8 @@ def eval_problems(e: EvalConfig) -> list[ConfigProblem]:
     """Ranges, distinct set names, and eval data when evaluation is asked for."""
     problems: list[ConfigProblem] = []
 
-    def add(name: str, message: str, hint: str = "") -> None:
-        problems.append(problem(EvalConfig, "eval", name, message, hint))
+    def add(name: str, message: str, hint: str = "", reads: tuple[str, ...] = ()) -> None:
+        problems.append(problem(EvalConfig, "eval", name, message, hint, reads=reads))
 
     if e.interval is not None and e.interval < 1:
         add("interval", f"must be >= 1, got {e.interval}")
@@ -86,5 +86,6 @@ def eval_problems(e: EvalConfig) -> list[ConfigProblem]:
             "prompt_data",
             "evaluation is asked for (--eval-interval) but there is no eval data",
             "add --eval-prompt-data NAME PATH",
+            reads=("eval.interval",),
         )
     return problems

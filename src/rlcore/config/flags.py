@@ -25,6 +25,7 @@ import attrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
 from rlcore.config.convert import converter, problems_from, structure_config, with_flag
+from rlcore.config.fields import root_problems
 from rlcore.config.run_config import RunConfig
 from rlcore.config.saved import (
     EVAL_ONLY_SETTINGS,
@@ -199,7 +200,8 @@ def _overrides(namespace: argparse.Namespace) -> tuple[dict[str, Any], list[Conf
                 problems.append(
                     ConfigProblem(
                         "eval.prompt_data (--eval-prompt-data)",
-                        f"expects NAME PATH pairs, got {len(value)} values: {value}",
+                        f"expects NAME PATH pairs, got {len(value)} value"
+                        f"{'' if len(value) == 1 else 's'}: {value}",
                         "give a name before every path",
                     )
                 )
@@ -283,7 +285,8 @@ def _build(data: dict[str, Any], source: str, problems: list[ConfigProblem]) -> 
     try:
         config = structure_config(data, source)
     except ConfigError as exc:
-        raise ConfigError(problems + list(exc.problems), source) from exc.__cause__
+        # The flags' own problems are causes: what the config derives from them is left out.
+        raise ConfigError(root_problems(problems + list(exc.problems)), source) from exc.__cause__
     problems = problems + [
         ConfigProblem(
             f"{name}",

@@ -6,7 +6,7 @@ run needs of them (:func:`optimizer_problems`, :func:`batch_problems`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -100,10 +100,11 @@ def batch_problems(
     trained model (``ranks_by_role``)."""
     problems: list[ConfigProblem] = []
 
-    def add(name: str, message: str, hint: str) -> None:
-        problems.append(problem(TrainConfig, "train", name, message, hint))
+    def add(name: str, message: str, hint: str, reads: tuple[str, ...]) -> None:
+        problems.append(problem(TrainConfig, "train", name, message, hint, reads=reads))
 
     samples = r.rollout_batch_size * r.n_samples_per_prompt
+    sampling = ("rollout.rollout_batch_size", "rollout.n_samples_per_prompt")
     if t.global_batch_size >= 1 and samples >= 1:
         if samples < t.global_batch_size:
             add(
@@ -111,12 +112,14 @@ def batch_problems(
                 f"{t.global_batch_size} is more than the {samples} samples a rollout makes "
                 f"(rollout_batch_size x n_samples_per_prompt), so no optimizer step would run",
                 "lower --global-batch-size or raise --rollout-batch-size",
+                sampling,
             )
         elif samples % t.global_batch_size:
             add(
                 "global_batch_size",
                 f"does not divide the {samples} samples per rollout",
                 "pick a divisor",
+                sampling,
             )
         if (
             r.rollout_batch_size >= 1
@@ -128,6 +131,7 @@ def batch_problems(
                 f"{t.global_batch_size} splits a prompt's group of "
                 f"{r.n_samples_per_prompt} samples",
                 "use a multiple of --n-samples-per-prompt",
+                sampling[1:],
             )
     tp = tensor_parallel
     sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp) >= 1
@@ -136,12 +140,15 @@ def batch_problems(
             # TrainSpec's own rule, so that a config that passes plans into valid TrainSpecs.
             split = batch_split_problem(t.global_batch_size, t.micro_batch_size, ranks // tp)
             if split:
-                add("micro_batch_size", f"the {role}'s {split}", "pick sizes that divide")
+                add("micro_batch_size", f"the {role}'s {split}", "pick sizes that divide", ())
     return problems
 
 
-def schedule_problems(o: OptimizerConfig, decay_steps: int) -> list[ConfigProblem]:
-    """LRSchedule's own rule, applied to the ``decay_steps`` the plan will give it."""
+def schedule_problems(
+    o: OptimizerConfig, decay_steps: int, reads: Sequence[str]
+) -> list[ConfigProblem]:
+    """LRSchedule's own rule, applied to the ``decay_steps`` the plan will give it (``reads``:
+    the fields they come from, when not ``--lr-decay-iters``)."""
     length = schedule_length_problem(o.lr_warmup_iters, decay_steps)
     if length and length[0] == "decay_steps":
         return [
@@ -151,6 +158,7 @@ def schedule_problems(o: OptimizerConfig, decay_steps: int) -> list[ConfigProble
                 "lr_decay_iters",
                 f"the run would decay the LR over {decay_steps} optimizer steps: {length[1]}",
                 "give --lr-decay-iters or train more samples",
+                reads=reads,
             )
         ]
     if length:
@@ -161,6 +169,7 @@ def schedule_problems(o: OptimizerConfig, decay_steps: int) -> list[ConfigProble
                 "lr_warmup_iters",
                 f"warmup ({o.lr_warmup_iters}) must be shorter than decay ({decay_steps} steps)",
                 "lower --lr-warmup-iters or raise --lr-decay-iters",
+                reads=("optim.lr_decay_iters", *reads),
             )
         ]
     return []

@@ -148,8 +148,8 @@ def rollout_problems(r: RolloutConfig) -> list[ConfigProblem]:
     """The section's own ranges: counts, sampling parameters, dynamic sampling."""
     problems: list[ConfigProblem] = []
 
-    def add(name: str, message: str, hint: str = "") -> None:
-        problems.append(problem(RolloutConfig, "rollout", name, message, hint))
+    def add(name: str, message: str, hint: str = "", reads: tuple[str, ...] = ()) -> None:
+        problems.append(problem(RolloutConfig, "rollout", name, message, hint, reads=reads))
 
     for name in ("num_rollout", "num_epoch"):
         value = getattr(r, name)
@@ -172,6 +172,7 @@ def rollout_problems(r: RolloutConfig) -> list[ConfigProblem]:
             f"{r.over_sampling_batch_size} is less than --rollout-batch-size "
             f"{r.rollout_batch_size}: a round must be able to fill the rollout",
             "raise it, or leave it out to use --rollout-batch-size",
+            reads=("rollout.rollout_batch_size",),
         )
     if r.dynamic_sampling_max_rounds < 1:
         add(

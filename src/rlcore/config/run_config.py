@@ -33,7 +33,7 @@ from rlcore.config.cluster import (
 )
 from rlcore.config.data import DataConfig, EvalConfig, eval_problems
 from rlcore.config.distill import OPDConfig, opd_problems
-from rlcore.config.fields import option, problem, problems_under
+from rlcore.config.fields import option, problem, problems_under, root_problems
 from rlcore.config.optim import (
     OptimizerConfig,
     TrainConfig,
@@ -101,7 +101,10 @@ class RunConfig:
 
     @property
     def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout: one per global batch."""
+        """Optimizer steps per rollout: one per global batch (none while the checks still see a
+        global batch below 1)."""
+        if self.train.global_batch_size < 1:
+            return 0
         return self.samples_per_rollout // self.train.global_batch_size
 
     @property
@@ -145,7 +148,8 @@ def check(config: RunConfig) -> list[ConfigProblem]:
 
     A NaN or infinite number is reported alone (with every other one): the invariants that
     compare numbers would otherwise blame a neighbouring field (``lr = nan`` fails ``min_lr <=
-    lr``)."""
+    lr``). A problem derived from a field that is reported wrong itself is left out
+    (:func:`~rlcore.config.fields.root_problems`)."""
     problems: list[ConfigProblem] = _non_finite(config)
     if problems:
         return problems
@@ -186,11 +190,12 @@ def check(config: RunConfig) -> list[ConfigProblem]:
                     "num_rollout",
                     "0 means evaluate only, but there is nothing to evaluate",
                     "add --eval-prompt-data NAME PATH, or train with --num-rollout N > 0",
+                    reads=("eval.prompt_data",),
                 )
             )
     else:
         problems += training_problems(config)
-    return problems
+    return root_problems(problems)
 
 
 def training_problems(config: RunConfig) -> list[ConfigProblem]:
@@ -203,8 +208,18 @@ def training_problems(config: RunConfig) -> list[ConfigProblem]:
         config.train, r, config.model.tensor_model_parallel_size, ranks_by_role(config)
     )
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
-        problems += schedule_problems(config.optim, config.lr_decay_steps)
+        reads = () if config.optim.lr_decay_iters is not None else _STEP_COUNT
+        problems += schedule_problems(config.optim, config.lr_decay_steps, reads)
     return problems
+
+
+_STEP_COUNT = (
+    "rollout.num_rollout",
+    "rollout.rollout_batch_size",
+    "rollout.n_samples_per_prompt",
+    "train.global_batch_size",
+)
+"""What the run's optimizer step count (the default LR decay length) is computed from."""
 
 
 def ranks_by_role(config: RunConfig) -> dict[str, int]:

@@ -333,12 +333,15 @@ def check_model_folder(folder: Path, where: str) -> tuple[list[ConfigProblem], d
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(
         folder.glob("*.tiktoken")
     ):
-        missing.append("a tokenizer (tokenizer.json, tokenizer.model or vocab files)")
+        missing.append("tokenizer (tokenizer.json, tokenizer.model or vocab files)")
     if missing:
         hint = "save the model and its tokenizer there with save_pretrained(folder)"
         if (folder / "pytorch_model.bin").is_file() and not files:
             hint = "only pytorch_model.bin is there: re-save with safe_serialization=True"
-        problems.append(ConfigProblem(where, f"{folder} has no {', '.join(missing)}", hint))
+        listed = " and ".join(
+            [", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing
+        )
+        problems.append(ConfigProblem(where, f"{folder} has no {listed}", hint))
     problems += [ConfigProblem(where, p, "copy the files again") for p in weight_problems]
     for file in files:
         what = safetensors_problem(file)

@@ -178,8 +178,12 @@ class AsyncReward:
         return f"AsyncReward({self.name})"
 
 
+_CUSTOM_RM = "data.custom_rm_path (--custom-rm-path)"
+"""The setting a custom reward comes from (named as the config's problems name it)."""
+
+
 def _custom_problem(path: str, message: str, hint: str) -> ConfigError:
-    return ConfigError([ConfigProblem("custom_rm_path", f"{path!r}: {message}", hint)])
+    return ConfigError([ConfigProblem(_CUSTOM_RM, f"{path!r}: {message}", hint)])
 
 
 def load_custom_reward(path: str) -> RewardFn:
@@ -188,7 +192,7 @@ def load_custom_reward(path: str) -> RewardFn:
     The function takes ``(prompt: Prompt, generation: Generation)`` and returns a float; an
     ``async def`` one is wrapped in :class:`AsyncReward` so :func:`score_samples` runs it
     concurrently. Dotted attributes work (``pkg.mod:Scorer.score``). Raises
-    :class:`~rlcore.errors.ConfigError` (field ``custom_rm_path``) naming the path when it is
+    :class:`~rlcore.errors.ConfigError` (``--custom-rm-path``) naming the path when it is
     malformed, the module cannot be imported, the attribute is missing, or it is not a callable
     taking two arguments.
     """
@@ -214,7 +218,9 @@ def load_custom_reward(path: str) -> RewardFn:
             ) from exc
     if not callable(obj):
         raise _custom_problem(
-            path, f"{attr_path} is a {type(obj).__name__}, not a function", "point at a callable"
+            path,
+            f"{attr_path} is not a function (it is of type {type(obj).__name__})",
+            "point at a callable",
         )
     if not _is_reward_fn(obj):
         raise _custom_problem(
