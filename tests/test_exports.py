@@ -79,6 +79,7 @@ EXPECTED = {
     "TrainingStack",
     "WeightSink",
     "WeightSource",
+    "execute",
     "load_backend",
     "load_config",
     "plan",

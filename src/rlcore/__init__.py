@@ -42,7 +42,7 @@ from rlcore.errors import (
     RolloutError,
 )
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
-from rlcore.loop.backends import load_backend
+from rlcore.loop.backends import execute, load_backend
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, RolloutSpec, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
@@ -160,6 +160,7 @@ __all__ = [
     "WeightSource",
     "check_reward_nonzero_std",
     "default_rollout",
+    "execute",
     "load_backend",
     "load_config",
     "load_rollout_data",

@@ -297,7 +297,19 @@ def stop_on_signals(progress: Progress) -> Iterator[None]:
 
 
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
-    """:func:`prepare`, then :func:`launch_restarting`: run one configured job to the end."""
+    """Run ``config`` on the Megatron backend to the end, as ``python -m rlcore_megatron.run``
+    does (``rlcore.execute(config, backend="megatron")`` calls this): the checks before start
+    (:func:`prepare`; the data are read once, there), Ray, the ranks and the rollout engine,
+    ``metrics.jsonl``, ``run.log`` and ``summary.json`` in ``config.output_dir``, checkpoints,
+    and ``--max-restarts`` (:func:`launch_restarting`). Model folders are read from disk only
+    (``HF_HUB_OFFLINE=1`` for this process and what it starts). ``notes`` go to the run's log
+    first (what :func:`~rlcore.config.flags.load_config` reported taking from a checkpoint).
+
+    Raises what :func:`prepare` finds before anything starts (:class:`ConfigError`,
+    :class:`PlanError`, :class:`~rlcore.errors.DataError`, ...), the rlcore error of a
+    component that fails later, and :class:`~rlcore.loop.RunInterrupted` after Ctrl-C; a run
+    stopped by SIGTERM returns with ``result.stopped``."""
+    _offline_and_quiet()
     return launch_restarting(prepare(config), notes)
 
 
