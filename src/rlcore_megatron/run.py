@@ -187,7 +187,17 @@ def _rewind(config: RunConfig, the_plan: Plan, resumed_from: Path | None) -> int
     return rollout_number(first)
 
 
+def _not_the_token_notice(record: logging.LogRecord) -> bool:
+    """Ray's notice that a cluster it starts has token authentication (its default, which a run
+    keeps): there is nothing to do about it, so it is dropped; Ray's other warnings stay (the
+    one that a cluster has none, which asks for a token, among them)."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray")
+
+
 def _start_ray(config: RunConfig) -> None:
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        _not_the_token_notice
+    )
     import ray
 
     from rlcore_megatron.ray_group import RayGroupError
@@ -371,10 +381,6 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         log.warning("%s", note)
     resumed_at = _rewind(config, the_plan, resumed_from)
 
-    if config.ray_address is None and "ray" not in sys.modules:
-        # Token authentication stays on (Ray's default for a cluster it starts), said explicitly
-        # so that Ray does not warn about it on every run. Ray reads it when it is imported.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     from rlcore_megatron.cluster import ClusterPlacement
