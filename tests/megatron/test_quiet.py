@@ -20,7 +20,7 @@ import megatron.core.optimizer
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
 TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
-warnings.warn_explicit("Apex is not installed (elsewhere)", UserWarning, "mine.py", 1, module="mine")
+warnings.warn_explicit("Apex is not installed (elsewhere)", UserWarning, "m.py", 1, module="m")
 warnings.warn_explicit("Apex is missing a kernel", UserWarning, "x.py", 1, module="megatron.core.x")
 """
 
