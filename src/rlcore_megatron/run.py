@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -195,6 +196,8 @@ def _not_the_token_notice(record: logging.LogRecord) -> bool:
 
 
 def _start_ray(config: RunConfig) -> None:
+    """Join ``--ray-address`` or start a local instance of this machine, logging how long it
+    took."""
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         _not_the_token_notice
     )
@@ -204,6 +207,7 @@ def _start_ray(config: RunConfig) -> None:
 
     if ray.is_initialized():
         return
+    started = time.monotonic()
     if config.ray_address is not None:
         try:
             ray.init(address=config.ray_address, log_to_driver=False, logging_level=logging.WARNING)
@@ -219,7 +223,11 @@ def _start_ray(config: RunConfig) -> None:
                 "in ~/.ray/auth_token or RAY_AUTH_TOKEN: Ray sends no token to an explicit address "
                 "unasked."
             ) from exc
-        log.info("ray: joined the cluster at %s", ray.get_runtime_context().gcs_address)
+        log.info(
+            "ray: joined the cluster at %s (%.1f s)",
+            ray.get_runtime_context().gcs_address,
+            time.monotonic() - started,
+        )
     else:
         local = local_node()
         ray.init(
@@ -232,7 +240,11 @@ def _start_ray(config: RunConfig) -> None:
             log_to_driver=False,
             logging_level=logging.WARNING,  # "Started a local Ray instance": logged below
         )
-        log.info("ray: started a local instance at %s", ray.get_runtime_context().gcs_address)
+        log.info(
+            "ray: started a local instance at %s (%.1f s)",
+            ray.get_runtime_context().gcs_address,
+            time.monotonic() - started,
+        )
 
 
 @contextlib.contextmanager
@@ -406,7 +418,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         backend = RayMegatronBackend(placement)
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
         replays = config.debug.replays
-        engine = None if replays else make_engine(config, tokenizer, placement.start_hosts())
+        engine = None if replays else _timed_engine(config, tokenizer, placement.start_hosts())
         engine = episodes(config, engine, tokenizer)
         with stop_on_signals(progress):
             result = run(
@@ -465,6 +477,18 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
     return result
 
 
+def _timed_engine(
+    config: RunConfig, tokenizer: HFTokenizer, hosts: Sequence[ProcessHost]
+) -> RolloutEngine:
+    """:func:`make_engine`, logging how long it took (loading the model, starting servers)."""
+    started = time.monotonic()
+    engine = make_engine(config, tokenizer, hosts)
+    log.info(
+        "rollout engine: %s, ready (%.1f s)", config.rollout.engine, time.monotonic() - started
+    )
+    return engine
+
+
 def _engine_threads(threads: int) -> None:
     """torch threads of this process: its rollout engine's share of the machine, so that it
     generates beside the ranks instead of competing with them for every core."""
@@ -504,12 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args:
             from rlcore_megatron.demo import demo_flags, prepare_demo
 
-            prepare_demo(DEMO_FOLDER)
-            args = demo_flags(DEMO_FOLDER)
             print(
                 f"No flags: running the CPU demo in {DEMO_FOLDER} (see --help for the real thing).",
                 file=sys.stderr,
             )
+
+            prepare_demo(DEMO_FOLDER)
+            args = demo_flags(DEMO_FOLDER)
         notes: list[str] = []
         config = load_config(args, parser, report=notes)
         for note in notes:  # what an eval-only run took from its checkpoint

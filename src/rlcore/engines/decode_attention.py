@@ -27,6 +27,7 @@ import functools
 import logging
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,8 @@ def build_kernel() -> Kernel:
     raises (``RuntimeError`` with the compiler's output, ``OSError`` without a compiler)."""
     from torch.utils.cpp_extension import load
 
-    # One cache entry per torch version: an extension built against another torch's headers must
-    # not be loaded by this one.
-    name = "rlcore_decode_attention_" + re.sub(r"\W", "_", torch.__version__)
     load(
-        name=name,
+        name=_NAME,
         sources=[str(SOURCE)],
         extra_cflags=["-O3", "-fopenmp", "-Wno-psabi"],
         # torch's own OpenMP runtime (libgomp.so.1, already loaded) runs the kernel's threads.
@@ -74,12 +72,32 @@ def build_kernel() -> Kernel:
     return kernel
 
 
+# One cache entry per torch version: an extension built against another torch's headers must not
+# be loaded by this one.
+_NAME = "rlcore_decode_attention_" + re.sub(r"\W", "_", torch.__version__)
+
+
+def _built_before() -> bool:
+    """Whether torch's extension cache holds a build of the kernel (then loading it is quick)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return (Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so").is_file()
+
+
 @functools.cache
 def load_kernel() -> Kernel | None:
     """The kernel, built on the first call in this process; ``None`` (with the reason logged) if it
-    cannot be built here."""
+    cannot be built here. Logs how long it took, and first that it is compiling when no earlier
+    build is cached (a start-up stage of a run's first rollout: about 20 s)."""
+    started = time.monotonic()
+    cached = _built_before()
+    if not cached:
+        log.info(
+            "decode kernel: compiling the CPU decode-attention kernel (once per machine and torch "
+            "version, about 20 s)"
+        )
     try:
-        return build_kernel()
+        kernel = build_kernel()
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         log.warning(
             "rlcore: the CPU decode-attention kernel (%s) could not be built, so the embedded "
@@ -89,6 +107,9 @@ def load_kernel() -> Kernel | None:
             exc,
         )
         return None
+    elapsed = time.monotonic() - started
+    log.info("decode kernel: %s (%.1f s)", "loaded" if cached else "compiled", elapsed)
+    return kernel
 
 
 def _kernel_mask(

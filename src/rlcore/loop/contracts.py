@@ -6,10 +6,11 @@ surfacing as a raw ``ValueError`` three calls later.
   every method of its protocol and is of the kind asked for (an eval stack that exposes an
   optimizer, a scheduler or a ``train_step`` is a :class:`~rlcore.errors.BackendContractError`:
   an eval-only run cannot build an optimizer even through a backend that is not type-checked),
-  and wrap it (:class:`CheckedTrainingStack`,
-  :class:`CheckedEvalStack`): an error that is not an :class:`~rlcore.errors.RLCoreError` becomes
-  a :class:`~rlcore.errors.BackendError` naming the stack and the method, and ``forward`` must
-  return one row per sample and one value per response token.
+  and wrap it (:class:`CheckedTrainingStack`, :class:`CheckedEvalStack`), logging how long the
+  build took (a start-up stage of a run): an error that is not an
+  :class:`~rlcore.errors.RLCoreError` becomes a :class:`~rlcore.errors.BackendError` naming the
+  stack and the method, and ``forward`` must return one row per sample and one value per response
+  token.
 - :class:`CheckedEngine` does the same for a rollout engine (:class:`~rlcore.errors.RolloutError`);
   its ``generate`` is the one place the generation count is checked (:func:`check_generations`).
 
@@ -19,6 +20,8 @@ Errors raised on purpose (``RLCoreError`` subclasses) pass through unchanged.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final, final
@@ -41,6 +44,8 @@ from rlcore.protocols import (
 )
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+
+log = logging.getLogger("rlcore")
 
 __all__ = [
     "CheckedEngine",
@@ -192,8 +197,10 @@ class CheckedHFExporter:
 def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingStack:
     """``backend.build_training_stack(spec)``, checked against the protocol and wrapped."""
     what = f"{_name(backend)}.build_training_stack({spec.model.role})"
+    started = _log_building(spec.model, "training")
     with _translated(what, BackendError, "Backend"):
         stack = backend.build_training_stack(spec)
+    _log_built(spec.model, "training", started)
     missing = missing_members(stack, TrainingStack)
     if missing:
         raise BackendError(
@@ -207,8 +214,10 @@ def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingSt
 def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
     """``backend.build_eval_stack(spec)``, checked against the protocol and wrapped."""
     what = f"{_name(backend)}.build_eval_stack({spec.model.role})"
+    started = _log_building(spec.model, "eval")
     with _translated(what, BackendError, "Backend"):
         stack = backend.build_eval_stack(spec)
+    _log_built(spec.model, "eval", started)
     trains = [name for name in _TRAINING_MEMBERS if hasattr(stack, name)]
     if trains:
         raise BackendContractError(
@@ -225,6 +234,17 @@ def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
         )
     _check_kind(stack, "eval", what)
     return CheckedEvalStack(stack, f"{_name(stack)} ({spec.model.role})")
+
+
+def _log_building(model: ModelSpec, kind: str) -> float:
+    """Say that a stack is being built (the slowest start-up stage); returns the time."""
+    ranks = model.parallel.world_size
+    log.info("building the %s's %s stack on %d rank(s)", model.role, kind, ranks)
+    return time.monotonic()
+
+
+def _log_built(model: ModelSpec, kind: str, started: float) -> None:
+    log.info("built the %s's %s stack (%.1f s)", model.role, kind, time.monotonic() - started)
 
 
 _TRAINING_MEMBERS = ("optimizer", "scheduler", "train_step")
