@@ -6,6 +6,9 @@ Every ```python block is preceded by a marker line saying how it is checked:
   --strict`` with the project's settings;
 - ``<!-- checked: excerpt of PATH -->``: every line but ``...`` placeholders appears in the file
   PATH, in order (PATH is itself run or type-checked elsewhere).
+- ``<!-- checked: own task -->`` (or ``own task as FILE``): a step of the "Your own task" section,
+  which ``tests/e2e/test_own_task.py`` runs in order (``tests/readme_task.py``; bash blocks
+  too); its Python blocks pass ``mypy --strict`` here.
 
 A block without a marker fails the first test.
 """
@@ -22,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-_MARKER = re.compile(r"<!-- checked: (run|excerpt of (?P<path>\S+)) -->")
+_MARKER = re.compile(r"<!-- checked: (run|excerpt of (?P<path>\S+)|own task(?: as \S+)?) -->")
 
 
 @attrs.frozen
@@ -59,6 +62,7 @@ def _blocks() -> list[Block]:
 
 BLOCKS = _blocks()
 RUN = [b for b in BLOCKS if b.marker == "<!-- checked: run -->"]
+OWN_TASK = [b for b in BLOCKS if b.marker is not None and "own task" in b.marker]
 EXCERPTS = [b for b in BLOCKS if b.marker is not None and "excerpt" in b.marker]
 
 
@@ -104,7 +108,7 @@ def test_runnable_blocks_run(block: Block, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_runnable_blocks_type_check(tmp_path: Path) -> None:
     files = []
-    for block in RUN:
+    for block in RUN + OWN_TASK:
         path = tmp_path / f"readme_{block.line}.py"
         path.write_text(block.code)
         files.append(str(path))

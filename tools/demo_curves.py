@@ -1,6 +1,6 @@
 """Learning curves of the demos over seeds and variants: the README's tables come from here.
 
-    PYTHONPATH=src:. python tools/demo_curves.py [--demo reverse|tool|opd] [--seeds 0 1 2]
+    PYTHONPATH=src:. python tools/demo_curves.py [--demo reverse|tool|opd|own-task] [--seeds 0 1 2]
         [--variant NAME=FLAGS ...] [--work runs/curves] [--plot curves.png]
 
 ``--demo reverse`` (default) runs ``python -m rlcore_megatron.run`` on the no-flag demo
@@ -9,7 +9,10 @@ tool`` runs the tool demo's two phases (:func:`rlcore_megatron.tool_demo.tool_de
 warm start, then GRPO from its checkpoint) and an eval-only run of the result with a calculator
 that refuses every call; ``--demo opd`` trains the teacher once (the reverse demo as shipped,
 seed 0) and then the fresh model from it by on-policy distillation with no warm start
-(:func:`rlcore_megatron.demo.opd_demo_flags`; a variant ``pure=--opd-only`` drops the reward).
+(:func:`rlcore_megatron.demo.opd_demo_flags`; a variant ``pure=--opd-only`` drops the reward);
+``--demo own-task`` runs the README's "Your own task" section as written (``tests/readme_task.py``):
+its steps before training once, then its training command with the run's folders under the work
+folder (its table is of exact answers, ``eval/heldout/pass@1``).
 Each run is its own process, as a user runs it, with ``--seed S``
 (sampling and the prompt order; the model's initial weights and the data are the demo's). A
 variant is a name and extra flags (for the tool demo: for its GRPO phase): ``--variant
@@ -32,6 +35,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import attrs
+
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.plot import plot
 from rlcore_megatron.demo import demo_flags, opd_demo_flags, prepare_demo
@@ -43,6 +48,7 @@ from rlcore_megatron.tool_demo import (
 )
 
 HELD_OUT = "eval/heldout/reward"
+EXACT = "eval/heldout/pass@1"
 NO_TOOL = "eval/no_calculator/reward"
 Rows = list[dict[str, float]]
 
@@ -98,6 +104,33 @@ def _tool(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
     return [*warm, *shifted, last]
 
 
+def _prepare_own_task(folder: Path) -> None:
+    """The README's steps before its training command, once, in ``folder``."""
+    from tests.readme_task import run, steps, train_step
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "sort" / "train.jsonl").is_file():
+        return
+    all_steps = steps()
+    for step in all_steps[: all_steps.index(train_step(all_steps))]:
+        run(step, folder, timeout_s=600)
+
+
+def _own_task(demo: Path, out: Path, seed: int, extra: list[str]) -> Rows:
+    """The README's training command, in ``demo`` (its model, data and reward module), with
+    ``--seed`` and the run's checkpoints, exports and metrics under ``out``."""
+    from tests.readme_task import run, steps, train_step
+
+    step = train_step(steps())
+    out = out.resolve()
+    placed = [
+        *("--seed", str(seed), "--output-dir", str(out / "run"), "--save", str(out / "ckpt")),
+        *("--overwrite-save", "--save-hf", str(out / "export"), *extra),
+    ]
+    run(attrs.evolve(step, code=step.code.rstrip() + " " + shlex.join(placed)), demo, 7200)
+    return read_jsonl_metrics(out / "run" / "metrics.jsonl")
+
+
 def _first(points: list[tuple[int, float]], threshold: float) -> str:
     return next((str(step) for step, value in points if value >= threshold), "never")
 
@@ -125,7 +158,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--demo", choices=("reverse", "tool", "opd"), default="reverse")
+    parser.add_argument("--demo", choices=("reverse", "tool", "opd", "own-task"), default="reverse")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=FLAGS")
     parser.add_argument("--work", type=Path, default=Path("runs/curves"))
@@ -134,9 +167,11 @@ def main() -> int:
     variants = dict(v.split("=", 1) for v in (args.variant or ["as shipped="]))
     import torch
 
-    demo = args.work / "demo"
-    (prepare_tool_demo if args.demo == "tool" else prepare_demo)(demo)
-    one_run = {"reverse": _reverse, "tool": _tool, "opd": _opd}[args.demo]
+    demo = args.work / ("own-task" if args.demo == "own-task" else "demo")
+    prepare = {"tool": prepare_tool_demo, "own-task": _prepare_own_task}
+    prepare.get(args.demo, prepare_demo)(demo)
+    one_run = {"reverse": _reverse, "tool": _tool, "opd": _opd, "own-task": _own_task}[args.demo]
+    metric = EXACT if args.demo == "own-task" else HELD_OUT
     runs: dict[str, Rows] = {}
     curves: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in variants}
     alone: dict[str, list[float]] = {name: [] for name in variants}
@@ -145,7 +180,7 @@ def main() -> int:
             t0 = time.perf_counter()
             rows = one_run(demo, args.work / f"{name}-seed{seed}", seed, shlex.split(extra))
             runs[f"{name} seed {seed}"] = rows
-            curves[name].append([(int(r["step"]), r[HELD_OUT]) for r in rows if HELD_OUT in r])
+            curves[name].append([(int(r["step"]), r[metric]) for r in rows if metric in r])
             alone[name] += [r[NO_TOOL] for r in rows if NO_TOOL in r]
             print(
                 f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s, held-out "
@@ -153,7 +188,7 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    print(f"torch {torch.__version__}, seeds {args.seeds}; held-out greedy exact match")
+    print(f"torch {torch.__version__}, seeds {args.seeds}; held-out greedy exact match ({metric})")
     print(table(curves, {n: _cell(v) for n, v in alone.items() if v}))
     if args.plot is not None:
         plot(runs, args.plot)
