@@ -72,19 +72,21 @@ def build_assets(folder: Path) -> Path:
     Deterministic: two builds with the same versions are byte-identical. The global torch RNG is
     left as it was.
     """
-    from rlcore.new_model import build_char_tokenizer, build_model
+    from rlcore.new_model import Sizes, build_char_tokenizer, build_model
 
     folder.mkdir(parents=True, exist_ok=True)
     build_char_tokenizer(folder / "tokenizer", ALPHABET, model_max_length=128)
     build_model(
         folder / "model",
         vocab_size=3 + len(ALPHABET),
-        hidden_size=256,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=688,
-        max_position_embeddings=128,
+        sizes=Sizes(
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=688,
+            max_position_embeddings=128,
+        ),
         tie_word_embeddings=False,
         seed=0,
     )

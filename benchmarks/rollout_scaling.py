@@ -78,21 +78,23 @@ Runner = Callable[[int, bool], int]
 
 
 def build_assets(folder: Path, max_new_tokens: int) -> HFTokenizer:
-    from rlcore.new_model import build_char_tokenizer, build_model
+    from rlcore.new_model import Sizes, build_char_tokenizer, build_model
 
     tokenizer = build_char_tokenizer(folder / "model", ALPHABET)  # SGLang reads it from there
     build_model(
         folder / "model",
         vocab_size=VOCAB,
-        hidden_size=512,
-        num_layers=6,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1376,
-        # SGLang ends an answer a few positions short of the model's context length (with room
-        # for exactly prompt + answer, 128-token answers came back shorter); RoPE keeps no table,
-        # so the room costs nothing.
-        max_position_embeddings=max(128, PROMPT_TOKENS + max_new_tokens + 64),
+        sizes=Sizes(
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=1376,
+            # SGLang ends an answer a few positions short of the model's context length (with
+            # room for exactly prompt + answer, 128-token answers came back shorter); RoPE keeps
+            # no table, so the room costs nothing.
+            max_position_embeddings=max(128, PROMPT_TOKENS + max_new_tokens + 64),
+        ),
         seed=0,
     )
     return HFTokenizer(tokenizer)

@@ -64,12 +64,14 @@ def build_model(folder: Path, vocab_size: int, hidden: int, layers: int) -> tupl
     new_model.build_model(
         folder,
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=hidden // 64,
-        num_kv_heads=hidden // 64,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=256,
+        sizes=new_model.Sizes(
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=hidden // 64,
+            num_kv_heads=hidden // 64,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=256,
+        ),
     )
     from safetensors import safe_open
 

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlcore.new_model import build_char_tokenizer, build_model
+from rlcore.new_model import Sizes, build_char_tokenizer, build_model
 from rlcore.protocols import Tokenizer
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.replay import load_rollout_data
@@ -56,7 +56,8 @@ def reward(prompt: Prompt, generation: Generation) -> float:
 
 def run(folder: Path) -> int:
     tokenizer = build_char_tokenizer(folder / "model", ALPHABET)
-    build_model(folder / "model", vocab_size=len(tokenizer), hidden_size=32, num_layers=1)
+    sizes = Sizes(hidden_size=32, num_layers=1)
+    build_model(folder / "model", vocab_size=len(tokenizer), sizes=sizes)
     rows = [{"prompt": "?", "secret": str(n % 10)} for n in range(100)]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = main(

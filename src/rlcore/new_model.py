@@ -33,7 +33,9 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, get_args
+
+import attrs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
@@ -44,6 +46,7 @@ __all__ = [
     "FAMILIES",
     "PAD_ID",
     "SPECIAL_TOKENS",
+    "Sizes",
     "Family",
     "build_char_tokenizer",
     "build_model",
@@ -62,6 +65,8 @@ SPECIAL_TOKENS: Final = ("<pad>", "<bos>", "<eos>")
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 FAMILIES: Final[tuple[Family, ...]] = get_args(Family)
 """The ``model_type`` s :func:`build_model` writes: the Megatron backend's families."""
+
+_T = TypeVar("_T")
 
 Name = Callable[[str], str]
 """How a problem names a parameter: as Python spells it, or as the command line does."""
@@ -170,114 +175,96 @@ def build_char_tokenizer(
 # The model
 
 
-def _size_problems(
-    family: str,
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int | None,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    num_experts: int,
-    num_experts_per_tok: int,
-    moe_intermediate_size: int,
-    name: Name = _python_name,
-) -> list[str]:
-    """Why these sizes do not make a model of ``family``, each naming its parameter with
-    ``name``; empty when they do."""
-    if family not in FAMILIES:
-        return [f"{name('family')}: {family!r} is not one of {', '.join(FAMILIES)}"]
-    counts = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-    }
-    if head_dim is not None:
-        counts["head_dim"] = head_dim
-    if family == "qwen3_moe":
-        counts |= {
-            "num_experts": num_experts,
-            "num_experts_per_tok": num_experts_per_tok,
-            "moe_intermediate_size": moe_intermediate_size,
+def _size(default: _T, help: str) -> _T:
+    """A field of :class:`Sizes` with its help text (the command line's flag is its name)."""
+    result: _T = attrs.field(default=default, metadata={"help": help})
+    return result
+
+
+@attrs.frozen
+class Sizes:
+    """A small model's sizes; the defaults make a 2-layer model of width 64 (``python -m
+    rlcore.new_model`` has a flag for each: ``--hidden-size``, ...)."""
+
+    hidden_size: int = _size(64, "width of the model")
+    num_layers: int = _size(2, "decoder layers")
+    num_heads: int = _size(4, "attention heads")
+    num_kv_heads: int = _size(2, "key/value heads (grouped-query attention; divides the heads)")
+    head_dim: int | None = _size(None, "width of a head (default: the width over the heads)")
+    intermediate_size: int = _size(128, "width of the MLP")
+    max_position_embeddings: int = _size(128, "longest prompt plus answer, in tokens")
+    num_experts: int = _size(8, "qwen3_moe: experts per layer (every layer is sparse)")
+    num_experts_per_tok: int = _size(2, "qwen3_moe: experts each token is routed to")
+    moe_intermediate_size: int = _size(32, "qwen3_moe: width of an expert's MLP")
+
+    def problems(self, family: str, vocab_size: int, name: Name = _python_name) -> list[str]:
+        """Why these sizes do not make a ``family`` model over ``vocab_size`` tokens, each
+        naming its field with ``name``; empty when they do."""
+        if family not in FAMILIES:
+            return [f"{name('family')}: {family!r} is not one of {', '.join(FAMILIES)}"]
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        counts = {"vocab_size": vocab_size} | {
+            f.name: getattr(self, f.name)
+            for f in attrs.fields(Sizes)
+            if getattr(self, f.name) is not None and (family == "qwen3_moe" or f.name not in moe)
         }
-    problems = [f"{name(k)} must be at least 1, got {v}" for k, v in counts.items() if v < 1]
-    if problems:
+        problems = [f"{name(k)} must be at least 1, got {v}" for k, v in counts.items() if v < 1]
+        if problems:
+            return problems
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            problems.append(
+                f"{name('hidden_size')} {self.hidden_size} is not a multiple of "
+                f"{name('num_heads')} {self.num_heads} (or give {name('head_dim')})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            problems.append(
+                f"{name('num_heads')} {self.num_heads} is not a multiple of "
+                f"{name('num_kv_heads')} {self.num_kv_heads}"
+            )
+        if family == "qwen3_moe" and self.num_experts_per_tok > self.num_experts:
+            problems.append(
+                f"{name('num_experts_per_tok')} {self.num_experts_per_tok} is more than "
+                f"{name('num_experts')} {self.num_experts}"
+            )
         return problems
-    if head_dim is None and hidden_size % num_heads:
-        problems.append(
-            f"{name('hidden_size')} {hidden_size} is not a multiple of {name('num_heads')} "
-            f"{num_heads} (or give {name('head_dim')})"
-        )
-    if num_heads % num_kv_heads:
-        problems.append(
-            f"{name('num_heads')} {num_heads} is not a multiple of {name('num_kv_heads')} "
-            f"{num_kv_heads}"
-        )
-    if family == "qwen3_moe" and num_experts_per_tok > num_experts:
-        problems.append(
-            f"{name('num_experts_per_tok')} {num_experts_per_tok} is more than "
-            f"{name('num_experts')} {num_experts}"
-        )
-    return problems
 
-
-def _hf_config(
-    family: Family,
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int | None,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    tie_word_embeddings: bool,
-    num_experts: int,
-    num_experts_per_tok: int,
-    moe_intermediate_size: int,
-) -> dict[str, Any]:
-    """The ``config.json`` fields of a small ``family`` model (transformers fills the rest with
-    the family's defaults)."""
-    config: dict[str, Any] = {
-        "model_type": family,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": tie_word_embeddings,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "pad_token_id": PAD_ID,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "dtype": "float32",
-    }
-    if family == "llama":
-        config |= {"attention_bias": False, "mlp_bias": False}
-    if head_dim is not None or family in ("qwen3", "qwen3_moe"):
-        # Qwen3's default head_dim is 128, whatever the width: say it.
-        config["head_dim"] = head_dim or hidden_size // num_heads
-    if family == "qwen3_moe":
-        config |= {
-            "num_experts": num_experts,
-            "num_experts_per_tok": num_experts_per_tok,
-            "moe_intermediate_size": moe_intermediate_size,
-            "norm_topk_prob": True,  # as the published Qwen3-MoE models have it
+    def hf_config(
+        self, family: Family, vocab_size: int, tie_word_embeddings: bool
+    ) -> dict[str, Any]:
+        """The ``config.json`` fields of a ``family`` model of these sizes (transformers fills
+        in the rest with the family's defaults)."""
+        config: dict[str, Any] = {
+            "model_type": family,
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": tie_word_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "pad_token_id": PAD_ID,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "dtype": "float32",
         }
-    return config
+        if family == "llama":
+            config |= {"attention_bias": False, "mlp_bias": False}
+        if self.head_dim is not None or family in ("qwen3", "qwen3_moe"):
+            # Qwen3's default head_dim is 128, whatever the width: say it.
+            config["head_dim"] = self.head_dim or self.hidden_size // self.num_heads
+        if family == "qwen3_moe":
+            config |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": True,  # as the published Qwen3-MoE models have it
+            }
+        return config
 
 
 def write_model(
@@ -327,43 +314,20 @@ def build_model(
     *,
     vocab_size: int,
     family: Family = "llama",
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int | None = None,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 128,
+    sizes: Sizes = Sizes(),
     tie_word_embeddings: bool = False,
-    num_experts: int = 8,
-    num_experts_per_tok: int = 2,
-    moe_intermediate_size: int = 32,
     seed: int = 0,
 ) -> PretrainedConfig:
-    """A randomly initialised fp32 ``family`` model (:func:`write_model`) of these sizes in
-    ``folder``. ``head_dim`` defaults to ``hidden_size / num_heads``; the ``num_experts``,
-    ``num_experts_per_tok`` and ``moe_intermediate_size`` are Qwen3-MoE's (every layer sparse).
+    """A randomly initialised fp32 ``family`` model of ``sizes`` over ``vocab_size`` tokens
+    (:func:`write_model`) in ``folder``.
 
-    Raises ``ValueError`` naming the parameter for a size below 1, heads that do not divide the
+    Raises ``ValueError`` naming the field for a size below 1, heads that do not divide the
     width or each other, or more experts per token than experts.
     """
-    sizes: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "num_experts": num_experts,
-        "num_experts_per_tok": num_experts_per_tok,
-        "moe_intermediate_size": moe_intermediate_size,
-    }
-    problems = _size_problems(family, **sizes)
+    problems = sizes.problems(family, vocab_size)
     if problems:
         raise ValueError("; ".join(problems))
-    config = _hf_config(family, tie_word_embeddings=tie_word_embeddings, **sizes)
+    config = sizes.hf_config(family, vocab_size, tie_word_embeddings)
     return write_model(folder, config, seed=seed)
 
 
@@ -373,16 +337,24 @@ def new_model(
     *,
     alphabet: str = "",
     words: Sequence[str] = (),
+    sizes: Sizes = Sizes(),
+    tie_word_embeddings: bool = False,
     seed: int = 0,
-    **sizes: Any,
 ) -> Path:
-    """A whole model folder: :func:`build_tokenizer` of ``words`` and ``alphabet``, then
-    :func:`build_model` of ``family`` over its vocabulary, with ``sizes`` (:func:`build_model`'s
-    keyword arguments; the tokenizer's ``model_max_length`` is ``max_position_embeddings``).
-    Returns ``folder``."""
-    max_len = sizes.get("max_position_embeddings", 128)
-    tokenizer = build_tokenizer(folder, alphabet=alphabet, words=words, model_max_length=max_len)
-    build_model(folder, vocab_size=len(tokenizer), family=family, seed=seed, **sizes)
+    """A whole model folder: :func:`build_tokenizer` of ``words`` and ``alphabet`` (its
+    ``model_max_length`` is ``sizes.max_position_embeddings``), then :func:`build_model` of
+    ``family`` over its vocabulary. Returns ``folder``."""
+    tokenizer = build_tokenizer(
+        folder, alphabet=alphabet, words=words, model_max_length=sizes.max_position_embeddings
+    )
+    build_model(
+        folder,
+        vocab_size=len(tokenizer),
+        family=family,
+        sizes=sizes,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+    )
     return folder
 
 
@@ -393,18 +365,6 @@ _DESCRIPTION = (
     "Write a small, randomly initialised Hugging Face model folder (config.json, "
     "model.safetensors, a tokenizer of your characters or words) that transformers and "
     "--hf-checkpoint load. Nothing is downloaded."
-)
-_SIZES: Final = (
-    ("hidden_size", 64, "width of the model"),
-    ("num_layers", 2, "decoder layers"),
-    ("num_heads", 4, "attention heads"),
-    ("num_kv_heads", 2, "key/value heads (grouped-query attention; divides --num-heads)"),
-    ("head_dim", None, "width of a head (default: --hidden-size / --num-heads)"),
-    ("intermediate_size", 128, "width of the MLP"),
-    ("max_position_embeddings", 128, "longest prompt plus answer, in tokens"),
-    ("num_experts", 8, "qwen3_moe: experts per layer"),
-    ("num_experts_per_tok", 2, "qwen3_moe: experts each token is routed to"),
-    ("moe_intermediate_size", 32, "qwen3_moe: width of an expert's MLP"),
 )
 
 
@@ -419,9 +379,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--words-file", type=Path, default=None, help="whole-word tokens, one a line"
     )
-    for name, default, what in _SIZES:
+    for field in attrs.fields(Sizes):
+        what, default = field.metadata["help"], field.default
+        shown = f" ({default})" if default is not None else ""
         parser.add_argument(
-            _flag_name(name), type=int, default=default, metavar="N", help=f"{what} ({default})"
+            _flag_name(field.name), type=int, default=default, metavar="N", help=what + shown
         )
     parser.add_argument(
         "--tie-word-embeddings", action="store_true", help="share input and output embeddings"
@@ -446,10 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     words = [*args.words, *_read_words(parser, args.words_file)]
-    sizes = {name: getattr(args, name) for name, _, _ in _SIZES}
+    sizes = Sizes(**{f.name: getattr(args, f.name) for f in attrs.fields(Sizes)})
     problems = _vocabulary_problems(args.alphabet, words, _flag_name)
     vocab_size = len(SPECIAL_TOKENS) + len(words) + len(args.alphabet)
-    problems += _size_problems(args.family, vocab_size=vocab_size, name=_flag_name, **sizes)
+    problems += sizes.problems(args.family, vocab_size, _flag_name)
     folder: Path = args.folder
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         problems.append(f"{folder} exists and is not an empty folder; choose a new folder")
@@ -463,9 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.family,
         alphabet=args.alphabet,
         words=words,
-        seed=args.seed,
+        sizes=sizes,
         tie_word_embeddings=args.tie_word_embeddings,
-        **sizes,
+        seed=args.seed,
     )
     print(
         f"wrote a {args.family} model with a vocabulary of {vocab_size} tokens "

@@ -21,7 +21,7 @@ import json
 import random
 from pathlib import Path
 
-from rlcore.new_model import build_char_tokenizer, build_model
+from rlcore.new_model import Sizes, build_char_tokenizer, build_model
 
 __all__ = ["ALPHABET", "demo_flags", "opd_demo_flags", "prepare_demo"]
 
@@ -43,12 +43,7 @@ def prepare_demo(folder: Path, seed: int = 0) -> None:
             model,
             vocab_size=len(tokenizer),
             family="llama",
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
+            sizes=Sizes(max_position_embeddings=64),  # 2 layers of width 64: the defaults
             seed=seed,
         )
     if not (folder / "eval.jsonl").is_file():

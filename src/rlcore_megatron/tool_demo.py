@@ -136,7 +136,7 @@ def prepare_tool_demo(
     A training row's label is the whole tool-use trace (a share ``tool_fraction`` of them) or
     the sum alone; a held-out row's label is always the trace (the reward reads its final
     answer)."""
-    from rlcore.new_model import build_model, build_tokenizer
+    from rlcore.new_model import Sizes, build_model, build_tokenizer
 
     model = folder / "model"
     if not (model / "config.json").is_file():
@@ -145,12 +145,7 @@ def prepare_tool_demo(
             model,
             vocab_size=len(tokenizer),
             family="llama",
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
+            sizes=Sizes(max_position_embeddings=64),  # 2 layers of width 64: the defaults
             seed=seed,
         )
     if not (folder / "eval.jsonl").is_file():

@@ -77,9 +77,8 @@ def test_published_configs_are_read_with_each_familys_structure() -> None:
     assert llama.padded_vocab_size(2) == 128256
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_equal_transformers(family: Family, family_models: FamilyModels) -> None:
-    folder = family_models.folder(family)
+def assert_logits_equal_transformers(folder: Path) -> None:
+    """The Megatron model of ``folder`` gives transformers' logits (to 1e-5, fp32)."""
     model, arch = loaded_model(folder)
     tokens = random_tokens(arch.vocab_size)
     torch.testing.assert_close(
@@ -91,20 +90,18 @@ def test_logits_equal_transformers(family: Family, family_models: FamilyModels) 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(family: Family, family_models: FamilyModels) -> None:
+    assert_logits_equal_transformers(family_models.folder(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_new_model_folders_build_with_transformers_logits(
     family: Family, tmp_path: Path, megatron_rank: None
 ) -> None:
     """A folder from ``python -m rlcore.new_model`` is a model the backend builds as
     transformers does."""
     assert new_model.main([str(tmp_path), "--family", family, "--alphabet", "abcdefgh"]) == 0
-    model, arch = loaded_model(tmp_path)
-    tokens = random_tokens(arch.vocab_size)
-    torch.testing.assert_close(
-        megatron_logits(model, tokens, arch.vocab_size),
-        hf_logits(tmp_path, tokens),
-        rtol=1e-5,
-        atol=1e-5,
-    )
+    assert_logits_equal_transformers(tmp_path)
 
 
 @pytest.mark.parametrize(
