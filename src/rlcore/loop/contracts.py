@@ -204,7 +204,7 @@ def build_training_stack(backend: Backend, spec: TrainSpec) -> CheckedTrainingSt
     missing = missing_members(stack, TrainingStack)
     if missing:
         raise BackendError(
-            f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
+            f"{what} returned {_a(_name(stack))}, which lacks {', '.join(missing)} of the "
             "TrainingStack protocol (rlcore.protocols); implement them"
         )
     _check_kind(stack, "train", what)
@@ -221,7 +221,7 @@ def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
     trains = [name for name in _TRAINING_MEMBERS if hasattr(stack, name)]
     if trains:
         raise BackendContractError(
-            f"{what} returned a {_name(stack)}, which exposes {', '.join(trains)}: an eval stack "
+            f"{what} returned {_a(_name(stack))}, which exposes {', '.join(trains)}: an eval stack "
             f"is a model only (no optimizer, scheduler or train_step), and this run must not "
             f"build an optimizer. Make {_name(backend)}.build_eval_stack return a model-only "
             "stack (kind: Final = 'eval'), not a training stack"
@@ -229,11 +229,16 @@ def build_eval_stack(backend: Backend, spec: EvalSpec) -> CheckedEvalStack:
     missing = missing_members(stack, EvalStack)
     if missing:
         raise BackendError(
-            f"{what} returned a {_name(stack)}, which lacks {', '.join(missing)} of the "
+            f"{what} returned {_a(_name(stack))}, which lacks {', '.join(missing)} of the "
             "EvalStack protocol (rlcore.protocols); implement them"
         )
     _check_kind(stack, "eval", what)
     return CheckedEvalStack(stack, f"{_name(stack)} ({spec.model.role})")
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "a HalfStack", "an EvalStack"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _log_building(model: ModelSpec, kind: str) -> float:
@@ -255,7 +260,7 @@ def _check_kind(stack: object, kind: str, what: str) -> None:
     actual = getattr(stack, "kind", None)
     if actual != kind:
         raise BackendContractError(
-            f"{what} returned a {_name(stack)} whose kind is {actual!r}, not {kind!r}; declare "
+            f"{what} returned {_a(_name(stack))} whose kind is {actual!r}, not {kind!r}; declare "
             f"kind: Final = {kind!r} in its class"
         )
 
@@ -280,7 +285,7 @@ def check_generations(
     for i, generation in enumerate(generations):
         if not isinstance(generation, Generation):
             raise RolloutError(
-                f"rollout engine {_name(engine)}.generate returned a {_name(generation)} at "
+                f"rollout engine {_name(engine)}.generate returned {_a(_name(generation))} at "
                 f"position {i}; the contract is a list of rlcore.Generation"
             )
         out.append(generation)
