@@ -210,7 +210,7 @@ def test_plan_gives_the_critic_its_own_rank_count() -> None:
 def test_placement_flags_that_cannot_work_are_refused() -> None:
     assert _problems([*TRAIN, "--rollout-num-gpus", "2"]) == [
         "cluster.rollout_num_gpus (--rollout-num-gpus): the 'embedded' engine starts no servers "
-        "(with these settings) (drop the flag)"
+        "(with these settings) (drop --rollout-num-gpus)"
     ]
     sglang = [*TRAIN, "--rollout-engine", "sglang"]
     assert _problems(
