@@ -140,8 +140,9 @@ def test_hf_exports_hold_the_actor_at_each_interval(
     }
     backend = RecordingBackend()
     run(plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_1", "iter_2"]
-    last = tmp_path / "hf" / "iter_2"
+    # Rollouts are counted from 1: exports after rollout 2 (the interval) and 3 (the last).
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_2", "iter_3"]
+    last = tmp_path / "hf" / "iter_3"
     assert json.loads((last / "config.json").read_text())["dtype"] == precision
     tokenizer = transformers.AutoTokenizer.from_pretrained(last)
     assert tokenizer.decode(tokenizer.encode("4+1=")[1:]) == "4+1="
@@ -152,7 +153,7 @@ def test_hf_exports_hold_the_actor_at_each_interval(
     saved = load_file(str(last / "model.safetensors"))
     assert saved.keys() == live.keys()
     assert all(torch.equal(saved[name], live[name]) for name in live)
-    earlier = load_file(str(tmp_path / "hf" / "iter_1" / "model.safetensors"))
+    earlier = load_file(str(tmp_path / "hf" / "iter_2" / "model.safetensors"))
     assert any(not torch.equal(earlier[name], live[name]) for name in live)  # trained since
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(last, dtype=getattr(torch, precision))
