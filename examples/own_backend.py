@@ -29,12 +29,11 @@ from rlcore.algorithms import (
     actor_loss,
     critic_loss,
     gather_response,
-    loss_normalizer,
-    tensorize,
     tensorize_samples,
     token_log_probs,
     unpad,
 )
+from rlcore.algorithms.train_step import StepMetrics, local_micro_batches, optimizer_step_batches
 from rlcore.data import load_eval_sets, load_prompts
 from rlcore.engines.torch_engine import TorchEngine
 from rlcore.errors import CheckpointError
@@ -165,27 +164,23 @@ class TorchTrainingStack:
         return _scores(self.model, self.spec, samples)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        tb = tensorize(batch, PAD)
-        size = self.train_spec.global_batch_size
-        loss_value = grad_norm = 0.0
-        lr = 0.0
-        extra: dict[str, float] = {}
-        for start in range(0, tb.num_sequences, size):
-            step = tb.select(slice(start, start + size))
-            out = self.model(step.tokens)
-            if self.spec.role == "critic":
-                result = critic_loss(
-                    gather_response(out.squeeze(-1), step), step, self.train_spec.loss
-                )
-            else:
-                log_probs = token_log_probs(out, step, self.spec.temperature)
-                result = actor_loss(log_probs, step, self.train_spec.loss)
-            # The loss is a numerator: divide by the global batch's normaliser (sequences, or
-            # tokens for --loss-agg-mode token-mean). Here one step is one micro-batch.
-            loss = result.loss / loss_normalizer(self.train_spec.loss.agg_mode, step.loss_mask)
+        spec = self.train_spec
+        metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
+        for global_batch in optimizer_step_batches(batch, spec, PAD):
+            # One process: every micro-batch is this rank's; the loss of each is divided by the
+            # whole global batch's normaliser, so the update is the global batch's.
+            step = StepMetrics(global_batch, spec.loss.agg_mode)
             self._optimizer.zero_grad()
-            torch.autograd.backward(loss)
-            clip = self.train_spec.optimizer.clip_grad
+            for micro in local_micro_batches(global_batch, spec.micro_batch_size):
+                out = self.model(micro.tokens)
+                if self.spec.role == "critic":
+                    result = critic_loss(gather_response(out.squeeze(-1), micro), micro, spec.loss)
+                else:
+                    log_probs = token_log_probs(out, micro, self.spec.temperature)
+                    result = actor_loss(log_probs, micro, spec.loss)
+                torch.autograd.backward(result.loss / step.normalizer)
+                step.add(result)
+            clip = spec.optimizer.clip_grad
             grad_norm = float(
                 nn.utils.clip_grad_norm_(
                     self.model.parameters(), clip if clip > 0 else float("inf")
@@ -194,9 +189,12 @@ class TorchTrainingStack:
             lr = float(self._scheduler.get_last_lr()[0])
             self._optimizer.step()
             self._scheduler.step()
-            loss_value, extra = float(loss.detach()), result.metrics
-        tokens = sum(len(s.response.token_ids) for s in batch.samples)
-        return TrainMetrics(loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=tokens, extra=extra)
+            means = step.reduce()
+            loss = means.pop("loss")
+            metrics = TrainMetrics(
+                loss, grad_norm=grad_norm, lr=lr, tokens=step.tokens, extra=means
+            )
+        return metrics
 
     def save(self, path: Path, rollout_id: int) -> None:
         # ``path`` exists and is empty: the loop made it, inside a checkpoint folder it moves

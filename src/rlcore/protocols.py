@@ -161,8 +161,16 @@ class TrainingStack(ModelStack, Protocol):
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         """Forward/backward over ``batch`` with this stack's loss, then step optimizer and schedule
-        (``spec.steps_per_rollout`` times, one global batch each). Returns the last step's
-        metrics."""
+        (``spec.steps_per_rollout`` times, one global batch of ``spec.global_batch_size`` samples
+        each, in order). Returns the last step's metrics, those of its whole global batch.
+
+        Every rank of a multi-rank stack is called with the *whole* batch and trains on its own
+        data-parallel share of each global batch; each micro-batch's loss is divided by the
+        normaliser of the whole global batch, so the update and the metrics do not depend on how
+        the batch is cut. :mod:`rlcore.algorithms.train_step` does that arithmetic for every
+        backend (:func:`~rlcore.algorithms.train_step.optimizer_step_batches`,
+        :func:`~rlcore.algorithms.train_step.local_micro_batches`,
+        :class:`~rlcore.algorithms.train_step.StepMetrics`)."""
         ...
 
     def save(self, path: Path, rollout_id: int) -> None:

@@ -16,7 +16,7 @@ model's precision.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
@@ -29,7 +29,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from rlcore.errors import PlanError
 from rlcore.protocols import NamedTensors, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
@@ -319,32 +318,14 @@ class MegatronTrainingStack:
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        from rlcore.algorithms.batching import tensorize
+        from rlcore.algorithms.train_step import optimizer_step_batches
 
-        spec = self.train_spec
-        n = len(batch.samples)
-        if n != spec.steps_per_rollout * spec.global_batch_size:
-            raise PlanError(
-                f"TrainBatch has {n} samples but TrainSpec asks for steps_per_rollout="
-                f"{spec.steps_per_rollout} x global_batch_size={spec.global_batch_size} "
-                f"(the plan's rollout batch size must equal their product)"
-            )
-        tb = tensorize(batch, self.arch.pad_token_id, self.device)
         metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
-        for step in range(spec.steps_per_rollout):
-            start = step * spec.global_batch_size
-            metrics = self._optimizer_step(tb.select(slice(start, start + spec.global_batch_size)))
+        for global_batch in optimizer_step_batches(
+            batch, self.train_spec, self.arch.pad_token_id, self.device
+        ):
+            metrics = self._optimizer_step(global_batch)
         return metrics
-
-    def _local_micro_batches(self, global_batch: TensorBatch) -> list[TensorBatch]:
-        # TrainSpec guarantees the global batch splits into whole micro-batches on every rank.
-        per_rank = global_batch.num_sequences // parallel_state.get_data_parallel_world_size()
-        first = parallel_state.get_data_parallel_rank() * per_rank
-        mbs = self.train_spec.micro_batch_size
-        return [
-            global_batch.select(slice(s, min(s + mbs, first + per_rank)))
-            for s in range(first, first + per_rank, mbs)
-        ]
 
     def _micro_loss(self, mb: TensorBatch) -> LossOut:
         from rlcore.algorithms import batching, losses
@@ -361,36 +342,26 @@ class MegatronTrainingStack:
         return result
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
-        from rlcore.algorithms.losses import loss_normalizer
+        from rlcore.algorithms.train_step import StepMetrics, local_micro_batches
 
-        # The whole global batch is here on every rank: its normaliser needs no collective.
-        normalizer = loss_normalizer(self.train_spec.loss.agg_mode, global_batch.loss_mask)
+        step = StepMetrics(global_batch, self.train_spec.loss.agg_mode)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        global_tokens = max(int(global_batch.loss_mask.sum()), 1)
-        # Loss parts weighted by their micro-batch's share of the normaliser, token means by its
-        # tokens: summed over DP below, they give the global batch's values exactly.
-        sums: dict[str, float] = {}
-        maxima: dict[str, float] = {}
-        token_keys: set[str] = set()
-        tokens = 0
-        global_size = global_batch.num_sequences
-        micro_batches = self._local_micro_batches(global_batch)
+        micro_batches = local_micro_batches(
+            global_batch,
+            self.train_spec.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
         for mb in micro_batches:
             if self.arch.moe is not None:
                 # The router's aux loss is a per-sequence mean, whatever --loss-agg-mode says.
                 routed = routed_tokens(self.arch, mb.attention_mask)
-                moe.set_aux_loss_scale(mb.num_sequences, global_size, max(routed, 1))
+                moe.set_aux_loss_scale(mb.num_sequences, global_batch.num_sequences, max(routed, 1))
             out = self._micro_loss(mb)
-            torch.autograd.backward(out.loss / normalizer)
-            for key, value in out.metrics.items():
-                weight = out.tokens if key in out.token_metrics else out.normalizer
-                sums[key] = sums.get(key, 0.0) + value * weight
-            token_keys |= out.token_metrics
-            for key, value in out.maxima.items():
-                maxima[key] = max(maxima.get(key, value), value)
-            tokens += out.tokens
+            torch.autograd.backward(out.loss / step.normalizer)
+            step.add(out)
         # DP gradient reduction, and the TP all-reduce of replicated weights that see only their
         # rank's heads (QK-norms) or sequence shard (sequence parallelism).
         finalize_model_grads([self.model])
@@ -398,23 +369,10 @@ class MegatronTrainingStack:
         ok, grad_norm, _ = self._optimizer.step()
         self._scheduler.step(increment=1)
         balance = moe.pop_load_balancing_loss(self.arch, len(micro_batches))
-        keys, max_keys = sorted(sums), sorted(maxima)
-        totals = [sums[k] for k in keys] + [float(tokens)]
-        peaks = [maxima[k] for k in max_keys]
         if parallel_state.get_data_parallel_world_size() > 1:
-            group = parallel_state.get_data_parallel_group()
-            reduced = torch.tensor(totals, dtype=torch.float64)
-            dist.all_reduce(reduced, group=group)
-            totals = reduced.tolist()
-            if peaks:  # every rank has the same keys: the same loss on the same kind of batch
-                reduced_peaks = torch.tensor(peaks, dtype=torch.float64)
-                dist.all_reduce(reduced_peaks, op=dist.ReduceOp.MAX, group=group)
-                peaks = reduced_peaks.tolist()
-        means = {
-            k: totals[i] / (global_tokens if k in token_keys else normalizer)
-            for i, k in enumerate(keys)
-        }
-        means.update(zip(max_keys, peaks, strict=True))
+            means = step.reduce(_all_reduce(dist.ReduceOp.SUM), _all_reduce(dist.ReduceOp.MAX))
+        else:
+            means = step.reduce()
         loss_value = means.pop("loss", 0.0)
         if not ok:
             means["skipped_step"] = 1.0
@@ -424,6 +382,18 @@ class MegatronTrainingStack:
             loss=loss_value,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
             lr=lr,
-            tokens=int(totals[-1]),
+            tokens=step.tokens,
             extra=means,
         )
+
+
+def _all_reduce(op: dist.ReduceOp.RedOpType) -> Callable[[list[float]], list[float]]:
+    """An all-reduce of a list of floats over this rank's data-parallel group (float64)."""
+
+    def reduce(values: list[float]) -> list[float]:
+        reduced = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(reduced, op=op, group=parallel_state.get_data_parallel_group())
+        out: list[float] = reduced.tolist()
+        return out
+
+    return reduce

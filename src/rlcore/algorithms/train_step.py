@@ -1,0 +1,142 @@
+"""What every backend's ``train_step`` shares: cutting a rollout's batch into optimizer steps and
+each step's global batch into this rank's micro-batches, the loss normaliser of the global batch,
+and the step's metrics summed over micro-batches and reduced over data-parallel ranks.
+
+The contract (:meth:`rlcore.protocols.TrainingStack.train_step`): every rank of a multi-rank
+stack receives the *whole* rollout batch. Each optimizer step takes the next
+``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own contiguous
+share of them (:func:`local_micro_batches`), cut into micro-batches. Each micro-batch's loss
+numerator (:mod:`rlcore.algorithms.losses`) is divided by the *global* batch's normaliser
+(:attr:`StepMetrics.normalizer`, which every rank computes from the whole global batch, so no
+collective is needed) and the gradients are summed over micro-batches and ranks, so the update is
+the global batch's aggregate whatever the split, in every aggregation mode. The metrics follow
+the same rule (:class:`StepMetrics`): loss parts weighted by their micro-batch's share of the
+normaliser, token means by its tokens, maxima by ``max``; summed over the data-parallel ranks by
+the backend's all-reduce, they are the global batch's values exactly.
+
+A backend supplies the model, the optimizer and the collectives; this module owns the
+arithmetic, so that no two backends write it twice (a test checks the split-independence once,
+here, and each backend's conformance run checks it holds for its stacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import final
+
+import torch
+
+from rlcore.algorithms.batching import TensorBatch, tensorize
+from rlcore.algorithms.losses import LossOut, loss_normalizer
+from rlcore.errors import PlanError
+from rlcore.samples import TrainBatch
+from rlcore.specs import LossAggMode, TrainSpec
+
+__all__ = ["Reduce", "StepMetrics", "local_micro_batches", "optimizer_step_batches"]
+
+Reduce = Callable[[list[float]], list[float]]
+"""An all-reduce over the data-parallel ranks of a list of floats (every rank passes a list of
+the same length and gets the element-wise sum, or maximum, back); ``None`` for one rank."""
+
+
+def optimizer_step_batches(
+    batch: TrainBatch, spec: TrainSpec, pad_id: int, device: torch.device | str = "cpu"
+) -> list[TensorBatch]:
+    """``batch`` as tensors, cut into ``spec.steps_per_rollout`` global batches of
+    ``spec.global_batch_size`` samples each, in order: one per optimizer step. Tensorized once,
+    so every global batch has the whole rollout's padded widths. Raises :class:`PlanError` when
+    the batch holds another number of samples."""
+    n = len(batch.samples)
+    if n != spec.steps_per_rollout * spec.global_batch_size:
+        raise PlanError(
+            f"TrainBatch has {n} samples but TrainSpec asks for steps_per_rollout="
+            f"{spec.steps_per_rollout} x global_batch_size={spec.global_batch_size} "
+            f"(the plan's rollout batch size must equal their product)"
+        )
+    whole = tensorize(batch, pad_id, device)
+    size = spec.global_batch_size
+    return [whole.select(slice(start, start + size)) for start in range(0, n, size)]
+
+
+def local_micro_batches(
+    global_batch: TensorBatch,
+    micro_batch_size: int,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+) -> list[TensorBatch]:
+    """Data-parallel rank ``data_parallel_rank``'s contiguous share of ``global_batch``, in
+    micro-batches of ``micro_batch_size`` sequences (the last may be shorter). A
+    :class:`~rlcore.specs.TrainSpec` guarantees the global batch splits into whole micro-batches
+    on every rank (:func:`~rlcore.specs.batch_split_problem`); this function checks only that
+    the ranks' shares are whole."""
+    if not 0 <= data_parallel_rank < data_parallel_size or micro_batch_size < 1:
+        raise ValueError(
+            f"local_micro_batches: rank {data_parallel_rank} of {data_parallel_size}, "
+            f"micro-batches of {micro_batch_size}"
+        )
+    total = global_batch.num_sequences
+    if total % data_parallel_size:
+        raise ValueError(
+            f"a global batch of {total} sequences does not split over "
+            f"{data_parallel_size} data-parallel ranks"
+        )
+    per_rank = total // data_parallel_size
+    first = data_parallel_rank * per_rank
+    end = first + per_rank
+    return [
+        global_batch.select(slice(s, min(s + micro_batch_size, end)))
+        for s in range(first, end, micro_batch_size)
+    ]
+
+
+@final
+class StepMetrics:
+    """One optimizer step's loss scale and metrics on one rank (module docstring).
+
+    Per micro-batch: ``backward`` the micro-batch's loss divided by :attr:`normalizer` (the
+    global batch's), then :meth:`add` its :class:`~rlcore.algorithms.losses.LossOut`. After the
+    last one, :meth:`reduce` sums (and takes maxima) over the data-parallel ranks and returns the
+    global batch's means: every metric of the losses, ``"loss"`` among them, each loss part over
+    the normaliser and each token mean over the global batch's tokens; :attr:`tokens` is then
+    the global batch's token count. Every rank must call :meth:`reduce` (it is a collective when
+    the reductions are), with the same keys: the same loss on the same kind of batch gives them.
+    """
+
+    def __init__(self, global_batch: TensorBatch, agg_mode: LossAggMode) -> None:
+        self.normalizer = loss_normalizer(agg_mode, global_batch.loss_mask)
+        self._global_tokens = max(int(global_batch.loss_mask.sum()), 1)
+        self._sums: dict[str, float] = {}
+        self._maxima: dict[str, float] = {}
+        self._token_keys: set[str] = set()
+        self.tokens = 0
+
+    def add(self, out: LossOut) -> None:
+        """Count one micro-batch's metrics (loss parts by its normaliser share, token means by
+        its tokens, maxima by ``max``)."""
+        for key, value in out.metrics.items():
+            weight = out.tokens if key in out.token_metrics else out.normalizer
+            self._sums[key] = self._sums.get(key, 0.0) + value * weight
+        self._token_keys |= out.token_metrics
+        for key, value in out.maxima.items():
+            self._maxima[key] = max(self._maxima.get(key, value), value)
+        self.tokens += out.tokens
+
+    def reduce(
+        self, all_sum: Reduce | None = None, all_max: Reduce | None = None
+    ) -> dict[str, float]:
+        """The global batch's metrics (class docstring); ``all_sum`` / ``all_max`` are the
+        data-parallel all-reduces (``None`` on one rank)."""
+        keys, max_keys = sorted(self._sums), sorted(self._maxima)
+        totals = [self._sums[k] for k in keys] + [float(self.tokens)]
+        peaks = [self._maxima[k] for k in max_keys]
+        if all_sum is not None:
+            totals = all_sum(totals)
+        if all_max is not None and peaks:
+            peaks = all_max(peaks)
+        self.tokens = int(totals[-1])
+        means = {
+            k: totals[i] / (self._global_tokens if k in self._token_keys else self.normalizer)
+            for i, k in enumerate(keys)
+        }
+        means.update(zip(max_keys, peaks, strict=True))
+        return means
