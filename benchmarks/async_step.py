@@ -65,8 +65,9 @@ def steps_with(
     from rlcore.loop import run
     from rlcore.loop.plan import TrainPlan, plan
     from rlcore_megatron.cluster import ClusterPlacement
+    from rlcore_megatron.kind import MegatronRuntime
     from rlcore_megatron.prepare import load_run_data, load_tokenizer, placement_request
-    from rlcore_megatron.ray_stacks import RayMegatronBackend
+    from rlcore_megatron.ray_stacks import RayBackend
     from rlcore_megatron.run import make_engine
 
     # fmt: off
@@ -92,7 +93,7 @@ def steps_with(
     placement = ClusterPlacement.reserve(placement_request(config, the_plan))
     torch.set_num_threads(placement.driver_threads or THREADS)
     try:
-        with RayMegatronBackend(placement) as backend:
+        with RayBackend(MegatronRuntime(), placement) as backend:
             engine = make_engine(config, tokenizer)
             try:
                 clock.ends = [time.perf_counter()]

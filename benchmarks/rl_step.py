@@ -161,8 +161,9 @@ def rlcore_steps(
     from rlcore.config.flags import load_config
     from rlcore.loop import run
     from rlcore.loop.plan import plan
+    from rlcore_megatron.kind import MegatronRuntime
     from rlcore_megatron.prepare import load_run_data, load_tokenizer
-    from rlcore_megatron.ray_stacks import RayMegatronBackend
+    from rlcore_megatron.ray_stacks import RayBackend
     from rlcore_megatron.run import make_engine
 
     config = load_config(
@@ -204,7 +205,7 @@ def rlcore_steps(
     data = load_run_data(config, tokenizer)
     clock = _StepClock()
     # The rank reserves one slot of the node, so it runs with all THREADS of the node's CPUs.
-    with RayMegatronBackend() as backend:
+    with RayBackend(MegatronRuntime()) as backend:
         engine = make_engine(config, tokenizer)
         try:
             clock.ends = [time.perf_counter()]

@@ -47,8 +47,9 @@ from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore.weights import AnyProcess
+from rlcore_megatron.kind import MegatronRuntime
 from rlcore_megatron.ray_group import RankContext
-from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend
+from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import WEIGHT_SYNC_MODES, EngineOptions, WeightSyncMode
@@ -187,7 +188,7 @@ def _measure(
     print(f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**30:.2f} GiB (fp32)")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    backend = RayMegatronBackend()
+    backend = RayBackend(MegatronRuntime())
     settings = LaunchSettings(
         model_path=work / "model",
         device=args.device,

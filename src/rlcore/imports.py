@@ -1,4 +1,6 @@
-"""Loading a user's function from a ``--...-path`` flag (rollout function, filter, IS weights).
+"""Loading what is named, not imported: a user's function from a ``--...-path`` flag (rollout
+function, filter, IS weights), and a backend's or rollout engine's kind from its registry
+(:func:`load_registered`).
 
 Two spellings are accepted: ``module:function`` (``pkg.mod:Class.method`` for a dotted attribute)
 and slime's ``pkg.mod.function`` (the last dot splits module and attribute). Every failure is a
@@ -10,11 +12,44 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import Any, final
 
-from rlcore.errors import ConfigError, ConfigProblem
+import attrs
 
-__all__ = ["load_function"]
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
+
+__all__ = ["NoOptions", "Registry", "load_function", "load_registered"]
+
+Registry = dict[str, tuple[str, str, str]]
+"""Kinds by name: ``name -> (module, attribute holding the kind, pip extra)``. The module named
+stays light (no torch, no framework), so that listing a kind's options needs only rlcore."""
+
+
+@final
+@attrs.frozen
+class NoOptions:
+    """The options of a backend or rollout engine kind that has none."""
+
+
+def load_registered(registry: Registry, name: str, what: str) -> Any:
+    """The object ``registry`` registers as ``name`` (``what`` says what kind of thing it is in
+    messages: ``"backend"``, ``"rollout engine"``). An unknown name lists the known ones; a
+    package that is not installed is a :class:`~rlcore.errors.BackendUnavailableError` with the
+    command that installs it. The result is typed ``Any``: each registry's caller types it."""
+    try:
+        module_name, attribute, extra = registry[name]
+    except KeyError:
+        raise BackendUnavailableError(
+            f"unknown {what} {name!r}; known: {', '.join(sorted(registry))}"
+        ) from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"{what} {name!r} needs packages that are not installed ({exc.name}): "
+            f"pip install '{extra}'"
+        ) from exc
+    return getattr(module, attribute)
 
 
 def _split(path: str) -> tuple[str, str]:

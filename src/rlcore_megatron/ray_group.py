@@ -55,15 +55,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVar, final
+from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, final
 
 import attrs
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError, RayError, RayTaskError
 
+from rlcore.backends import RankRuntime
 from rlcore.errors import RLCoreError
-from rlcore.protocols import Backend, EvalStack, ModelStack, TrainingStack
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.protocols import EvalStack, ModelStack, TrainingStack
+from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec, TrainSpec
 from rlcore.weights import release_sender_resources
 from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
 from rlcore_megatron.placement import PlacementRequest
@@ -71,11 +72,9 @@ from rlcore_megatron.watchdog import remove_shared_memory, watch_group
 
 __all__ = [
     "GroupOptions",
-    "MegatronRuntime",
     "RankContext",
     "RankGroup",
     "RankLostError",
-    "RankRuntime",
     "RayGroupError",
     "split_evenly",
 ]
@@ -109,38 +108,6 @@ _DIAGNOSTICS: Final = "diagnostics"
 """The actors' second concurrency group: a late rank can still say where it is stuck."""
 _RELEASE_TIMEOUT_S: Final = 10.0
 """How long :meth:`RankGroup.close` waits for the ranks to free their stacks before killing."""
-
-
-class RankRuntime(Protocol):
-    """What runs inside each rank's actor before its stack exists. Must be picklable.
-
-    ``init`` is called on every rank at once, with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE`` and ``LOCAL_RANK`` already in ``os.environ``; ``backend`` then builds the
-    rank's stack. :class:`MegatronRuntime` is the real one; tests may pass a light stand-in.
-    """
-
-    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None: ...
-
-    def backend(self) -> Backend: ...
-
-
-@final
-@attrs.frozen
-class MegatronRuntime:
-    """``init_megatron``, then a :class:`~rlcore_megatron.backend.MegatronBackend`.
-
-    Both are imported inside the actor: the driver never imports Megatron.
-    """
-
-    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
-        from rlcore_megatron.parallel import init_megatron
-
-        init_megatron(tensor_parallel_size, seed, expert_parallel_size)
-
-    def backend(self) -> Backend:
-        from rlcore_megatron.backend import MegatronBackend
-
-        return MegatronBackend()
 
 
 @final
@@ -202,7 +169,7 @@ class _RankWorker:
             return port
 
     def setup(
-        self, master_addr: str, master_port: int, local_rank: int, tp: int, seed: int, ep: int = 1
+        self, master_addr: str, master_port: int, local_rank: int, parallel: ParallelSpec, seed: int
     ) -> None:
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -212,8 +179,8 @@ class _RankWorker:
             LOCAL_RANK=str(local_rank),
         )
         self._local_rank = local_rank
-        self._tp = tp
-        self._runtime.init(tp, seed, ep)
+        self._tp = parallel.tensor_model_parallel_size
+        self._runtime.init(parallel, seed)
         # OMP_NUM_THREADS was set before the process started; torch reads it on import, but say it.
         torch = sys.modules.get("torch")
         if torch is not None:
@@ -293,8 +260,8 @@ class RankGroup(Generic[S]):
     def __init__(
         self,
         spec: TrainSpec | EvalSpec,
+        runtime: RankRuntime,
         options: GroupOptions = GroupOptions(),
-        runtime: RankRuntime = MegatronRuntime(),
         slots: Sequence[RankSlot] | None = None,
     ) -> None:
         """Prefer :meth:`start_training` / :meth:`start_eval`, which also type the stack."""
@@ -333,22 +300,22 @@ class RankGroup(Generic[S]):
     @staticmethod
     def start_training(
         spec: TrainSpec,
+        runtime: RankRuntime,
         options: GroupOptions = GroupOptions(),
-        runtime: RankRuntime = MegatronRuntime(),
         slots: Sequence[RankSlot] | None = None,
     ) -> RankGroup[TrainingStack]:
         """Start the ranks and build a training stack on each."""
-        return RankGroup[TrainingStack](spec, options, runtime, slots)
+        return RankGroup[TrainingStack](spec, runtime, options, slots)
 
     @staticmethod
     def start_eval(
         spec: EvalSpec,
+        runtime: RankRuntime,
         options: GroupOptions = GroupOptions(),
-        runtime: RankRuntime = MegatronRuntime(),
         slots: Sequence[RankSlot] | None = None,
     ) -> RankGroup[EvalStack]:
         """Start the ranks and build an eval stack (no optimizer state) on each."""
-        return RankGroup[EvalStack](spec, options, runtime, slots)
+        return RankGroup[EvalStack](spec, runtime, options, slots)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -367,11 +334,10 @@ class RankGroup(Generic[S]):
         local_ranks = _local_ranks(self._nodes, gpu=self._slots[0].gpu)
         (port,) = self._gather([self._handles[0].free_port.remote()], "picking a port", deadline)
         master_addr = nodes[0][1]
-        seed = self._spec.model.seed
-        ep = self._spec.model.parallel.expert_model_parallel_size
+        model = self._spec.model
         self._gather(
             [
-                h.setup.remote(master_addr, port, local_ranks[rank], self._tp, seed, ep)
+                h.setup.remote(master_addr, port, local_ranks[rank], model.parallel, model.seed)
                 for rank, h in enumerate(self._handles)
             ],
             "initialising torch.distributed and Megatron",

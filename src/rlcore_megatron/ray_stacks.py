@@ -19,9 +19,9 @@ rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` s
 :class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) makes
 rank 0 return the weights to the driver.
 
-:class:`RayMegatronBackend` builds one group per stack, in the slots the run's
+:class:`RayBackend` builds one group per stack, in the slots the run's
 :class:`~rlcore_megatron.cluster.ClusterPlacement` reserved for the stack's role (or in slots
-reserved per group when it has none), and closes them all in :meth:`RayMegatronBackend.close`.
+reserved per group when it has none), and closes them all in :meth:`RayBackend.close`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Final, Literal, TypeVar, final
 
 import ray
 
+from rlcore.backends import RankRuntime
 from rlcore.errors import CheckpointError
 from rlcore.protocols import (
     Backend,
@@ -49,10 +50,8 @@ from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
 from rlcore_megatron.cluster import ClusterPlacement
 from rlcore_megatron.ray_group import (
     GroupOptions,
-    MegatronRuntime,
     RankContext,
     RankGroup,
-    RankRuntime,
     RayGroupError,
     split_evenly,
 )
@@ -62,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RayEvalStack",
-    "RayMegatronBackend",
+    "RayBackend",
     "RayTrainingStack",
     "RemoteStateView",
     "export_weights",
@@ -75,9 +74,8 @@ __all__ = [
     "train_step",
 ]
 
-# RayMegatronBackend's defaults (both frozen, so one shared instance each is safe).
+# RayBackend's default (frozen, so one shared instance is safe).
 _DEFAULT_OPTIONS: Final = GroupOptions()
-_DEFAULT_RUNTIME: Final = MegatronRuntime()
 _LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
 S = TypeVar("S", bound=ModelStack)
 
@@ -380,8 +378,10 @@ class RayTrainingStack:
 
 
 @final
-class RayMegatronBackend:
-    """A :class:`~rlcore.protocols.Backend` that runs each stack as its own group of Ray actors.
+class RayBackend:
+    """A :class:`~rlcore.protocols.Backend` that runs each stack as its own group of Ray actors,
+    each rank set up by ``runtime`` (a backend kind's :class:`~rlcore.backends.RankRuntime`:
+    :meth:`rlcore.backends.BackendKind.rank_runtime`), which builds the rank's stack.
 
     Ray must already be initialised (``ray.init(...)``). With a ``placement``, each ``build_*``
     call starts the stack's ranks in the slots reserved for its role (the reference model in the
@@ -391,9 +391,9 @@ class RayMegatronBackend:
 
     def __init__(
         self,
+        runtime: RankRuntime,
         placement: ClusterPlacement | None = None,
         options: GroupOptions = _DEFAULT_OPTIONS,
-        runtime: RankRuntime = _DEFAULT_RUNTIME,
     ) -> None:
         self._placement = placement
         self._options = options
@@ -402,14 +402,14 @@ class RayMegatronBackend:
 
     def build_training_stack(self, spec: TrainSpec) -> RayTrainingStack:
         slots = self._placement.slots(spec.model.role) if self._placement is not None else None
-        group = RankGroup.start_training(spec, self._options, self._runtime, slots)
+        group = RankGroup.start_training(spec, self._runtime, self._options, slots)
         stack = RayTrainingStack(group)
         self._stacks.append(stack)
         return stack
 
     def build_eval_stack(self, spec: EvalSpec) -> RayEvalStack:
         slots = self._placement.slots(spec.model.role) if self._placement is not None else None
-        stack = RayEvalStack(RankGroup.start_eval(spec, self._options, self._runtime, slots))
+        stack = RayEvalStack(RankGroup.start_eval(spec, self._runtime, self._options, slots))
         self._stacks.append(stack)
         return stack
 
@@ -419,7 +419,7 @@ class RayMegatronBackend:
             stack.close()
         self._stacks.clear()
 
-    def __enter__(self) -> RayMegatronBackend:
+    def __enter__(self) -> RayBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -429,7 +429,7 @@ class RayMegatronBackend:
 if TYPE_CHECKING:
 
     def _conforms(
-        training: RayTrainingStack, evaluation: RayEvalStack, backend: RayMegatronBackend
+        training: RayTrainingStack, evaluation: RayEvalStack, backend: RayBackend
     ) -> tuple[TrainingStack, HFExporter, EvalStack, Backend]:
         """mypy checks here that the proxies and the backend satisfy the protocols."""
         return training, training, evaluation, backend

@@ -395,13 +395,14 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
 
     import ray
 
+    from rlcore.backends import load_backend_kind
     from rlcore_megatron.cluster import ClusterPlacement
-    from rlcore_megatron.ray_stacks import RayMegatronBackend
+    from rlcore_megatron.ray_stacks import RayBackend
 
     watchdog = watch_tree()  # kills what this run started if this process is killed
     started_ray = not ray.is_initialized()
     placement: ClusterPlacement | None = None
-    backend: RayMegatronBackend | None = None
+    backend: RayBackend | None = None
     engine: RolloutEngine | None = None
     sink: MetricsSink | None = None
     interrupted: RunInterrupted | None = None
@@ -415,7 +416,7 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         placement = ClusterPlacement.reserve(request)
         if placement.driver_threads is not None:
             _engine_threads(placement.driver_threads)
-        backend = RayMegatronBackend(placement)
+        backend = RayBackend(load_backend_kind("megatron").rank_runtime(None), placement)
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
         replays = config.debug.replays
         engine = None if replays else _timed_engine(config, tokenizer, placement.start_hosts())

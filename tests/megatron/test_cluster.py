@@ -30,7 +30,7 @@ from rlcore.weights import deliver
 from rlcore_megatron.cluster import ClusterPlacement
 from rlcore_megatron.placement import PlacementError, PlacementRequest
 from rlcore_megatron.ray_group import GroupOptions, RankContext
-from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend
+from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from tests.conftest_ray import SimulatedCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -71,7 +71,7 @@ class _Backend:
 class WhereRuntime:
     """No torch.distributed, no Megatron: the rank only exists to say where it is."""
 
-    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
+    def init(self, parallel: ParallelSpec, seed: int) -> None:
         pass
 
     def backend(self) -> Backend:
@@ -90,7 +90,7 @@ def _where(context: RankContext[EvalStack]) -> dict[str, object]:
     }
 
 
-def _ranks(backend: RayMegatronBackend, role: str, ranks: int) -> RayEvalStack:
+def _ranks(backend: RayBackend, role: str, ranks: int) -> RayEvalStack:
     spec = EvalSpec(ModelSpec(role, None, parallel=ParallelSpec(1, ranks)))  # type: ignore[arg-type]
     return backend.build_eval_stack(spec)
 
@@ -112,7 +112,7 @@ OPTIONS = GroupOptions(setup_timeout_s=180, call_timeout_s=120)
 def test_disjoint_gpus_for_actor_critic_and_rollout(two_gpu_nodes: list[str]) -> None:
     request = PlacementRequest(actor_ranks=2, critic_ranks=1, reference=True, rollout_gpus=1)
     with ClusterPlacement.reserve(request, timeout_s=60) as placement:
-        with RayMegatronBackend(placement, OPTIONS, WhereRuntime()) as backend:
+        with RayBackend(WhereRuntime(), placement, OPTIONS) as backend:
             actor = _ranks(backend, "actor", 2).group.run_on_all_ranks(_where)
             critic = _ranks(backend, "critic", 1).group.run_on_all_ranks(_where)
             (host,) = placement.start_hosts()
@@ -143,7 +143,7 @@ def test_colocated_rollout_on_the_actor_gpus(two_gpu_nodes: list[str]) -> None:
     request = PlacementRequest(actor_ranks=4, rollout_gpus=4, gpus_per_engine=2, colocate=True)
     with ClusterPlacement.reserve(request, timeout_s=60) as placement:
         assert "rollout engine 1: GPUs 2-3" in placement.describe()
-        with RayMegatronBackend(placement, OPTIONS, WhereRuntime()) as backend:
+        with RayBackend(WhereRuntime(), placement, OPTIONS) as backend:
             actor = _ranks(backend, "actor", 4).group.run_on_all_ranks(_where)
             hosts = placement.start_hosts()
     # Ranks 0-1 on one node, 2-3 on the other, each on its own GPU; rank 0's node is the master.

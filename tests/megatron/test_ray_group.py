@@ -39,10 +39,10 @@ from rlcore.specs import (
 from rlcore.testing import RecordingWeightSink
 from rlcore.weights import AnyProcess, OnHost, deliver
 from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
+from rlcore_megatron.kind import MegatronRuntime
 from rlcore_megatron.placement import PlacementRequest
 from rlcore_megatron.ray_group import (
     GroupOptions,
-    MegatronRuntime,
     RankContext,
     RankGroup,
     RankLostError,
@@ -53,8 +53,8 @@ from rlcore_megatron.ray_group import (
     split_evenly,
 )
 from rlcore_megatron.ray_stacks import (
+    RayBackend,
     RayEvalStack,
-    RayMegatronBackend,
     RayTrainingStack,
     forward,
     load,
@@ -122,7 +122,7 @@ class EchoRuntime:
     rollout_ids: tuple[int, ...]
     failing: frozenset[int] = frozenset()
 
-    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
+    def init(self, parallel: ParallelSpec, seed: int) -> None:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             assert name in os.environ, name
 
@@ -141,7 +141,7 @@ def _echo_group(
     spec = EvalSpec(ModelSpec("actor", None, parallel=ParallelSpec(tp, len(rollout_ids))))
     runtime = EchoRuntime(rollout_ids, failing)
     options = GroupOptions(setup_timeout_s=120, call_timeout_s=call_timeout_s)
-    return RankGroup.start_eval(spec, options, runtime, slots)
+    return RankGroup.start_eval(spec, runtime, options, slots)
 
 
 @pytest.fixture
@@ -364,10 +364,10 @@ class TensorParallelCpuRuntime:
     ``megatron.core.utils``. A no-op once the shim covers it, and on GPUs.
     """
 
-    def init(self, tensor_parallel_size: int, seed: int, expert_parallel_size: int = 1) -> None:
+    def init(self, parallel: ParallelSpec, seed: int) -> None:
         import importlib
 
-        MegatronRuntime().init(tensor_parallel_size, seed, expert_parallel_size)
+        MegatronRuntime().init(parallel, seed)
         utils = importlib.import_module("megatron.core.utils")
         mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
         shimmed = utils.torch
@@ -443,7 +443,7 @@ def megatron(tiny_llama: Path, ray_cluster: None) -> Iterator[MegatronStacks]:
     request = PlacementRequest(actor_ranks=2, reference=True)
     with ClusterPlacement.reserve(request, timeout_s=120) as placement:
         assert [s.resources for s in placement.slots("reference")] == [{"CPU": 0.5}] * 2
-        with RayMegatronBackend(placement, options, TensorParallelCpuRuntime()) as backend:
+        with RayBackend(TensorParallelCpuRuntime(), placement, options) as backend:
             with ThreadPoolExecutor(2) as pool:
                 train_spec = _train_spec(tiny_llama, ParallelSpec(1, 2))
                 parallel = ParallelSpec(2, 2)

@@ -14,7 +14,8 @@ import torch
 from rlcore.loop import push_weights
 from rlcore.samples import SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend
+from rlcore_megatron.kind import MegatronRuntime
+from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
@@ -40,7 +41,7 @@ def bf16_urls(launch_settings: LaunchSettings) -> Iterator[list[str]]:
 @pytest.fixture(scope="module")
 def bf16_rank(tiny_model_b: Path, ray_cluster: None) -> Iterator[RayEvalStack]:
     """One Megatron rank holding weights B in bf16 (the server starts with A)."""
-    with RayMegatronBackend() as backend:
+    with RayBackend(MegatronRuntime()) as backend:
         yield backend.build_eval_stack(
             EvalSpec(ModelSpec("actor", tiny_model_b, precision="bfloat16"))
         )

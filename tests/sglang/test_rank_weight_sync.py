@@ -11,7 +11,8 @@ import pytest
 
 from rlcore.loop import push_weights
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore_megatron.ray_stacks import RayEvalStack, RayMegatronBackend
+from rlcore_megatron.kind import MegatronRuntime
+from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang import weight_sync
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.ray, pytest.mark.megatron]
 @pytest.fixture(scope="module")
 def rank_stack(tiny_model_b: Path, ray_cluster: None) -> Iterator[RayEvalStack]:
     """One Megatron rank holding weights B (the servers start with A)."""
-    with RayMegatronBackend() as backend:
+    with RayBackend(MegatronRuntime()) as backend:
         yield backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_model_b)))
 
 

@@ -19,7 +19,6 @@ The embedded engine (``embedded``, the default) runs in the calling process and 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar, final
@@ -27,6 +26,7 @@ from typing import Any, Generic, TypeVar, final
 import attrs
 
 from rlcore.errors import BackendUnavailableError
+from rlcore.imports import NoOptions, Registry, load_registered
 from rlcore.protocols import ProcessHost, RolloutEngine, Tokenizer
 from rlcore.specs import Precision
 
@@ -55,12 +55,6 @@ class EngineSetup:
     fault_tolerance: bool = False
     """``--use-fault-tolerance``: restart a server that dies or stops answering and resubmit its
     requests (engines that run servers; the run refuses it for the others)."""
-
-
-@final
-@attrs.frozen
-class NoOptions:
-    """The options of an engine that has none."""
 
 
 @final
@@ -121,7 +115,7 @@ EMBEDDED: EngineKind[NoOptions] = EngineKind(
 )
 """Hugging Face transformers sampling in the calling process: no servers, no options."""
 
-KNOWN_ENGINES: dict[str, tuple[str, str, str]] = {
+KNOWN_ENGINES: Registry = {
     # name: (module, attribute holding its EngineKind, pip extra)
     "embedded": ("rlcore.engines", "EMBEDDED", "rlcore[torch]"),
     "sglang": ("rlcore_sglang.kind", "SGLANG", "rlcore[sglang]"),
@@ -131,18 +125,5 @@ KNOWN_ENGINES: dict[str, tuple[str, str, str]] = {
 def load_engine(name: str) -> EngineKind[Any]:
     """The engine kind registered as ``name``; a clear install hint when its package is
     missing."""
-    try:
-        module_name, attribute, extra = KNOWN_ENGINES[name]
-    except KeyError:
-        raise BackendUnavailableError(
-            f"unknown rollout engine {name!r}; known: {', '.join(sorted(KNOWN_ENGINES))}"
-        ) from None
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"rollout engine {name!r} needs packages that are not installed ({exc.name}): "
-            f"pip install '{extra}'"
-        ) from exc
-    kind: EngineKind[Any] = getattr(module, attribute)
+    kind: EngineKind[Any] = load_registered(KNOWN_ENGINES, name, "rollout engine")
     return kind

@@ -1,0 +1,100 @@
+"""Training backends found by name (``--train-backend NAME``), the way rollout engines are.
+
+A backend package describes itself with a :class:`BackendKind`: its name; its options (an attrs
+class whose fields carry their flags, declared with :func:`rlcore.config.option`: ``--help``
+lists them under the backend's name and a config file sets them in a section of that name);
+the rank runtime that sets up one rank's process group and parallel state and then builds that
+rank's stacks; the checks the launcher asks before anything starts (whether the backend can
+build a model folder's ``config.json``, whether a checkpoint's saved weights fit a model folder,
+whether it supports a parallel layout); and the pip extra that installs it.
+:data:`KNOWN_BACKENDS` says where each kind lives; the module it names stays light (no torch, no
+framework), so that ``--help`` and the checks before start need only rlcore, and a missing
+package is a clear error with an install hint (:func:`rlcore.imports.load_registered`, which the
+engines' registry shares).
+
+Nothing in rlcore imports a backend package: the launcher asks this registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar, final
+
+import attrs
+
+from rlcore.errors import ConfigProblem
+from rlcore.imports import Registry, load_registered
+from rlcore.protocols import Backend
+from rlcore.specs import ParallelSpec
+
+__all__ = ["KNOWN_BACKENDS", "BackendKind", "RankRuntime", "load_backend_kind"]
+
+OptionsT = TypeVar("OptionsT")
+
+
+class RankRuntime(Protocol):
+    """What runs in each rank's process before its stacks exist. Must be picklable: a launcher
+    ships it to every rank (a Ray actor, a ``torchrun`` worker).
+
+    :meth:`init` is called on every rank of a group at once, with ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` already in ``os.environ``: it
+    joins the process group and sets up the parallel state ``parallel`` describes, seeded with
+    ``seed``. :meth:`backend` then builds the rank's stacks."""
+
+    def init(self, parallel: ParallelSpec, seed: int) -> None: ...
+
+    def backend(self) -> Backend: ...
+
+
+@final
+@attrs.frozen
+class BackendKind(Generic[OptionsT]):
+    """A training backend as the launcher finds it by name (module docstring)."""
+
+    name: str
+    options_type: type[OptionsT]
+    """Its settings: an attrs class with flag metadata (:func:`rlcore.config.option`)."""
+    runtime: Callable[[OptionsT], RankRuntime]
+    """The rank runtime for these options."""
+    model_problems: Callable[[Mapping[str, Any], str], list[ConfigProblem]]
+    """What in a model folder's ``config.json`` (given as a mapping, and where it was read
+    from) this backend cannot build: one problem per field, its ``path`` the field's name in the
+    file. Called before anything starts, so it imports no framework."""
+    saved_model_problem: Callable[[Path, Mapping[str, Any], str], str | None]
+    """Why the weights a stack of this backend saved in a checkpoint folder (``.../actor``) do
+    not fit the model a ``config.json`` (a mapping, and where it was read from) describes, or
+    ``None`` when they do (or when the backend records nothing to compare)."""
+    parallel_problem: Callable[[ParallelSpec], str | None]
+    """Why this backend cannot split a model as ``ParallelSpec`` says (a dimension it does not
+    implement), or ``None``."""
+    install: str = "rlcore"
+    """What to ``pip install`` when its packages are missing."""
+
+    def options(self, options: object | None) -> OptionsT:
+        """``options`` as this backend's options type (its defaults for ``None``)."""
+        if options is None:
+            return self.options_type()
+        if not isinstance(options, self.options_type):
+            raise TypeError(
+                f"backend {self.name!r} takes {self.options_type.__name__}, "
+                f"got {type(options).__name__}"
+            )
+        return options
+
+    def rank_runtime(self, options: object | None) -> RankRuntime:
+        """The rank runtime for ``options`` (the backend's defaults for ``None``)."""
+        return self.runtime(self.options(options))
+
+
+KNOWN_BACKENDS: Registry = {
+    # name: (module, attribute holding its BackendKind, pip extra)
+    "megatron": ("rlcore_megatron.kind", "MEGATRON", "rlcore[megatron]"),
+}
+
+
+def load_backend_kind(name: str) -> BackendKind[Any]:
+    """The backend kind registered as ``name``; a clear install hint when its package is
+    missing."""
+    kind: BackendKind[Any] = load_registered(KNOWN_BACKENDS, name, "backend")
+    return kind
