@@ -198,7 +198,7 @@ class HFExporter(Protocol):
 class TeacherServer(Protocol):
     """A distillation teacher served outside the run (``--opd-type sglang``): the loop asks it
     for the teacher's log-probs of every rollout as the rollout is made
-    (:func:`rlcore.loop.stages.rollout_source`). It is not a stack: nothing of it can be trained,
+    (:func:`rlcore.loop.rollouts.rollout_source`). It is not a stack: nothing of it can be trained,
     loaded or synced."""
 
     def score(self, samples: Sequence[Sample], temperature: float) -> list[tuple[float, ...]]:

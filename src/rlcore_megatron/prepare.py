@@ -44,7 +44,7 @@ from rlcore.loop.preflight import (
     remove_folders,
     save_folder_problems,
 )
-from rlcore.loop.stages import group_filter_of
+from rlcore.loop.rollouts import group_filter_of
 from rlcore.protocols import RewardFn, TeacherServer
 from rlcore.rollout import load_rollout_function
 from rlcore.rollout.multiturn import (
@@ -490,7 +490,7 @@ def placement_problem(settings: Mapping[str, Any]) -> PlacementError | None:
 def check_user_functions(config: RunConfig) -> None:
     """Import every function a ``--...-path`` flag names, so that a bad path stops the run before
     Ray, the engine or any model starts (a :class:`ConfigError` naming the flag); the
-    dynamic-sampling filter is the plan's (:func:`~rlcore.loop.stages.group_filter_of`)."""
+    dynamic-sampling filter is the plan's (:func:`~rlcore.loop.rollouts.group_filter_of`)."""
     r, a = config.rollout, config.algorithm
     if r.rollout_function_path is not None:
         load_rollout_function(r.rollout_function_path)

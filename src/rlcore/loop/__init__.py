@@ -3,11 +3,13 @@ checkpoints and evaluations.
 
 - :mod:`~rlcore.loop.plan`: a :class:`~rlcore.config.RunConfig` becomes a ``TrainPlan``, an
   ``EvalPlan`` or a ``RolloutOnlyPlan``.
-- :mod:`~rlcore.loop.stages`: the stages of a training run (build, resume, rollout, train, save,
-  sync, eval), each a function.
+- :mod:`~rlcore.loop.stages`: the stages of a training run (build, resume, train, save, sync,
+  eval), each a function; the rollout stage in :mod:`~rlcore.loop.rollouts`.
 - :mod:`~rlcore.loop.training`: the synchronous schedule that arranges them;
   :mod:`~rlcore.loop.overlap` the off-policy one (``--max-staleness``), whose generator
-  (:mod:`~rlcore.loop.generator`) runs the rollout stage ahead of training in a thread.
+  (:mod:`~rlcore.loop.generator`) runs the rollout stage ahead of training in a thread. What both
+  do after a rollout is trained (save, export, evaluate) is written once, in
+  :mod:`~rlcore.loop.tail`.
 - :mod:`~rlcore.loop.jobs`: :func:`run`, eval-only and rollout-only jobs, the checks made before
   anything is built.
 - :mod:`~rlcore.loop.records`: :class:`RunData`, :class:`RunResult`, :class:`RunInterrupted`.
@@ -27,15 +29,8 @@ from __future__ import annotations
 from rlcore.loop.checkpoints import resume_point
 from rlcore.loop.jobs import check_inputs, run
 from rlcore.loop.records import RunData, RunInterrupted, RunResult
-from rlcore.loop.stages import (
-    RolloutSource,
-    TrainStacks,
-    evaluate,
-    push_weights,
-    rollout_source,
-    should_eval,
-    should_save,
-)
+from rlcore.loop.rollouts import RolloutSource, rollout_source
+from rlcore.loop.stages import TrainStacks, evaluate, push_weights, should_eval, should_save
 
 __all__ = [
     "RolloutSource",

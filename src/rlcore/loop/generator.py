@@ -1,6 +1,6 @@
 """A rollout generator that runs ahead of the trainer in a thread of its own, within a staleness.
 
-The generator runs the rollout seam (:data:`~rlcore.loop.stages.RolloutSource`) for rollout ids
+The generator runs the rollout seam (:data:`~rlcore.loop.rollouts.RolloutSource`) for rollout ids
 ``first, first + 1, ...`` and keeps each output until the trainer takes it. Its one bound is the
 *staleness* ``K``: rollout ``j`` is trained on by policy version ``j`` (the trainer has taken
 ``j`` optimizer steps' worth of rollouts), so the generator may start rollout ``j`` only once
@@ -37,7 +37,7 @@ import attrs
 
 from rlcore.data import PromptSampler
 from rlcore.errors import RolloutError
-from rlcore.loop.stages import RolloutSource
+from rlcore.loop.rollouts import RolloutSource
 from rlcore.protocols import Group, RolloutOutput
 
 __all__ = ["Produced", "RolloutGenerator", "staleness"]

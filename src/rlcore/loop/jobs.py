@@ -27,13 +27,8 @@ from rlcore.loop.contracts import CheckedEngine, build_eval_stack
 from rlcore.loop.overlap import run_overlapped_training
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, TrainPlan
 from rlcore.loop.records import NullSink, Progress, RunData, RunInterrupted, RunResult
-from rlcore.loop.stages import (
-    evaluate,
-    push_weights,
-    rollout_metrics,
-    rollout_source,
-    training_samples,
-)
+from rlcore.loop.rollouts import rollout_source
+from rlcore.loop.stages import evaluate, push_weights, rollout_metrics, training_samples
 from rlcore.loop.training import run_training
 from rlcore.protocols import (
     Backend,

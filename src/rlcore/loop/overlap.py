@@ -52,22 +52,20 @@ from collections.abc import Mapping
 from rlcore.checkpoint_files import rollout_number
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
-from rlcore.loop.checkpoints import resume, save_checkpoint
+from rlcore.loop.checkpoints import resume
 from rlcore.loop.generator import Produced, RolloutGenerator
-from rlcore.loop.hf_export import export_hf, should_export_hf
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.records import Progress, RunData, RunResult
+from rlcore.loop.rollouts import rollout_source
 from rlcore.loop.stages import (
     build_stacks,
-    evaluate,
     push_weights,
-    rollout_source,
     should_eval,
-    should_save,
     train_on_rollout,
     training_samples,
     warm_start,
 )
+from rlcore.loop.tail import Evaluation, save_and_export, wants_save
 from rlcore.protocols import (
     Backend,
     MetricsSink,
@@ -75,9 +73,6 @@ from rlcore.protocols import (
     RolloutEngine,
     RolloutFn,
     TeacherServer,
-    WeightSource,
-    keep_weight_source,
-    receive_weights_midway,
     takes_weights_midway,
 )
 
@@ -95,16 +90,6 @@ def staleness_metrics(produced: Produced, trainer_version: int) -> dict[str, flo
         "rollout/staleness_max": float(max(lags, default=0)),
         "rollout/stale_dropped": float(produced.stale_dropped),
     }
-
-
-def _push_midway(
-    source: WeightSource, engine: RolloutEngine, version: int, *, keeps: bool = False
-) -> None:
-    """The sync stage of a partial rollout: the new weights interrupt in-flight generation (as
-    :func:`~rlcore.loop.stages.push_weights` otherwise)."""
-    with receive_weights_midway(engine, version) as sinks:
-        source.send_weights(sinks)
-    keep_weight_source(engine, source if keeps else None)
 
 
 def run_overlapped_training(
@@ -156,14 +141,7 @@ def run_overlapped_training(
         ready=resumed.pending,
     )
 
-    def run_eval(after: int) -> Mapping[str, float]:
-        metrics = evaluate(
-            engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
-        )
-        progress.evaluated.append(after)
-        sink.log(rollout_number(after), metrics)
-        return metrics
-
+    run_eval = Evaluation(plan, engine, reward_fn, data.eval_sets, sink, progress)
     # Evaluated before the generator starts, so that it always comes first.
     last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
     last_train: Mapping[str, float] = {}
@@ -192,9 +170,7 @@ def run_overlapped_training(
             progress.trained.append(rollout_id)
             version = rollout_id + 1
             stopping = progress.stop.is_set()  # asked to stop early: save this rollout, stop
-            saving = should_save(
-                rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
-            ) or (stopping and plan.save_dir is not None)
+            saving = wants_save(plan, rollout_id, stopping)
             evaluating = should_eval(rollout_id, plan.num_rollout, plan.eval_interval)
             with contextlib.ExitStack() as hold:
                 try:
@@ -208,25 +184,21 @@ def run_overlapped_training(
                         pushing = hold.enter_context(generator.held(wait=urgent))
                     elif saving or evaluating:
                         hold.enter_context(generator.held())
-                    t1 = time.perf_counter()
-                    if saving:
-                        save_checkpoint(
-                            plan,
-                            stacks,
-                            rollout_id,
-                            sampler.consumed,
-                            generator.carried,
-                            generator.pending(),
-                            keep=resumed.loaded,
-                        )
-                        progress.saved.append(rollout_id)
-                    if stacks.hf_exporter is not None and should_export_hf(plan, rollout_id):
-                        export_hf(plan, stacks.hf_exporter, rollout_id)
+                    metrics["perf/save_s"] = save_and_export(
+                        plan,
+                        stacks,
+                        rollout_id,
+                        progress,
+                        saving=saving,
+                        consumed=sampler.consumed,
+                        carried=generator.carried,
+                        pending=generator.pending(),
+                        keep=resumed.loaded,
+                    )
                     t2 = time.perf_counter()
-                    metrics["perf/save_s"] = t2 - t1
                     if pushing:
-                        push = _push_midway if plan.partial_rollout else push_weights
-                        push(stacks.actor, engine, version, keeps=False)
+                        midway = plan.partial_rollout  # new weights interrupt generation
+                        push_weights(stacks.actor, engine, version, keeps=False, midway=midway)
                         generator.publish(version)
                         published = version
                     metrics["perf/weight_sync_s"] = time.perf_counter() - t2

@@ -20,20 +20,18 @@ from collections.abc import Mapping
 from rlcore.checkpoint_files import rollout_number
 from rlcore.data import PromptSampler
 from rlcore.errors import PlanError
-from rlcore.loop.checkpoints import resume, save_checkpoint
-from rlcore.loop.hf_export import export_hf, should_export_hf
+from rlcore.loop.checkpoints import resume
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.records import Progress, RunData, RunResult
+from rlcore.loop.rollouts import rollout_source
 from rlcore.loop.stages import (
     build_stacks,
-    evaluate,
     push_weights,
-    rollout_source,
     should_eval,
-    should_save,
     train_on_rollout,
     warm_start,
 )
+from rlcore.loop.tail import Evaluation, save_and_export, wants_save
 from rlcore.protocols import (
     Backend,
     MetricsSink,
@@ -78,12 +76,7 @@ def run_training(
 
     def run_eval(after: int) -> Mapping[str, float]:
         assert engine is not None  # checked above: a plan that evaluates has an engine
-        metrics = evaluate(
-            engine, reward_fn, data.eval_sets, plan.eval_params, plan.n_samples_per_eval_prompt
-        )
-        progress.evaluated.append(after)
-        sink.log(rollout_number(after), metrics)
-        return metrics
+        return Evaluation(plan, engine, reward_fn, data.eval_sets, sink, progress)(after)
 
     last_eval: Mapping[str, float] = run_eval(start - 1) if plan.eval_before_train else {}
     last_train: Mapping[str, float] = {}
@@ -110,18 +103,17 @@ def run_training(
         progress.trained.append(rollout_id)
         stopping = progress.stop.is_set()  # asked to stop early: save this rollout, then stop
         try:
-            t1 = time.perf_counter()
-            if should_save(
-                rollout_id, plan.num_rollout, plan.save_interval, plan.save_dir is not None
-            ) or (stopping and plan.save_dir is not None):
-                save_checkpoint(
-                    plan, stacks, rollout_id, sampler.consumed, carried, keep=resumed.loaded
-                )
-                progress.saved.append(rollout_id)
-            if stacks.hf_exporter is not None and should_export_hf(plan, rollout_id):
-                export_hf(plan, stacks.hf_exporter, rollout_id)
+            metrics["perf/save_s"] = save_and_export(
+                plan,
+                stacks,
+                rollout_id,
+                progress,
+                saving=wants_save(plan, rollout_id, stopping),
+                consumed=sampler.consumed,
+                carried=carried,
+                keep=resumed.loaded,
+            )
             t2 = time.perf_counter()
-            metrics["perf/save_s"] = t2 - t1
             if engine is not None:
                 push_weights(stacks.actor, engine, version=rollout_id + 1)
             metrics["perf/weight_sync_s"] = time.perf_counter() - t2
