@@ -80,27 +80,24 @@ EnvRewardMode = Literal["ignore", "replace", "add"]
 # always plans into valid specs.
 
 
-def parallel_split_problem(tensor_model_parallel_size: int, world_size: int) -> str | None:
-    """Why ``world_size`` ranks cannot be split into tensor-parallel groups of the given size
-    (both >= 1), or ``None``."""
-    if world_size % tensor_model_parallel_size:
-        return (
-            f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
-            f"{world_size} ranks"
+def parallel_split_problem(tensor: int, world_size: int, pipeline: int = 1) -> str | None:
+    """Why ``world_size`` ranks cannot be split into groups of ``tensor`` tensor-parallel ranks
+    times ``pipeline`` pipeline stages (all >= 1), or ``None``."""
+    if world_size % (tensor * pipeline):
+        split = f"tensor parallel {tensor}" + (
+            f" x pipeline parallel {pipeline}" if pipeline > 1 else ""
         )
+        return f"{split} does not divide the {world_size} ranks"
     return None
 
 
-def expert_split_problem(
-    expert_model_parallel_size: int, tensor_model_parallel_size: int, world_size: int
-) -> str | None:
+def expert_split_problem(expert: int, tensor: int, world_size: int) -> str | None:
     """Why ``world_size`` ranks cannot hold a mixture-of-experts model's experts shared out over
-    ``expert_model_parallel_size`` groups of tensor-parallel ranks (each expert is split over the
-    TP ranks, as Megatron does by default), or ``None``. All sizes >= 1."""
-    if world_size % (expert_model_parallel_size * tensor_model_parallel_size):
+    ``expert`` groups of ``tensor`` tensor-parallel ranks (each expert is split over the TP ranks,
+    as Megatron does by default), or ``None``. All sizes >= 1."""
+    if world_size % (expert * tensor):
         return (
-            f"expert_model_parallel_size {expert_model_parallel_size} x "
-            f"tensor_model_parallel_size {tensor_model_parallel_size} does not divide the "
+            f"expert parallel {expert} x tensor parallel {tensor} does not divide the "
             f"{world_size} ranks (each expert is split over the tensor parallel ranks)"
         )
     return None
@@ -146,30 +143,33 @@ def schedule_length_problem(
 
 @attrs.frozen
 class ParallelSpec:
-    """How one model is split: ``world_size`` ranks, tensor parallel inside, data parallel
-    across. A mixture-of-experts model also shares its experts out over
-    ``expert_model_parallel_size`` groups of TP ranks (folded into the same ranks, as Megatron
-    does)."""
+    """How one model is split over ``world_size`` ranks, in the dimensions TorchTitan's
+    ``ParallelDims`` names: ``tensor`` parallel (each layer's weights split over ranks),
+    ``pipeline`` parallel (the layers cut into stages), ``expert`` parallel (a mixture-of-experts
+    model's experts shared out over groups of tensor-parallel ranks, folded into the same ranks
+    as Megatron does), and data parallel over what is left (:attr:`data`). A backend refuses a
+    dimension it does not implement before anything starts
+    (:attr:`rlcore.backends.BackendKind.parallel_problem`)."""
 
-    tensor_model_parallel_size: int = 1
+    tensor: int = 1
     world_size: int = 1
-    expert_model_parallel_size: int = 1
+    expert: int = 1
+    pipeline: int = 1
 
     def __attrs_post_init__(self) -> None:
-        sizes = (self.tensor_model_parallel_size, self.world_size, self.expert_model_parallel_size)
-        if min(sizes) < 1:
+        if min(self.tensor, self.world_size, self.expert, self.pipeline) < 1:
             raise ValueError("parallel sizes must be >= 1")
         problem = parallel_split_problem(
-            self.tensor_model_parallel_size, self.world_size
-        ) or expert_split_problem(
-            self.expert_model_parallel_size, self.tensor_model_parallel_size, self.world_size
-        )
+            self.tensor, self.world_size, self.pipeline
+        ) or expert_split_problem(self.expert, self.tensor, self.world_size)
         if problem:
             raise ValueError(f"ParallelSpec: {problem}")
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_model_parallel_size
+    def data(self) -> int:
+        """Data-parallel ranks: each holds a whole copy of the model (its tensor and pipeline
+        shards) and trains on its share of every global batch."""
+        return self.world_size // (self.tensor * self.pipeline)
 
 
 @attrs.frozen
@@ -441,7 +441,7 @@ class TrainSpec:
             if value < 1:
                 raise ValueError(f"TrainSpec.{name} must be >= 1, got {value}")
         problem = batch_split_problem(
-            self.global_batch_size, self.micro_batch_size, self.model.parallel.data_parallel_size
+            self.global_batch_size, self.micro_batch_size, self.model.parallel.data
         )
         if problem:
             raise ValueError(f"TrainSpec: {problem}")

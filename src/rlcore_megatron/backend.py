@@ -186,9 +186,7 @@ class MegatronBackend:
 
     def _model(self, spec: ModelSpec) -> tuple[GPTModel, ModelArch]:
         parallel = spec.parallel
-        init_megatron(
-            parallel.tensor_model_parallel_size, spec.seed, parallel.expert_model_parallel_size
-        )
+        init_megatron(parallel.tensor, spec.seed, parallel.expert)
         world = torch.distributed.get_world_size()
         if world != spec.parallel.world_size:
             # The spec's split (TrainSpec's batch rule included) holds only for its own layout.

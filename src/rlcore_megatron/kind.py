@@ -30,9 +30,7 @@ class MegatronRuntime:
     def init(self, parallel: ParallelSpec, seed: int) -> None:
         from rlcore_megatron.parallel import init_megatron
 
-        init_megatron(
-            parallel.tensor_model_parallel_size, seed, parallel.expert_model_parallel_size
-        )
+        init_megatron(parallel.tensor, seed, parallel.expert)
 
     def backend(self) -> Backend:
         from rlcore_megatron.backend import MegatronBackend

@@ -179,7 +179,7 @@ class _RankWorker:
             LOCAL_RANK=str(local_rank),
         )
         self._local_rank = local_rank
-        self._tp = parallel.tensor_model_parallel_size
+        self._tp = parallel.tensor
         self._runtime.init(parallel, seed)
         # OMP_NUM_THREADS was set before the process started; torch reads it on import, but say it.
         torch = sys.modules.get("torch")
@@ -279,7 +279,7 @@ class RankGroup(Generic[S]):
         self._closed = False
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
-        self._tp = parallel.tensor_model_parallel_size
+        self._tp = parallel.tensor
         self._own: ClusterPlacement | None = None
         if slots is None:
             request = PlacementRequest(actor_ranks=self._world_size)

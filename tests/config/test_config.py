@@ -145,7 +145,7 @@ def test_expert_parallel_flags_reach_the_model_spec_and_are_checked() -> None:
     )
     assert isinstance(the_plan, TrainPlan)
     model = the_plan.actor.model
-    assert (model.parallel.expert_model_parallel_size, model.moe_aux_loss_coeff) == (2, 0.01)
+    assert (model.parallel.expert, model.moe_aux_loss_coeff) == (2, 0.01)
     # 2 ranks cannot hold experts split over 2 TP ranks in 2 expert-parallel groups
     joined = "\n".join(
         _problems([*flags, "--actor-num-gpus-per-node", "2", "--moe-aux-loss-coeff", "-1"])

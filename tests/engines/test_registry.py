@@ -245,4 +245,4 @@ def test_placement_flags_that_cannot_work_are_refused() -> None:
         ]
     )
     assert problem.startswith("model.tensor_model_parallel_size")
-    assert "the critic's ranks: tensor_model_parallel_size 2 does not divide the 3 ranks" in problem
+    assert "the critic's ranks: tensor parallel 2 does not divide the 3 ranks" in problem

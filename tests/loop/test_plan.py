@@ -162,7 +162,7 @@ def test_train_spec_splits_into_whole_micro_batches_by_construction(
         assert global_batch % (micro_batch * dp)
         assert f"micro_batch_size x data-parallel ranks = {micro_batch} x {dp}" in str(exc)
     else:
-        per_rank = spec.global_batch_size // spec.model.parallel.data_parallel_size
+        per_rank = spec.global_batch_size // spec.model.parallel.data
         assert per_rank % spec.micro_batch_size == 0
 
 

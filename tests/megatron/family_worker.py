@@ -82,9 +82,7 @@ def run(rank: int, world: int, port: int, folders: dict[str, str], out: str) -> 
     batch = make_batch(make_samples(4, seed=21), seed=22)
 
     def run_layout(name: str, parallel: ParallelSpec, families: dict[str, str]) -> None:
-        init_megatron(
-            parallel.tensor_model_parallel_size, 1234, parallel.expert_model_parallel_size
-        )
+        init_megatron(parallel.tensor, 1234, parallel.expert)
         found: dict[str, Any] = {}
         for family, folder in families.items():
             ev = backend.build_eval_stack(
@@ -99,7 +97,7 @@ def run(rank: int, world: int, port: int, folders: dict[str, str], out: str) -> 
                 "grad_norm": metrics.grad_norm,
                 "extra": dict(metrics.extra),
             }
-            if parallel.expert_model_parallel_size > 1:
+            if parallel.expert > 1:
                 stack.save(results / f"{name}_ckpt", rollout_id=3)
                 found[family]["loaded"] = stack.load(results / f"{name}_ckpt")
                 found[family]["reloaded"] = weights(stack.export_weights())
@@ -107,7 +105,7 @@ def run(rank: int, world: int, port: int, folders: dict[str, str], out: str) -> 
         torch.save(found, results / f"{name}.rank{rank}.pt")
         parallel_state.destroy_model_parallel()
 
-    run_layout("tp2", ParallelSpec(tensor_model_parallel_size=2, world_size=2), folders)
+    run_layout("tp2", ParallelSpec(tensor=2, world_size=2), folders)
     experts = {f: p for f, p in folders.items() if f == "qwen3_moe"}
-    run_layout("ep2", ParallelSpec(world_size=2, expert_model_parallel_size=2), experts)
+    run_layout("ep2", ParallelSpec(world_size=2, expert=2), experts)
     shutdown_megatron()

@@ -45,7 +45,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     # tensor parallel 2
     init_megatron(tp_size=2, seed=1234)
-    tp2 = ParallelSpec(tensor_model_parallel_size=2, world_size=2)
+    tp2 = ParallelSpec(tensor=2, world_size=2)
     ev = backend.build_eval_stack(EvalSpec(ModelSpec("actor", folder, parallel=tp2)))
     exported = weights(ev.export_weights())
     from rlcore_megatron.hf_weights import save_hf
@@ -79,7 +79,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     # data parallel 2
     init_megatron(tp_size=1, seed=1234)
-    dp2 = ParallelSpec(tensor_model_parallel_size=1, world_size=2)
+    dp2 = ParallelSpec(tensor=1, world_size=2)
     spec = gradient_step_spec(folder)
     stack = backend.build_training_stack(
         attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2))
