@@ -111,13 +111,13 @@ def test_a_config_file_section_sets_the_engine_and_flags_override_it(tmp_path: P
 
 def test_options_of_an_engine_that_is_not_chosen_are_refused(tmp_path: Path) -> None:
     assert _problems([*TRAIN, "--weight-sync", "disk"]) == [
-        "sglang: settings of the 'sglang' rollout engine, but the engine is 'embedded' "
+        "sglang: settings of the 'sglang' rollout engine, but the rollout engine is 'embedded' "
         "(add --rollout-engine sglang, or drop them)"
     ]
     toml = tmp_path / "run.toml"
     toml.write_text("[rollout]\nengine_options = 3\n")
     (problem,) = _problems([*TRAIN, "--config", str(toml)])
-    assert "engine settings go in the engine's own section" in problem
+    assert "an engine's or backend's settings go in its own section" in problem
 
 
 def test_bad_engine_options_name_their_flag() -> None:

@@ -11,11 +11,14 @@ from typing import Any
 
 import attrs
 
+from rlcore.backends import KNOWN_BACKENDS
 from rlcore.config.fields import option, problem, problems_under
+from rlcore.config.kinds import CHOICES, options_problem
 from rlcore.config.rollout import RolloutConfig
-from rlcore.engines import KNOWN_ENGINES, load_engine
-from rlcore.errors import BackendUnavailableError, ConfigProblem
+from rlcore.errors import ConfigProblem
 from rlcore.specs import expert_split_problem, parallel_split_problem
+
+ENGINE, BACKEND = CHOICES
 
 __all__ = [
     "ClusterConfig",
@@ -33,6 +36,22 @@ class ModelConfig:
     hf_checkpoint: Path | None = option(
         None, "--hf-checkpoint", "HF model folder (config.json + safetensors)"
     )
+    train_backend: str = option(
+        "megatron",
+        "--train-backend",
+        "the training backend, by name (slime's and Miles's flag); backend-specific settings "
+        "are below, under the backend's name",
+        choices=tuple(KNOWN_BACKENDS),
+    )
+    backend_options: object = attrs.field(
+        default=None,
+        metadata={
+            "help": "the chosen backend's own settings (its flags, or its config-file section)"
+        },
+    )
+    """The chosen backend's own settings, an instance of its options class (``None``: its
+    defaults), from its flags or its config-file section (``[megatron]``); see
+    :mod:`rlcore.config.kinds`."""
     tensor_model_parallel_size: int = option(
         1, "--tensor-model-parallel-size", "tensor-parallel ranks"
     )
@@ -101,8 +120,11 @@ class ClusterConfig:
 
 
 def model_problems(m: ModelConfig) -> list[ConfigProblem]:
-    """Parallel sizes at least 1, a non-negative MoE loss weight."""
-    problems = [
+    """A known, installed backend with options of its type; parallel sizes at least 1, a
+    non-negative MoE loss weight."""
+    backend = options_problem(BACKEND, m)[0]
+    problems = [] if backend is None else [backend]
+    problems += [
         problem(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
         for name in ("tensor_model_parallel_size", "expert_model_parallel_size")
         if getattr(m, name) < 1
@@ -163,30 +185,11 @@ def engine_and_cluster_problems(r: RolloutConfig, k: ClusterConfig) -> list[Conf
         problems.append(problem(section, prefix, name, message, hint))
 
     runs_servers = False
-    if r.engine not in KNOWN_ENGINES:
-        add(
-            RolloutConfig,
-            "rollout",
-            "engine",
-            f"unknown rollout engine {r.engine!r}",
-            f"use one of: {', '.join(KNOWN_ENGINES)}",
-        )
+    engine, kind = options_problem(ENGINE, r)
+    if engine is not None:
+        problems.append(engine)
     else:
-        try:
-            kind = load_engine(r.engine)
-        except BackendUnavailableError as exc:
-            add(RolloutConfig, "rollout", "engine", str(exc))
-        else:
-            if r.engine_options is not None and not isinstance(r.engine_options, kind.options_type):
-                problems.append(
-                    ConfigProblem(
-                        "rollout.engine_options",
-                        f"engine {r.engine!r} takes {kind.options_type.__name__}, "
-                        f"got {type(r.engine_options).__name__}",
-                    )
-                )
-            else:
-                runs_servers = kind.runs_servers(kind.options(r.engine_options))
+        runs_servers = kind.runs_servers(kind.options(r.engine_options))
 
     for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
         if getattr(k, name) < 1:

@@ -14,6 +14,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
+from rlcore.config.kinds import CHOICES
 from rlcore.config.run_config import RunConfig
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import LossAggMode
@@ -27,7 +28,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(int, lambda v, _: _structure_int(v))
     conv.register_structure_hook(float, lambda v, _: _structure_float(v))
     conv.register_structure_hook(bool, lambda v, _: _structure_bool(v))
-    conv.register_structure_hook_func(lambda t: t is object, _structure_engine_options)
+    conv.register_structure_hook_func(lambda t: t is object, _structure_kind_options)
     conv.register_structure_hook_func(lambda t: t == LossAggMode, _structure_agg_mode)
     return conv
 
@@ -64,9 +65,10 @@ class _NotFinite(ValueError):
     """A NaN or infinite float value (reported without the "invalid value" prefix)."""
 
 
-def _structure_engine_options(value: object, _: object) -> object:
+def _structure_kind_options(value: object, _: object) -> object:
     raise TypeError(
-        "engine settings go in the engine's own section ([sglang] for --rollout-engine sglang)"
+        "an engine's or backend's settings go in its own section ([sglang] for "
+        "--rollout-engine sglang, [megatron] for --train-backend megatron)"
     )
 
 
@@ -186,12 +188,13 @@ def structure_config(data: dict[str, Any], source: str = "") -> RunConfig:
 
 
 def settings_data(config: RunConfig) -> dict[str, Any]:
-    """``config`` as plain data shaped like a ``--config`` TOML file: its sections, and the chosen
-    engine's options as a section named after the engine (``[sglang]``). Paths are strings, unset
-    values ``None``. :func:`structure_config` (with the engine's section taken apart again, as
-    :func:`rlcore.config.flags.load_config` does) reads it back."""
+    """``config`` as plain data shaped like a ``--config`` TOML file: its sections, and the
+    chosen engine's and backend's options each as a section named after it (``[sglang]``).
+    Paths are strings, unset values ``None``. :func:`structure_config` (with those sections taken
+    apart again, as :func:`rlcore.config.flags.load_config` does) reads it back."""
     data: dict[str, Any] = converter.unstructure(config)
-    options = data["rollout"].pop("engine_options")
-    if options is not None:
-        data[config.rollout.engine] = converter.unstructure(options)
+    for choice in CHOICES:
+        options = data[choice.section].pop(choice.options_field)
+        if options is not None:
+            data[data[choice.section][choice.field]] = converter.unstructure(options)
     return data

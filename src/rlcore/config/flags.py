@@ -4,9 +4,10 @@ The parser is generated from the config classes' field metadata, one argument gr
 so a flag cannot exist without a field (or the other way round). Values are handed to the cattrs
 converter as given, so a bad value is reported like a bad TOML value: with its field path.
 
-Each rollout engine with options of its own (:mod:`rlcore.engines`) gets a group and a TOML
-section under its name (``[sglang]``); its values become ``RolloutConfig.engine_options`` when it
-is the chosen engine, and are refused when it is not.
+Each rollout engine and training backend with options of its own (:mod:`rlcore.config.kinds`)
+gets a group and a TOML section under its name (``[sglang]``, ``[megatron]``); its values become
+the config's ``engine_options`` or ``backend_options`` when it is the chosen one, and are refused
+when it is not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
 from rlcore.config.convert import converter, problems_from, structure_config, with_flag
 from rlcore.config.fields import root_problems
+from rlcore.config.kinds import CHOICES, KindChoice
 from rlcore.config.run_config import RunConfig
 from rlcore.config.saved import (
     EVAL_ONLY_SETTINGS,
@@ -33,8 +35,7 @@ from rlcore.config.saved import (
     read_saved_settings,
     with_saved_settings,
 )
-from rlcore.engines import KNOWN_ENGINES, load_engine
-from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
+from rlcore.errors import ConfigError, ConfigProblem
 
 __all__ = ["build_parser", "load_config", "read_settings", "read_toml"]
 
@@ -59,17 +60,14 @@ _SECTIONS: dict[str, str] = {
 _Flagged = tuple[str | None, type[Any], "attrs.Attribute[Any]"]
 
 
-def _engine_sections() -> dict[str, type[Any]]:
-    """Engine name -> its options class, for the installed engines whose options have flags."""
-    out: dict[str, type[Any]] = {}
-    for name in KNOWN_ENGINES:
-        try:
-            options_type = load_engine(name).options_type
-        except BackendUnavailableError:
-            continue
-        if any("flag" in f.metadata for f in attrs.fields(options_type)):
-            out[name] = options_type
-    return out
+def _kind_sections() -> dict[str, tuple[KindChoice, type[Any]]]:
+    """Section name -> (the choice it belongs to, its options class), for every installed engine
+    and backend whose options have flags."""
+    return {
+        name: (choice, options_type)
+        for choice in CHOICES
+        for name, options_type in choice.options_types().items()
+    }
 
 
 def _fields_with_flags() -> list[_Flagged]:
@@ -87,7 +85,7 @@ def _fields_with_flags() -> list[_Flagged]:
             ]
         elif "flag" in field.metadata:
             out.append((None, RunConfig, field))
-    for name, options_type in _engine_sections().items():
+    for name, (_, options_type) in _kind_sections().items():
         out += [(name, options_type, f) for f in attrs.fields(options_type) if "flag" in f.metadata]
     return out
 
@@ -146,9 +144,9 @@ def build_parser(
     }
     for name, title in _SECTIONS.items():
         groups[name] = parser.add_argument_group(f"{title} [{name}]")
-    for name in _engine_sections():
+    for name, (choice, _) in _kind_sections().items():
         groups[name] = parser.add_argument_group(
-            f"rollout engine {name} (with --rollout-engine {name}) [{name}]"
+            f"{choice.what} {name} (with {choice.flag} {name}) [{name}]"
         )
     for section, owner, field in _fields_with_flags():
         meta = field.metadata
@@ -281,25 +279,31 @@ def _build(data: dict[str, Any], source: str, problems: list[ConfigProblem]) -> 
     """The config ``data`` (sections, and engine sections) describes, or :class:`ConfigError`
     with ``problems`` and every new one."""
     data = dict(data)
-    engines = {name: data.pop(name) for name in KNOWN_ENGINES if name in data}
+    sections = [
+        {name: data.pop(name) for name in choice.registry if name in data} for choice in CHOICES
+    ]
     try:
         config = structure_config(data, source)
     except ConfigError as exc:
         # The flags' own problems are causes: what the config derives from them is left out.
         raise ConfigError(root_problems(problems + list(exc.problems)), source) from exc.__cause__
-    problems = problems + [
-        ConfigProblem(
-            f"{name}",
-            f"settings of the {name!r} rollout engine, but the engine is {config.rollout.engine!r}",
-            f"add --rollout-engine {name}, or drop them",
-        )
-        for name in engines
-        if name != config.rollout.engine
-    ]
+    for choice, given in zip(CHOICES, sections, strict=True):
+        chosen = choice.chosen(config)
+        problems = problems + [
+            ConfigProblem(
+                f"{name}",
+                f"settings of the {name!r} {choice.what}, but the {choice.what} is {chosen!r}",
+                f"add {choice.flag} {name}, or drop them",
+            )
+            for name in given
+            if name != chosen
+        ]
     problems += missing_data_files(config)
     if problems:
         raise ConfigError(problems, source)
-    return _with_engine_options(config, engines.get(config.rollout.engine, {}), source)
+    for choice, given in zip(CHOICES, sections, strict=True):
+        config = _with_options(choice, config, given.get(choice.chosen(config), {}), source)
+    return config
 
 
 def missing_data_files(config: RunConfig) -> list[ConfigProblem]:
@@ -317,17 +321,21 @@ def missing_data_files(config: RunConfig) -> list[ConfigProblem]:
     ]
 
 
-def _with_engine_options(config: RunConfig, data: dict[str, Any], source: str) -> RunConfig:
-    """``config`` with the chosen engine's options built from ``data`` (its section)."""
-    name = config.rollout.engine
-    options_type = load_engine(name).options_type  # the config check has imported it already
+def _with_options(
+    choice: KindChoice, config: RunConfig, data: dict[str, Any], source: str
+) -> RunConfig:
+    """``config`` with the chosen engine's or backend's options built from ``data`` (its
+    section)."""
+    name = choice.chosen(config)
+    options_type = choice.load(name).options_type  # the config check has imported it already
     try:
         options = converter.structure(data, options_type)
     except ConfigError as exc:
         raise ConfigError(exc.problems, source) from None
     except (ClassValidationError, ForbiddenExtraKeysError) as exc:
         raise ConfigError(problems_from(exc, name, options_type), source) from exc
-    return attrs.evolve(config, rollout=attrs.evolve(config.rollout, engine_options=options))
+    with_options: RunConfig = choice.with_options(config, options)
+    return with_options
 
 
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf(inity)?", re.IGNORECASE)

@@ -28,8 +28,8 @@ from typing import Any
 import attrs
 
 from rlcore.config.convert import VERL_DR_GRPO_MODE, structure_config, with_flag
+from rlcore.config.kinds import CHOICES
 from rlcore.config.run_config import RunConfig
-from rlcore.engines import KNOWN_ENGINES
 from rlcore.errors import ConfigError, ConfigProblem
 
 __all__ = ["SettingChange", "refusal", "resume_changes", "saved_config"]
@@ -59,11 +59,15 @@ def saved_config(settings: Mapping[str, Any]) -> RunConfig:
     aggregation as ``seq-mean-token-sum-norm``, read as ``seq-mean-token-sum-budget`` (the same
     number; today that name is verl's and refused). Raises :class:`~rlcore.errors.ConfigError`
     when today's rules refuse them."""
-    data = {k: v for k, v in settings.items() if k not in KNOWN_ENGINES}
+    kinds = {name for choice in CHOICES for name in choice.registry}
+    data = {k: v for k, v in settings.items() if k not in kinds}
     algorithm = data.get("algorithm")
     if isinstance(algorithm, Mapping) and algorithm.get("loss_agg_mode") == VERL_DR_GRPO_MODE:
         data["algorithm"] = {**algorithm, "loss_agg_mode": "seq-mean-token-sum-budget"}
     return structure_config(data, "the checkpoint's settings")
+
+
+_OPTIONS_FIELDS = frozenset(choice.options_field for choice in CHOICES)
 
 
 def _fields(config: RunConfig) -> Iterator[tuple[str, object]]:
@@ -71,7 +75,7 @@ def _fields(config: RunConfig) -> Iterator[tuple[str, object]]:
         value = getattr(config, field.name)
         if attrs.has(type(value)):
             for inner in attrs.fields(type(value)):
-                if inner.name != "engine_options":
+                if inner.name not in _OPTIONS_FIELDS:
                     yield f"{field.name}.{inner.name}", getattr(value, inner.name)
         else:
             yield field.name, value
