@@ -62,13 +62,13 @@ def steps_with(
     """Seconds between consecutive trained rollouts, and each rollout's perf split."""
     from benchmarks.bench_tiny import prefix_partial
     from rlcore.config.flags import load_config
+    from rlcore.launch.pieces import make_engine
+    from rlcore.launch.prepare import load_run_data, load_tokenizer, placement_request
+    from rlcore.launch.ray.cluster import ClusterPlacement
+    from rlcore.launch.ray.stacks import RayBackend
     from rlcore.loop import run
     from rlcore.loop.plan import TrainPlan, plan
-    from rlcore_megatron.cluster import ClusterPlacement
     from rlcore_megatron.kind import MegatronRuntime
-    from rlcore_megatron.prepare import load_run_data, load_tokenizer, placement_request
-    from rlcore_megatron.ray_stacks import RayBackend
-    from rlcore_megatron.run import make_engine
 
     # fmt: off
     config = load_config([

@@ -159,12 +159,12 @@ def rlcore_steps(
 ) -> tuple[list[float], list[dict[str, float]]]:
     from benchmarks.bench_tiny import prefix_partial
     from rlcore.config.flags import load_config
+    from rlcore.launch.pieces import make_engine
+    from rlcore.launch.prepare import load_run_data, load_tokenizer
+    from rlcore.launch.ray.stacks import RayBackend
     from rlcore.loop import run
     from rlcore.loop.plan import plan
     from rlcore_megatron.kind import MegatronRuntime
-    from rlcore_megatron.prepare import load_run_data, load_tokenizer
-    from rlcore_megatron.ray_stacks import RayBackend
-    from rlcore_megatron.run import make_engine
 
     config = load_config(
         [

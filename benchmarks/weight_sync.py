@@ -42,14 +42,14 @@ import torch
 
 from benchmarks.results import Ratio, write_ratios
 from rlcore import new_model
+from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
+from rlcore.launch.ray.worker import RankContext
 from rlcore.loop import push_weights
 from rlcore.protocols import EvalStack, NamedTensors
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore.weights import AnyProcess
 from rlcore_megatron.kind import MegatronRuntime
-from rlcore_megatron.ray_group import RankContext
-from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import WEIGHT_SYNC_MODES, EngineOptions, WeightSyncMode

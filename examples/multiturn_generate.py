@@ -1,7 +1,7 @@
 """A custom generate function (``--custom-generate-function-path``, slime's flag): one sample,
 generated turn by turn, with its own tool loop instead of an Environment.
 
-Run it on the tool demo's data (``python -m rlcore_megatron.tool_demo`` prepares it)::
+Run it on the tool demo's data (``python -m rlcore.launch.tool_demo`` prepares it)::
 
     python -m rlcore_megatron.run ... --custom-generate-function-path \
         examples.multiturn_generate:generate --max-turns 3

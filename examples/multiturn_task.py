@@ -15,12 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+from rlcore.launch.cli import main
 from rlcore.new_model import Sizes, build_char_tokenizer, build_model
 from rlcore.protocols import Tokenizer
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.replay import load_rollout_data
 from rlcore.samples import Generation, Prompt, Turn
-from rlcore_megatron.run import main
 
 ALPHABET = "0123456789<>?"  # every character a prompt, a turn or an observation uses
 MODULE = Path(__file__).stem  # the flags name this file's functions: "multiturn_task:make_game"

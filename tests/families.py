@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import torch
 
-from rlcore_megatron.arch import Family
+from rlcore_megatron.model.arch import Family
 
 __all__ = [
     "ALPHABET",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 600
+MAX_LINES = 500
 
 
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
@@ -84,7 +84,34 @@ def test_the_core_may_not_import_a_backend(tree_copy: Path) -> None:
     assert "rlcore.loop.training -> rlcore_megatron" in result.stdout
 
 
-def test_no_module_of_src_is_over_600_lines() -> None:
+def test_the_launcher_may_not_import_a_backend(tree_copy: Path) -> None:
+    """The launcher finds backends by name (rlcore.backends): importing one is refused."""
+    _append(
+        tree_copy / "src/rlcore/launch/cli.py",
+        "\n\ndef _seeded() -> None:\n"
+        "    from rlcore_megatron.backend import MegatronBackend  # noqa: F401\n",
+    )
+    result = _lint_imports(tree_copy)
+    assert result.returncode == 1
+    assert "rlcore.launch.cli -> rlcore_megatron.backend" in result.stdout
+
+
+def test_a_backend_may_not_import_the_launcher_or_an_engine(tree_copy: Path) -> None:
+    """A backend package knows only the core below it: not the launcher above it (its
+    command-line entry aside), not an engine package beside it."""
+    _append(
+        tree_copy / "src/rlcore_megatron/stacks.py",
+        "\n\ndef _seeded() -> None:\n"
+        "    import rlcore.launch.record  # noqa: F401\n"
+        "    import rlcore_sglang.client  # noqa: F401\n",
+    )
+    result = _lint_imports(tree_copy)
+    assert result.returncode == 1
+    assert "rlcore_megatron.stacks -> rlcore.launch.record" in result.stdout
+    assert "rlcore_megatron.stacks -> rlcore_sglang.client" in result.stdout
+
+
+def test_no_module_of_src_is_over_500_lines() -> None:
     sizes = {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for path in (ROOT / "src").rglob("*.py")

@@ -21,7 +21,7 @@ from rlcore.data import HFTokenizer
 from rlcore.loop.preflight import check_model_folder
 from rlcore.new_model import FAMILIES, build_tokenizer, main
 from rlcore.testing.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
-from rlcore_megatron.arch import SUPPORTED_MODEL_TYPES, arch_from_hf_config
+from rlcore_megatron.model.arch import SUPPORTED_MODEL_TYPES, arch_from_hf_config
 
 ALPHABET = "0123456789+= "
 

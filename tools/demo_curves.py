@@ -4,12 +4,12 @@
         [--variant NAME=FLAGS ...] [--work runs/curves] [--plot curves.png]
 
 ``--demo reverse`` (default) runs ``python -m rlcore_megatron.run`` on the no-flag demo
-(``runs/demo``'s model and data, built by :func:`rlcore_megatron.demo.prepare_demo`); ``--demo
-tool`` runs the tool demo's two phases (:func:`rlcore_megatron.tool_demo.tool_demo_flags`: the
+(``runs/demo``'s model and data, built by :func:`rlcore.launch.demo.prepare_demo`); ``--demo
+tool`` runs the tool demo's two phases (:func:`rlcore.launch.tool_demo.tool_demo_flags`: the
 warm start, then GRPO from its checkpoint) and an eval-only run of the result with a calculator
 that refuses every call; ``--demo opd`` trains the teacher once (the reverse demo as shipped,
 seed 0) and then the fresh model from it by on-policy distillation with no warm start
-(:func:`rlcore_megatron.demo.opd_demo_flags`; a variant ``pure=--opd-only`` drops the reward);
+(:func:`rlcore.launch.demo.opd_demo_flags`; a variant ``pure=--opd-only`` drops the reward);
 ``--demo own-task`` runs the README's "Your own task" section as written (``tests/readme_task.py``):
 its steps before training once, then its training command with the run's folders under the work
 folder (its table is of exact answers, ``eval/heldout/pass@1``).
@@ -37,15 +37,15 @@ from pathlib import Path
 
 import attrs
 
-from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore.plot import plot
-from rlcore_megatron.demo import demo_flags, opd_demo_flags, prepare_demo
-from rlcore_megatron.tool_demo import (
+from rlcore.launch.demo import demo_flags, opd_demo_flags, prepare_demo
+from rlcore.launch.tool_demo import (
     WARM_START_ROLLOUTS,
     prepare_tool_demo,
     tool_demo_eval_flags,
     tool_demo_flags,
 )
+from rlcore.loop.metrics import read_jsonl_metrics
+from rlcore.plot import plot
 
 HELD_OUT = "eval/heldout/reward"
 EXACT = "eval/heldout/pass@1"

@@ -19,9 +19,9 @@ import torch
 def main() -> None:
     import transformers
 
-    from rlcore_megatron.arch import read_hf_config
-    from rlcore_megatron.hf_weights import load_hf_weights
-    from rlcore_megatron.model import build_gpt
+    from rlcore_megatron.model.arch import read_hf_config
+    from rlcore_megatron.model.gpt import build_gpt
+    from rlcore_megatron.model.hf_weights import load_hf_weights
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
     from tests.families import FAMILIES, FamilyModels
     from tests.megatron import family_worker

@@ -27,6 +27,9 @@ engine import torch on demand, and backends (``rlcore_megatron``) and rollout en
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from rlcore.backends import load_backend
 from rlcore.config import RunConfig, load_config
 from rlcore.errors import (
     BackendContractError,
@@ -42,7 +45,6 @@ from rlcore.errors import (
     RolloutError,
 )
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
-from rlcore.loop.backends import execute, load_backend
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, RolloutSpec, TrainPlan, plan
 from rlcore.protocols import (
     Backend,
@@ -91,6 +93,19 @@ from rlcore.specs import (
     ParallelSpec,
     TrainSpec,
 )
+
+
+def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
+    """Run ``config`` to the end exactly as its command line (``python -m rlcore.launch``) does,
+    on the backend it names (``--train-backend``): every check before anything starts, the data
+    read once, Ray, the backend's ranks and the rollout engine built from the config, and the
+    run's ``metrics.jsonl``, ``run.log`` and ``summary.json`` in ``config.output_dir``. ``notes``
+    go to the run's log first (``load_config(..., report=notes)``). See
+    :func:`rlcore.launch.cli.execute` (imported here on use: ``import rlcore`` stays light)."""
+    from rlcore.launch.cli import execute as launch
+
+    return launch(config, notes)
+
 
 __version__ = "0.1.0"
 

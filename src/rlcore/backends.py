@@ -28,7 +28,7 @@ from rlcore.imports import Registry, load_registered
 from rlcore.protocols import Backend
 from rlcore.specs import ParallelSpec
 
-__all__ = ["KNOWN_BACKENDS", "BackendKind", "RankRuntime", "load_backend_kind"]
+__all__ = ["KNOWN_BACKENDS", "BackendKind", "RankRuntime", "load_backend", "load_backend_kind"]
 
 OptionsT = TypeVar("OptionsT")
 
@@ -98,3 +98,11 @@ def load_backend_kind(name: str) -> BackendKind[Any]:
     missing."""
     kind: BackendKind[Any] = load_registered(KNOWN_BACKENDS, name, "backend")
     return kind
+
+
+def load_backend(name: str, options: object | None = None) -> Backend:
+    """The backend registered as ``name``, for this process as one rank (``rlcore.run`` with
+    components of your own; a launch runs it on its ranks instead): its kind's rank runtime with
+    ``options`` (the backend's defaults for ``None``) builds it. A clear install hint when its
+    package is missing."""
+    return load_backend_kind(name).rank_runtime(options).backend()

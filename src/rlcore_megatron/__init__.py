@@ -18,9 +18,9 @@ import warnings
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from rlcore_megatron.arch import ModelArch, read_hf_config
     from rlcore_megatron.backend import MegatronBackend
-    from rlcore_megatron.hf_weights import save_hf
+    from rlcore_megatron.model.arch import ModelArch, read_hf_config
+    from rlcore_megatron.model.hf_weights import save_hf
     from rlcore_megatron.parallel import init_megatron, shutdown_megatron
     from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from rlcore_megatron.run import main
+from rlcore.launch.cli import main
 
 sys.exit(main())

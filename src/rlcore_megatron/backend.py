@@ -1,6 +1,6 @@
 """``MegatronBackend``: builds Megatron stacks from the planner's specs (``rlcore.Backend``).
 
-Per rank: call it in every Megatron rank with the same spec (:mod:`rlcore_megatron.ray_group` does
+Per rank: call it in every Megatron rank with the same spec (:mod:`rlcore.launch.ray.ranks` does
 that for Ray actors). It initialises ``torch.distributed`` and Megatron's parallel state through
 :func:`~rlcore_megatron.parallel.init_megatron` if the process has not already.
 """
@@ -19,9 +19,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
-from rlcore_megatron.arch import ModelArch, arch_from_hf_config, read_hf_config
-from rlcore_megatron.hf_weights import load_hf_weights
-from rlcore_megatron.model import build_gpt
+from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config, read_hf_config
+from rlcore_megatron.model.gpt import build_gpt
+from rlcore_megatron.model.hf_weights import load_hf_weights
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
@@ -161,7 +161,7 @@ class MegatronBackend:
     """Builds :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
 
     Weights come from ``ModelSpec.hf_checkpoint`` (an HF folder of a family that
-    :mod:`rlcore_megatron.arch` supports). A spec without one gets a model built from
+    :mod:`rlcore_megatron.model.arch` supports). A spec without one gets a model built from
     ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
     """
 

@@ -16,7 +16,7 @@ from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.imports import NoOptions
 from rlcore.protocols import Backend
 from rlcore.specs import ParallelSpec
-from rlcore_megatron.arch import arch_from_hf_config, model_info
+from rlcore_megatron.model.arch import arch_from_hf_config, model_info
 
 __all__ = ["MEGATRON", "MegatronRuntime"]
 
@@ -39,7 +39,7 @@ class MegatronRuntime:
 
 
 def model_problems(hf_config: Mapping[str, Any], source: str) -> list[ConfigProblem]:
-    """What :mod:`rlcore_megatron.arch` (which imports no Megatron) cannot build in the
+    """What :mod:`rlcore_megatron.model.arch` (which imports no Megatron) cannot build in the
     ``config.json`` read from ``source``."""
     try:
         arch_from_hf_config(dict(hf_config), source)
@@ -55,7 +55,7 @@ def saved_model_problem(stack: Path, hf_config: Mapping[str, Any], source: str) 
     try:
         saved = json.loads(record.read_text())["model"]
         if not isinstance(saved, dict):
-            raise TypeError(f"model is a {type(saved).__name__}")
+            raise TypeError(f"model is of type {type(saved).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{record} cannot be read: {exc}"
     here = model_info(arch_from_hf_config(dict(hf_config), source), "teacher")

@@ -33,10 +33,11 @@ from rlcore.protocols import NamedTensors, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import deliver
-from rlcore_megatron import checkpoint, moe
-from rlcore_megatron.arch import ModelArch, model_info
-from rlcore_megatron.hf_weights import ExportBuffers, export_hf_weights, save_hf
-from rlcore_megatron.model import uses_sequence_parallel
+from rlcore_megatron import checkpoint
+from rlcore_megatron.model import moe
+from rlcore_megatron.model.arch import ModelArch, model_info
+from rlcore_megatron.model.gpt import uses_sequence_parallel
+from rlcore_megatron.model.hf_weights import ExportBuffers, export_hf_weights, save_hf
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch

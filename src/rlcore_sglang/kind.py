@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 from rlcore.engines import EngineKind, EngineSetup
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.protocols import RolloutEngine
+from rlcore.protocols import RolloutEngine, TeacherServer
 from rlcore_sglang.options import SGLangOptions
 
 __all__ = ["SGLANG", "build"]
@@ -66,7 +67,22 @@ def build(setup: EngineSetup, options: SGLangOptions) -> RolloutEngine:
     return SGLangEngine.launch(settings, options=engine_options, hosts=hosts)
 
 
+def connect_teacher(url: str, timeout_s: float) -> tuple[TeacherServer, Path | None]:
+    """The distillation teacher an SGLang server at ``url`` serves (``--opd-type sglang``), once
+    it answers ``/health`` (within ``timeout_s``), and the folder it serves when readable here."""
+    from rlcore_sglang.options import EngineOptions
+    from rlcore_sglang.teacher import SGLangTeacher
+
+    teacher = SGLangTeacher.connect(url, EngineOptions(health_timeout_s=timeout_s))
+    return teacher, teacher.model_folder()
+
+
 SGLANG: Final[EngineKind[SGLangOptions]] = EngineKind(
-    "sglang", SGLangOptions, build, lambda options: not options.urls, "rlcore[sglang]"
+    "sglang",
+    SGLangOptions,
+    build,
+    lambda options: not options.urls,
+    "rlcore[sglang]",
+    connect_teacher=connect_teacher,
 )
 """SGLang servers: launched on the run's rollout hosts, or connected by ``--sglang-url``."""

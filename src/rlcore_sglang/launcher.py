@@ -2,7 +2,7 @@
 :class:`~rlcore.protocols.ProcessHost`.
 
 A host is a place the run's placement reserved (a cluster node and its GPUs, see
-``rlcore_megatron.cluster``) or this machine (:class:`~rlcore.engines.hosts.LocalProcessHost`).
+``rlcore.launch.ray.cluster``) or this machine (:class:`~rlcore.engines.hosts.LocalProcessHost`).
 The server listens on the host's address, uses the host's GPUs (tensor parallel over them) or its
 CPU threads, and writes its log on the host. All servers start at once; if one fails, all are
 stopped and the error quotes its log.

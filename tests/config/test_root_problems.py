@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError
-from rlcore_megatron.run import main
+from rlcore.launch.cli import main
 
 # A training run in which every count below means something: eval data and an interval, a save
 # folder with an interval and a retention, a warm start, sampling, a schedule with warmup.

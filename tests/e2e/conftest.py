@@ -1,5 +1,5 @@
 """What the end-to-end tests share: the CLI's own demo folder (model, tokenizer, prompts), built
-once per session by :func:`rlcore_megatron.demo.prepare_demo`. Tests read it and never change it
+once per session by :func:`rlcore.launch.demo.prepare_demo`. Tests read it and never change it
 (a test that needs a damaged model copies it first)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore_megatron.demo import prepare_demo
+from rlcore.launch.demo import prepare_demo
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,9 @@ import pytest
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError, PlanError
+from rlcore.launch.prepare import prepare
 from rlcore.loop.checkpoints import write_checkpoint
 from rlcore_megatron import prepare as prepare_module
-from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI, model_hub
 
 
@@ -211,8 +211,8 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_refused(
 def _teacher_checkpoints(save: Path, model: Path, rollout_ids: tuple[int, ...] = (0,)) -> None:
     """Checkpoints as an rlcore run of ``model`` writes them: its settings recorded in
     ``rlcore.json``, the actor's Megatron record (``rollout.json``) of that model's shape."""
-    from rlcore_megatron.arch import model_info, read_hf_config
     from rlcore_megatron.checkpoint import FORMAT
+    from rlcore_megatron.model.arch import model_info, read_hf_config
 
     record = {"format": FORMAT, "model": model_info(read_hf_config(model), "actor")}
     settings = {"model": {"hf_checkpoint": str(model)}}

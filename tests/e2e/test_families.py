@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rlcore.config.flags import load_config
+from rlcore.launch.cli import execute, main
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.run import execute, main
 from tests.families import FAMILIES, Family, build_family_model, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.launch.demo import demo_flags, opd_demo_flags, prepare_demo
+from rlcore.launch.tool_demo import prepare_tool_demo, tool_demo_flags
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.demo import demo_flags, opd_demo_flags, prepare_demo
-from rlcore_megatron.tool_demo import prepare_tool_demo, tool_demo_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron, pytest.mark.learning]
 

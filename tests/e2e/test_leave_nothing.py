@@ -22,9 +22,9 @@ import psutil
 import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
+from rlcore.launch.signals import stop_on_signals
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.loop.records import Progress
-from rlcore_megatron.run import stop_on_signals
 from tests.e2e.cli import WatchedCLI, model_hub
 from tests.small_disk import SmallDisk
 

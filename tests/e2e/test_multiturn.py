@@ -10,14 +10,14 @@ import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
+from rlcore.launch.cli import execute, main
+from rlcore.launch.tool_demo import prepare_tool_demo
 from rlcore.loop.metrics import read_jsonl_metrics
 from rlcore.rollout.replay import load_rollout_data
-from rlcore_megatron.run import execute, main
-from rlcore_megatron.tool_demo import prepare_tool_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 
-DEMO = "rlcore_megatron.tool_demo"
+DEMO = "rlcore.launch.tool_demo"
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import pytest
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
+from rlcore.launch.prepare import prepare
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.prepare import prepare
 from tests.e2e.cli import WatchedCLI
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]

@@ -18,9 +18,10 @@ import torch
 from rlcore.checkpoint_files import find_checkpoint, read_meta
 from rlcore.config.flags import load_config
 from rlcore.engines.embedded import EmbeddedEngine
+from rlcore.launch.cli import execute, main
+from rlcore.launch.pieces import make_engine
+from rlcore.launch.prepare import load_tokenizer
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.prepare import load_tokenizer
-from rlcore_megatron.run import execute, main, make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlcore.config.flags import load_config
+from rlcore.launch.cli import execute
 from rlcore.loop.metrics import read_jsonl_metrics
-from rlcore_megatron.run import execute
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 

@@ -80,9 +80,9 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
 ) -> None:
     """A wandb sink that cannot start must not leave the progress display's thread running."""
     from rlcore.config.flags import load_config
+    from rlcore.launch import pieces as run_module
+    from rlcore.launch.console import ProgressSink
     from rlcore.loop.plan import plan
-    from rlcore_megatron import run as run_module
-    from rlcore_megatron.console import ProgressSink
 
     class UnreachableWandb:
         def __init__(self, folder: Path, config: object, rewind_to: int | None) -> None:
@@ -103,13 +103,13 @@ def test_a_sink_that_fails_to_start_stops_those_started_before(
     )
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="wandb cannot start"):
-        run_module._sinks(config, plan(config))
+        run_module.start_sinks(config, plan(config))
     # rich's refresh thread is told to stop, not joined: give it a moment to exit
     started = [t for t in threading.enumerate() if t not in before]
     for thread in started:
         thread.join(timeout=5.0)
     assert [t for t in started if t.is_alive()] == []
     # without wandb the same sinks do start a display thread, so the check above can fail
-    sink = run_module._sinks(attrs.evolve(config, use_wandb=False), plan(config))
+    sink = run_module.start_sinks(attrs.evolve(config, use_wandb=False), plan(config))
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] != []
     sink.close()

@@ -48,7 +48,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     tp2 = ParallelSpec(tensor=2, world_size=2)
     ev = backend.build_eval_stack(EvalSpec(ModelSpec("actor", folder, parallel=tp2)))
     exported = weights(ev.export_weights())
-    from rlcore_megatron.hf_weights import save_hf
+    from rlcore_megatron.model.hf_weights import save_hf
 
     save_hf(ev, results / "tp2_hf", ev.arch)  # collective export, rank 0 writes
     log_probs = ev.forward(samples)

@@ -18,10 +18,10 @@ from megatron.core.optimizer import MegatronOptimizer
 from rlcore.errors import CheckpointError
 from rlcore.samples import Sample, TrainBatch
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, Precision, Role
-from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import export_hf_weights, load_hf_weights
-from rlcore_megatron.model import build_gpt
+from rlcore_megatron.model.arch import read_hf_config
+from rlcore_megatron.model.gpt import build_gpt
+from rlcore_megatron.model.hf_weights import export_hf_weights, load_hf_weights
 from rlcore_megatron.stacks import MegatronTrainingStack
 from tests.families import FAMILIES, Family, FamilyModels
 from tests.megatron.helpers import (

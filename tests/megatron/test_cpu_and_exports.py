@@ -67,10 +67,12 @@ def test_import_rlcore_megatron_is_light() -> None:
 
 
 def test_backend_is_found_by_name() -> None:
-    from rlcore.loop.backends import load_backend
+    from rlcore.backends import load_backend, load_backend_kind
     from rlcore_megatron.backend import MegatronBackend
+    from rlcore_megatron.kind import MEGATRON
 
-    assert load_backend("megatron") is MegatronBackend
+    assert load_backend_kind("megatron") is MEGATRON
+    assert isinstance(load_backend("megatron"), MegatronBackend)
 
 
 def test_sharing_parameters_hands_their_freed_heap_back_as_it_goes(

@@ -17,9 +17,9 @@ from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore.testing.tiny import EOS_ID
-from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import save_hf
+from rlcore_megatron.model.arch import read_hf_config
+from rlcore_megatron.model.hf_weights import save_hf
 from tests.families import ALPHABET, FAMILIES, Family, FamilyModels, greedy_reference
 
 pytestmark = pytest.mark.megatron

@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers
 
-from rlcore_megatron.arch import read_hf_config
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import HFReader
-from rlcore_megatron.model import uses_sequence_parallel
+from rlcore_megatron.model.arch import read_hf_config
+from rlcore_megatron.model.gpt import uses_sequence_parallel
+from rlcore_megatron.model.hf_weights import HFReader
 from tests.families import FAMILIES, Family, FamilyModels
 from tests.megatron import family_worker
 from tests.megatron.helpers import (

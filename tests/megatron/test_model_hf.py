@@ -10,14 +10,14 @@ import torch
 import transformers
 
 from rlcore.errors import CheckpointError, ConfigError
-from rlcore_megatron.arch import arch_from_hf_config, read_hf_config
-from rlcore_megatron.hf_weights import (
+from rlcore_megatron.model.arch import arch_from_hf_config, read_hf_config
+from rlcore_megatron.model.gpt import build_gpt
+from rlcore_megatron.model.hf_weights import (
     export_hf_weights,
     load_hf_weights,
     load_named_tensors,
     save_hf,
 )
-from rlcore_megatron.model import build_gpt
 from tests.megatron.helpers import weights
 
 pytestmark = pytest.mark.megatron
@@ -194,7 +194,7 @@ def test_critic_has_a_value_head_and_takes_the_backbone(tiny_hf: Path) -> None:
 
 
 def test_tensor_parallel_sizes_that_do_not_divide_the_heads_are_refused() -> None:
-    from rlcore_megatron.model import check_parallel
+    from rlcore_megatron.model.gpt import check_parallel
 
     arch = arch_from_hf_config(_config())
     check_parallel(arch, 2)

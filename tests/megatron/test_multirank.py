@@ -11,7 +11,7 @@ import transformers
 
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import HFReader
+from rlcore_megatron.model.hf_weights import HFReader
 from tests.megatron import multirank_worker
 from tests.megatron.helpers import (
     TOKEN_MEAN_TIS,

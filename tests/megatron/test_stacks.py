@@ -15,7 +15,7 @@ from rlcore.errors import BackendUnavailableError, ConfigError, PlanError
 from rlcore.protocols import EvalStack, TrainingStack
 from rlcore.specs import EvalSpec, ISCorrection, LossSpec, LRSchedule, ModelSpec, ParallelSpec
 from rlcore_megatron.backend import MegatronBackend
-from rlcore_megatron.hf_weights import load_named_tensors
+from rlcore_megatron.model.hf_weights import load_named_tensors
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 from tests.megatron.helpers import TINY, make_batch, make_samples, train_spec, weights
 

@@ -460,7 +460,7 @@ def test_bad_function_paths_name_their_flag() -> None:
         load_environment_factory("rlcore.rollout.tools:nothing_here")
     with pytest.raises(ConfigError, match="--custom-generate-function-path"):
         load_custom_generate_function("no_such_module_xyz:generate")
-    assert load_environment_factory("rlcore_megatron.tool_demo:calculator") is not None
+    assert load_environment_factory("rlcore.launch.tool_demo:calculator") is not None
 
 
 def test_an_engine_failure_reaches_every_episode() -> None:

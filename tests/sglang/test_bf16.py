@@ -11,11 +11,11 @@ import attrs
 import pytest
 import torch
 
+from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
 from rlcore.loop import push_weights
 from rlcore.samples import SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.kind import MegatronRuntime
-from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, WeightSyncMode

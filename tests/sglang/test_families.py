@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from rlcore.engines.hosts import LocalProcessHost
 from rlcore.samples import Prompt, SamplingParams
-from rlcore_megatron.arch import read_hf_config
-from rlcore_megatron.hf_weights import HFReader, save_hf
+from rlcore_megatron.model.arch import read_hf_config
+from rlcore_megatron.model.hf_weights import HFReader, save_hf
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings, start_server
 from rlcore_sglang.server import SGLangServer

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from rlcore_megatron.tool_demo import prepare_tool_demo
+from rlcore.launch.tool_demo import prepare_tool_demo
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-DEMO = "rlcore_megatron.tool_demo"
+DEMO = "rlcore.launch.tool_demo"
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess[str]:

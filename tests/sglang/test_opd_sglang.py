@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlcore.engines.hosts import LocalProcessHost
+from rlcore.launch.demo import prepare_demo
 from rlcore.samples import Generation, Prompt, Sample
-from rlcore_megatron.demo import prepare_demo
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings, start_server
 from rlcore_sglang.teacher import SGLangTeacher

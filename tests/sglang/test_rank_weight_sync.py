@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
 from rlcore.loop import push_weights
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.kind import MegatronRuntime
-from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from rlcore_sglang import weight_sync
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.options import EngineOptions, WeightSyncMode

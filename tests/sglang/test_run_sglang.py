@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore_megatron.demo import prepare_demo
+from rlcore.launch.demo import prepare_demo
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

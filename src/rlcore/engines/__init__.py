@@ -27,7 +27,7 @@ import attrs
 
 from rlcore.errors import BackendUnavailableError
 from rlcore.imports import NoOptions, Registry, load_registered
-from rlcore.protocols import ProcessHost, RolloutEngine, Tokenizer
+from rlcore.protocols import ProcessHost, RolloutEngine, TeacherServer, Tokenizer
 from rlcore.specs import Precision
 
 __all__ = ["EMBEDDED", "KNOWN_ENGINES", "EngineKind", "EngineSetup", "NoOptions", "load_engine"]
@@ -70,6 +70,11 @@ class EngineKind(Generic[OptionsT]):
     """Whether, with these options, it starts servers on hosts the run's placement reserves."""
     install: str = "rlcore"
     """What to ``pip install`` when its packages are missing."""
+    connect_teacher: Callable[[str, float], tuple[TeacherServer, Path | None]] | None = None
+    """A distillation teacher served by this engine's kind of server (``--opd-type NAME
+    --opd-teacher-url URL``): connect to the server at the URL, waiting up to the timeout (s) for
+    it to answer (else :class:`~rlcore.errors.RolloutError`), and return it with the model folder
+    it serves when this machine can read it. ``None``: this engine serves no teacher."""
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this engine's options type (its defaults for ``None``)."""

@@ -15,7 +15,7 @@ recorded while it ran. The reaper records the group's mappings every ``INTERVAL_
 milliseconds reading ``/proc``) and, once no process of the group is left, removes the recorded
 files that no process maps. It detaches from its starter (forking twice), in its own session:
 it outlives a starter killed outright, and a watchdog or Ray that kill the starter's children
-(``rlcore_megatron.watchdog``, ``RAY_kill_child_processes_on_worker_exit``) do not find it; it
+(``rlcore.launch.watchdog``, ``RAY_kill_child_processes_on_worker_exit``) do not find it; it
 ends with the group it watches. A line on its stdin asks it to look again at once; its stdout
 closes when it ends.
 

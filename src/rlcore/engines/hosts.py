@@ -1,7 +1,7 @@
 """This machine as a :class:`~rlcore.protocols.ProcessHost`: start a server process, watch it,
 read its log, stop it and everything it started, and remove the shared-memory files it leaves.
 
-A cluster's hosts (``rlcore_megatron.cluster``) run a :class:`LocalProcessHost` on the node they
+A cluster's hosts (``rlcore.launch.ray.cluster``) run a :class:`LocalProcessHost` on the node they
 reserved and forward calls to it, so a server started on another node is handled the same way.
 Standard library only (and rlcore's errors and :mod:`rlcore.engines._shm`).
 """

@@ -2,13 +2,13 @@
 
 :class:`RayTrainingStack` and :class:`RayEvalStack` satisfy
 :class:`rlcore.protocols.TrainingStack` and :class:`rlcore.protocols.EvalStack` by fanning calls
-out to a :class:`~rlcore_megatron.ray_group.RankGroup`; the loop cannot tell them from in-process
+out to a :class:`~rlcore.launch.ray.ranks.RankGroup`; the loop cannot tell them from in-process
 stacks.
 
 Data parallelism, training: split worker-side. Every rank receives the whole rollout batch (put
-once in Ray's object store) and each data-parallel rank's
-:class:`~rlcore_megatron.stacks.MegatronTrainingStack` trains on its own contiguous slice of each
-global batch, so ``global_batch_size`` must be divisible by
+once in Ray's object store) and each data-parallel rank's stack trains on its own contiguous
+slice of each global batch (:meth:`rlcore.protocols.TrainingStack.train_step`'s contract;
+:mod:`rlcore.algorithms.train_step`), so ``global_batch_size`` must be divisible by
 ``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
 driver-side, each data-parallel rank scores a contiguous part of the samples.
 
@@ -20,7 +20,7 @@ rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` s
 rank 0 return the weights to the driver.
 
 :class:`RayBackend` builds one group per stack, in the slots the run's
-:class:`~rlcore_megatron.cluster.ClusterPlacement` reserved for the stack's role (or in slots
+:class:`~rlcore.launch.ray.cluster.ClusterPlacement` reserved for the stack's role (or in slots
 reserved per group when it has none), and closes them all in :meth:`RayBackend.close`.
 """
 
@@ -35,6 +35,9 @@ import ray
 
 from rlcore.backends import RankRuntime
 from rlcore.errors import CheckpointError
+from rlcore.launch.ray.cluster import ClusterPlacement
+from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError, split_evenly
+from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols import (
     Backend,
     EvalStack,
@@ -47,14 +50,6 @@ from rlcore.protocols import (
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
-from rlcore_megatron.cluster import ClusterPlacement
-from rlcore_megatron.ray_group import (
-    GroupOptions,
-    RankContext,
-    RankGroup,
-    RayGroupError,
-    split_evenly,
-)
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +102,7 @@ def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetri
 
     The batch goes to the object store once and every rank reads it: each data-parallel rank's
     stack trains on its own contiguous slice of every global batch
-    (:class:`~rlcore_megatron.stacks.MegatronTrainingStack` splits worker-side) and reports metrics
+    (each stack splits worker-side, :mod:`rlcore.algorithms.train_step`) and reports metrics
     already reduced over data parallel.
     """
     ref = ray.put(batch)

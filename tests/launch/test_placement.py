@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore_megatron.placement import (
+from rlcore.launch.placement import (
     NodeResources,
     PlacementError,
     PlacementRequest,

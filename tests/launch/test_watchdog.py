@@ -22,7 +22,7 @@ from tests.engines.test_hosts import GROUP_SCRIPT
 PARENT = """
 import multiprocessing, os, subprocess, sys, time
 import torch, torch.multiprocessing
-from rlcore_megatron.watchdog import watch_group, watch_tree
+from rlcore.launch.watchdog import watch_group, watch_tree
 
 if __name__ == "__main__":
     mode = sys.argv[1]
@@ -112,7 +112,7 @@ SERVER_PARENT = """
 import sys, time
 from pathlib import Path
 from rlcore.engines import hosts
-from rlcore_megatron.watchdog import watch_tree
+from rlcore.launch.watchdog import watch_tree
 
 dog = watch_tree(interval_s=0.2)
 hosts._REAPER_INTERVAL_S = 0.1

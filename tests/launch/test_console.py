@@ -9,7 +9,7 @@ import re
 import pytest
 from rich.console import Console
 
-from rlcore_megatron.console import ProgressSink
+from rlcore.launch.console import ProgressSink
 
 LONG = {
     "rollout/reward": 0.03125,

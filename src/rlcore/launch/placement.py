@@ -4,7 +4,7 @@
 what the cluster has (:class:`NodeResources` per node) into a :class:`Layout`: a list of *slots*
 (one Ray placement-group bundle each) and which slots each role's ranks and each rollout engine
 use. It raises :class:`PlacementError`, saying what was asked and what the cluster has, when the
-layout cannot fit; :mod:`rlcore_megatron.cluster` reserves the slots with Ray. Pure: no Ray here.
+layout cannot fit; :mod:`rlcore.launch.ray.cluster` reserves the slots with Ray. Pure: no Ray here.
 
 The layout, with slime's meaning of the flags (``A`` actor ranks, ``C`` critic ranks, ``R``
 rollout GPUs, ``K`` GPUs per engine):

@@ -25,6 +25,26 @@ from ray.exceptions import OutOfMemoryError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from rlcore.errors import CheckpointError
+from rlcore.launch.placement import PlacementRequest
+from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot, cuda_ordinal
+from rlcore.launch.ray.ranks import (
+    GroupOptions,
+    RankGroup,
+    RankLostError,
+    RankNode,
+    RayGroupError,
+    _death,
+    _local_ranks,
+    split_evenly,
+)
+from rlcore.launch.ray.stacks import (
+    RayBackend,
+    RayEvalStack,
+    RayTrainingStack,
+    forward,
+    load,
+)
+from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols import Backend, EvalStack, ModelStack, NamedTensors, TrainingStack, WeightSink
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
@@ -38,27 +58,7 @@ from rlcore.specs import (
 )
 from rlcore.testing import RecordingWeightSink
 from rlcore.weights import AnyProcess, OnHost, deliver
-from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
 from rlcore_megatron.kind import MegatronRuntime
-from rlcore_megatron.placement import PlacementRequest
-from rlcore_megatron.ray_group import (
-    GroupOptions,
-    RankContext,
-    RankGroup,
-    RankLostError,
-    RankNode,
-    RayGroupError,
-    _death,
-    _local_ranks,
-    split_evenly,
-)
-from rlcore_megatron.ray_stacks import (
-    RayBackend,
-    RayEvalStack,
-    RayTrainingStack,
-    forward,
-    load,
-)
 
 if TYPE_CHECKING:
     import torch

@@ -1,8 +1,8 @@
-"""Hugging Face <-> Megatron weights for the ``GPTModel`` of :mod:`rlcore_megatron.model`.
+"""Hugging Face <-> Megatron weights for the ``GPTModel`` of :mod:`rlcore_megatron.model.gpt`.
 
 Import reads ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) written by
 ``save_pretrained``; export gathers the tensor- and expert-parallel shards and yields full tensors
-under the HF names of published checkpoints. :mod:`rlcore_megatron.weight_map` says which HF
+under the HF names of published checkpoints. :mod:`rlcore_megatron.model.weight_map` says which HF
 tensors make each Megatron parameter and how they are split.
 """
 
@@ -23,8 +23,8 @@ from rlcore.errors import CheckpointError
 from rlcore.loop.preflight import safetensors_problem
 from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
-from rlcore_megatron.arch import ModelArch, arch_from_hf_config
-from rlcore_megatron.weight_map import (
+from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config
+from rlcore_megatron.model.weight_map import (
     EXPERT_KINDS,
     full_tensors,
     local_shard,

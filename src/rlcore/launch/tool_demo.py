@@ -189,7 +189,7 @@ def tool_demo_flags(
     ``grpo``: ``--load ckpt_warm --finetune`` (the weights; a fresh optimizer and schedule)
     and GRPO on calculator episodes, 16 prompts x 8 episodes per rollout, learning rate
     :data:`RL_LR`, saved to ``ckpt``."""
-    here = "rlcore_megatron.tool_demo"
+    here = "rlcore.launch.tool_demo"
     out = folder if out is None else out
     common = [
         *("--hf-checkpoint", str(folder / "model"), "--prompt-data", str(folder / "train.jsonl")),
@@ -225,7 +225,7 @@ def tool_demo_eval_flags(
 ) -> list[str]:
     """Eval-only flags for the GRPO phase's checkpoint (under ``out``, default ``folder``), with
     the ``calculator`` environment or ``no_calculator`` (every call refused)."""
-    here = "rlcore_megatron.tool_demo"
+    here = "rlcore.launch.tool_demo"
     out = folder if out is None else out
     return [
         *("--num-rollout", "0", "--load", str(out / "ckpt")),
@@ -246,9 +246,9 @@ def tool_demo_eval_flags(
 
 
 def main() -> int:
-    """``python -m rlcore_megatron.tool_demo [FOLDER]``: prepare, warm start, GRPO, then score the
+    """``python -m rlcore.launch.tool_demo [FOLDER]``: prepare, warm start, GRPO, then score the
     held-out set with and without the calculator."""
-    from rlcore_megatron.run import main as run_main
+    from rlcore.launch.cli import main as run_main
 
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/tool_demo")
     prepare_tool_demo(folder)

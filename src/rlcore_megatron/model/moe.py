@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import torch
 
-from rlcore_megatron.arch import ModelArch
+from rlcore_megatron.model.arch import ModelArch
 
 __all__ = [
     "LOAD_BALANCING_LOSS",

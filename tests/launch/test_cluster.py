@@ -23,14 +23,15 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from rlcore.launch.placement import PlacementError, PlacementRequest
+from rlcore.launch.ray.cluster import ClusterPlacement
+from rlcore.launch.ray.ranks import GroupOptions
+from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
+from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols import Backend, EvalStack, TrainingStack, WeightSink
 from rlcore.samples import Sample
 from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec, TrainSpec
 from rlcore.weights import deliver
-from rlcore_megatron.cluster import ClusterPlacement
-from rlcore_megatron.placement import PlacementError, PlacementRequest
-from rlcore_megatron.ray_group import GroupOptions, RankContext
-from rlcore_megatron.ray_stacks import RayBackend, RayEvalStack
 from tests.conftest_ray import SimulatedCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -190,8 +191,8 @@ def test_ranks_spread_over_two_cpu_nodes_train_end_to_end(
     """Two nodes of one CPU each: the actor's two ranks cannot share a node, so data parallelism
     runs across nodes (gloo between raylets), driven by the CLI's own code path."""
     from rlcore.config.flags import load_config
-    from rlcore_megatron.demo import prepare_demo
-    from rlcore_megatron.run import execute
+    from rlcore.launch.cli import execute
+    from rlcore.launch.demo import prepare_demo
 
     simulated_cluster([(1, 0), (1, 0)])
     nodes = [n["NodeID"] for n in ray.nodes()]  # type: ignore[no-untyped-call]

@@ -1,4 +1,4 @@
-"""A Megatron ``GPTModel`` for a model family of :mod:`rlcore_megatron.arch`.
+"""A Megatron ``GPTModel`` for a model family of :mod:`rlcore_megatron.model.arch`.
 
 Llama, Qwen2, Qwen3 and Qwen3-MoE map onto Megatron's local (no Transformer Engine) layer specs:
 RMSNorm, SwiGLU, RoPE (default, non-interleaved; Llama 3 scaling applied to the frequencies),
@@ -26,8 +26,8 @@ from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import Precision, Role
-from rlcore_megatron import moe
-from rlcore_megatron.arch import ModelArch
+from rlcore_megatron.model import moe
+from rlcore_megatron.model.arch import ModelArch
 
 __all__ = [
     "RMSNorm",

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from rlcore.specs import Role
-from rlcore_megatron.arch import ModelArch
+from rlcore_megatron.model.arch import ModelArch
 
 __all__ = [
     "EXPERT_KINDS",

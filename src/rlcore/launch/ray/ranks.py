@@ -2,34 +2,35 @@
 
 The generic part of running a model on Ray ranks: start-up, fanning calls out, diagnosing
 failures. What the calls do (score, train, save, send weights) is in
-:mod:`rlcore_megatron.ray_stacks`; where the ranks go is :mod:`rlcore_megatron.cluster`'s.
+:mod:`rlcore.launch.ray.stacks`; where the ranks go is :mod:`rlcore.launch.ray.cluster`'s.
 
-A group is ``ParallelSpec.world_size`` actors. Each actor is one ``torch.distributed`` rank (gloo
-on the CPU, nccl on GPUs, as :func:`rlcore_megatron.parallel.init_megatron` picks) and holds its
-shard of one stack, built by :class:`~rlcore_megatron.backend.MegatronBackend` inside the actor.
-The driver never holds model weights; it fans a call out to every rank and gathers the results.
+A group is ``ParallelSpec.world_size`` actors (:class:`~rlcore.launch.ray.worker.RankWorker`).
+Each actor is one ``torch.distributed`` rank (the backend's rank runtime picks gloo on the CPU,
+nccl on GPUs) and holds its shard of one stack, built inside the actor by the backend that
+runtime gives (:class:`~rlcore.backends.RankRuntime`, from the backend's kind). The driver never
+holds model weights; it fans a call out to every rank and gathers the results.
 
 How a group comes up, in order:
 
-1. its slots: given (:meth:`~rlcore_megatron.cluster.ClusterPlacement.slots` of a run's
+1. its slots: given (:meth:`~rlcore.launch.ray.cluster.ClusterPlacement.slots` of a run's
    placement), or reserved for the group alone (one slot per rank, refused at once when the
    cluster cannot hold them);
 2. one actor per slot, asking for its share of the slot; rank ``r`` goes in slot ``r``;
 3. each rank reports where Ray put it; rank 0 picks a free TCP port on its node; every rank gets
    ``MASTER_ADDR`` (rank 0's node IP), ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
-   in its environment and calls the runtime's ``init`` (``init_megatron``) concurrently, so the
-   rendezvous can complete;
+   in its environment and calls the runtime's ``init`` concurrently, so the rendezvous can
+   complete;
 4. every rank builds its stack from the spec.
 
 ``LOCAL_RANK`` is the CUDA ordinal of the GPU Ray assigned to the rank (every GPU process sees all
-of its node's GPUs, see :mod:`rlcore_megatron.cluster`), or on the CPU the rank's index among the
+of its node's GPUs, see :mod:`rlcore.launch.ray.cluster`), or on the CPU the rank's index among the
 group's ranks on its node. Threads: ``OMP_NUM_THREADS`` is set from the slot before the process
 starts (so Ray leaves it alone) and ``torch.set_num_threads`` once the rank is initialised.
 
-Layout: Megatron's default rank order puts tensor parallel fastest, so rank ``r`` is
-tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
+Layout: tensor parallel is fastest (Megatron's default rank order, and TorchTitan's), so rank
+``r`` is tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
 
-Lifetime: each rank's actor starts a watchdog (:func:`~rlcore_megatron.watchdog.watch_group`)
+Lifetime: each rank's actor starts a watchdog (:func:`~rlcore.launch.watchdog.watch_group`)
 that kills the processes the rank started when the rank dies, however it dies.
 :meth:`RankGroup.close` first asks every rank to free its stack, then kills the actors and
 removes what the ranks on the driver's machine left in ``/dev/shm`` (a CPU rank's parameters are
@@ -46,14 +47,8 @@ carries the late ranks' Python stacks, read through the actors' second concurren
 
 from __future__ import annotations
 
-import gc
-import os
 import re
-import socket
-import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, final
 
@@ -63,16 +58,15 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayError, RayTaskErr
 
 from rlcore.backends import RankRuntime
 from rlcore.errors import RLCoreError
+from rlcore.launch.placement import PlacementRequest
+from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot
+from rlcore.launch.ray.worker import ACTOR_CLASS, RankContext
+from rlcore.launch.watchdog import remove_shared_memory
 from rlcore.protocols import EvalStack, ModelStack, TrainingStack
-from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec, TrainSpec
-from rlcore.weights import release_sender_resources
-from rlcore_megatron.cluster import ClusterPlacement, RankSlot, cuda_ordinal
-from rlcore_megatron.placement import PlacementRequest
-from rlcore_megatron.watchdog import remove_shared_memory, watch_group
+from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 
 __all__ = [
     "GroupOptions",
-    "RankContext",
     "RankGroup",
     "RankLostError",
     "RayGroupError",
@@ -104,8 +98,6 @@ class RankLostError(RayGroupError):
 
 _GRACE_S: Final = 10.0
 """After one rank fails, how long the others get to finish before the group counts as broken."""
-_DIAGNOSTICS: Final = "diagnostics"
-"""The actors' second concurrency group: a late rank can still say where it is stuck."""
 _RELEASE_TIMEOUT_S: Final = 10.0
 """How long :meth:`RankGroup.close` waits for the ranks to free their stacks before killing."""
 
@@ -120,119 +112,6 @@ class GroupOptions:
     the stacks."""
     call_timeout_s: float | None = None
     """Limit for one fanned-out call (``None``: none; a failed rank still fails a call at once)."""
-
-
-@final
-@attrs.frozen
-class RankContext(Generic[S_co]):
-    """What a function run inside a rank's actor gets as its first argument
-    (:meth:`RankGroup.call_ranks`, :meth:`RankGroup.run_on_all_ranks`)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    tensor_parallel_rank: int
-    data_parallel_rank: int
-    stack: S_co
-
-
-@final
-class _RankWorker:
-    """The actor class: one rank. Driven only by :class:`RankGroup`."""
-
-    def __init__(self, rank: int, world_size: int, threads: int, runtime: RankRuntime) -> None:
-        # What this rank starts (Megatron's checkpoint writer starts a multiprocessing manager)
-        # dies with it, even when Ray kills it because the driver was killed.
-        self._watchdog = watch_group()
-        self._threads = threads
-        self._rank = rank
-        self._world_size = world_size
-        self._runtime = runtime
-        self._local_rank = 0
-        self._tp = 1
-        self._context: RankContext[ModelStack] | None = None
-
-    def node(self) -> tuple[str, str, int | None, int]:
-        """(node id, node IP, the CUDA ordinal of the GPU Ray gave this actor if any, pid)."""
-        context = ray.get_runtime_context()
-        gpus = context.get_accelerator_ids().get("GPU", [])
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ordinal = cuda_ordinal(str(gpus[0]), visible) if gpus else None
-        # ray leaves get_node_ip_address unannotated
-        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return context.get_node_id(), ip, ordinal, os.getpid()
-
-    def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port: int = sock.getsockname()[1]
-            return port
-
-    def setup(
-        self, master_addr: str, master_port: int, local_rank: int, parallel: ParallelSpec, seed: int
-    ) -> None:
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self._rank),
-            WORLD_SIZE=str(self._world_size),
-            LOCAL_RANK=str(local_rank),
-        )
-        self._local_rank = local_rank
-        self._tp = parallel.tensor
-        self._runtime.init(parallel, seed)
-        # OMP_NUM_THREADS was set before the process started; torch reads it on import, but say it.
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(self._threads)
-
-    def build(self, spec: TrainSpec | EvalSpec) -> None:
-        backend = self._runtime.backend()
-        stack: ModelStack
-        if isinstance(spec, TrainSpec):
-            stack = backend.build_training_stack(spec)
-        else:
-            stack = backend.build_eval_stack(spec)
-        self._context = RankContext(
-            rank=self._rank,
-            world_size=self._world_size,
-            local_rank=self._local_rank,
-            tensor_parallel_rank=self._rank % self._tp,
-            data_parallel_rank=self._rank // self._tp,
-            stack=stack,
-        )
-
-    def call(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> object:
-        # Arguments arrive unpacked so that Ray resolves ObjectRefs among them to their values.
-        if self._context is None:
-            raise RayGroupError(f"rank {self._rank} has no stack yet: build() did not run")
-        return fn(self._context, *args, **kwargs)
-
-    def release(self) -> None:
-        """Drop the stack and what weight sinks kept here, so that their storages are freed now:
-        on the CPU, torch then removes their shared-memory files, which outlive a process killed
-        with its ``torch_shm_manager`` (as Ray kills an actor's children with it)."""
-        self._context = None
-        release_sender_resources()  # what weight sinks kept here between updates
-        gc.collect()
-
-    @ray.method(concurrency_group=_DIAGNOSTICS)
-    def stacks(self) -> str:
-        """Every thread's Python stack: answered from its own thread while a call is stuck."""
-        me = threading.get_ident()
-        names = {t.ident: t.name for t in threading.enumerate()}
-        return "\n".join(
-            f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
-            for ident, frame in sys._current_frames().items()
-            if ident != me
-        )
-
-
-# Ray's typed overloads of ray.remote omit concurrency_groups, which it accepts for actor classes.
-_ACTOR_CLASS: Final[Any] = ray.remote(concurrency_groups={_DIAGNOSTICS: 1})(  # type: ignore[call-overload]
-    _RankWorker
-)
-"""An ``ActorClass`` whose methods, but :meth:`_RankWorker.stacks`, run one call at a time."""
 
 
 @final
@@ -322,7 +201,7 @@ class RankGroup(Generic[S]):
     def _start(self, runtime: RankRuntime) -> None:
         deadline = time.monotonic() + self._options.setup_timeout_s
         self._handles = tuple(
-            _ACTOR_CLASS.options(**slot.scheduling()).remote(
+            ACTOR_CLASS.options(**slot.scheduling()).remote(
                 rank, self._world_size, slot.threads, runtime
             )
             for rank, slot in enumerate(self._slots)
@@ -340,7 +219,7 @@ class RankGroup(Generic[S]):
                 h.setup.remote(master_addr, port, local_ranks[rank], model.parallel, model.seed)
                 for rank, h in enumerate(self._handles)
             ],
-            "initialising torch.distributed and Megatron",
+            "initialising torch.distributed and each rank's parallel state",
             deadline,
         )
         self._gather(

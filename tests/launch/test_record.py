@@ -11,9 +11,7 @@ from typing import Any
 
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config import load_config
-from rlcore.loop import RunResult
-from rlcore.loop.checkpoints import write_checkpoint
-from rlcore_megatron.run_record import (
+from rlcore.launch.record import (
     begin_attempt,
     mark_restarted,
     record_early_exit,
@@ -21,6 +19,8 @@ from rlcore_megatron.run_record import (
     rewind_metrics,
     write_summary,
 )
+from rlcore.loop import RunResult
+from rlcore.loop.checkpoints import write_checkpoint
 
 
 def test_a_restart_resumes_from_the_runs_own_latest_checkpoint(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """A run's reservation on a Ray cluster: one placement group holding every slot of its
-:class:`~rlcore_megatron.placement.Layout`, and the places (slots, hosts) handed to rank groups
+:class:`~rlcore.launch.placement.Layout`, and the places (slots, hosts) handed to rank groups
 and rollout engines.
 
 :meth:`ClusterPlacement.reserve`, in order:
@@ -17,8 +17,9 @@ and rollout engines.
 
 A :class:`RankSlot` is what one rank's actor is started with: its bundle, its share of the slot
 (roles that share a slot split it), its torch thread count (its node's CPUs over the run's slots
-on that node). A :class:`RayProcessHost` is a rollout server's place: a small actor in the
-engine's first slot that starts the server on that node (and kills it if the actor dies).
+on that node). A :class:`~rlcore.launch.ray.hosts.RayProcessHost` is a rollout server's place:
+a small actor in the engine's first slot that starts the server on that node (and kills it if
+the actor dies).
 
 GPU processes see every GPU of their node (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``, as in
 slime): a rank selects its GPU by ``LOCAL_RANK`` (the CUDA ordinal Ray assigned it), a server by
@@ -31,12 +32,11 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Final, final
 
 import attrs
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayError
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -45,7 +45,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlcore_megatron.placement import (
+from rlcore.launch.placement import (
     Layout,
     NodeResources,
     PlacementError,
@@ -54,13 +54,12 @@ from rlcore_megatron.placement import (
     describe_nodes,
     plan_layout,
 )
+from rlcore.launch.ray.hosts import HOST_ACTOR, RayProcessHost
 
 __all__ = [
     "NOSET_CUDA",
     "ClusterPlacement",
     "RankSlot",
-    "RayHostedProcess",
-    "RayProcessHost",
     "cluster_nodes",
     "cuda_ordinal",
     "may_autoscale",
@@ -205,7 +204,7 @@ class ClusterPlacement:
     ) -> ClusterPlacement:
         """Plan, reserve and map the slots of ``request`` (see the module's notes).
 
-        Raises :class:`~rlcore_megatron.placement.PlacementError` at once when the layout does not
+        Raises :class:`~rlcore.launch.placement.PlacementError` at once when the layout does not
         fit a cluster that cannot grow, and after ``timeout_s`` when the reservation is not
         granted; nothing stays reserved after an error.
         """
@@ -262,7 +261,7 @@ class ClusterPlacement:
         for slots in self.layout.engines:
             first = self._rank_slot(slots[0])
             gpu_ids = tuple(self._slots[i].gpu or 0 for i in slots) if first.gpu else ()
-            actor = _HOST.options(**first.scheduling()).remote(first.address, first.threads)
+            actor = HOST_ACTOR.options(**first.scheduling()).remote(first.address, first.threads)
             self._hosts.append(actor)
             hosts.append(RayProcessHost(actor, first.address, gpu_ids, first.threads))
         for host in hosts:
@@ -395,133 +394,3 @@ def _locate(pg: PlacementGroup, layout: Layout, nodes: Sequence[NodeResources]) 
                 "the rollout GPUs fill whole nodes)"
             )
     return slots
-
-
-# -- rollout server hosts ------------------------------------------------------------------------
-
-
-@final
-class _HostActor:
-    """Runs one server process on its node: a :class:`~rlcore.engines.hosts.LocalProcessHost` whose
-    processes die with this actor. Its methods run on the actor's main thread (a plain actor),
-    which is what the parent-death signal is tied to."""
-
-    def __init__(self, address: str, cpus: int) -> None:
-        from rlcore.engines.hosts import LocalProcessHost
-
-        self._host = LocalProcessHost(address, cpus=cpus, die_with_parent=True)
-        # By pid: a server restarted under --use-fault-tolerance is a second process here.
-        self._processes: dict[int, Any] = {}
-
-    def ping(self) -> bool:
-        return True
-
-    def free_port(self) -> int:
-        return self._host.free_port()
-
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
-        process = self._host.start(argv, env, Path(log_path))
-        pid: int = process.pid
-        self._processes[pid] = process
-        return pid
-
-    def poll(self, pid: int) -> int | None:
-        code: int | None = self._processes[pid].poll()
-        return code
-
-    def stop(self, pid: int, timeout_s: float) -> None:
-        self._processes[pid].stop(timeout_s)
-
-    def stop_all(self, timeout_s: float) -> None:
-        for process in self._processes.values():
-            process.stop(timeout_s)
-
-    def log_tail(self, pid: int, lines: int) -> list[str]:
-        tail: list[str] = self._processes[pid].log_tail(lines)
-        return tail
-
-
-_HOST: Final[Any] = ray.remote(_HostActor)
-
-
-@final
-class RayProcessHost:
-    """A :class:`~rlcore.protocols.ProcessHost` on a cluster node: calls go to the host actor."""
-
-    def __init__(self, actor: Any, address: str, gpu_ids: tuple[int, ...], cpus: int) -> None:
-        self._actor = actor
-        self._address = address
-        self._gpu_ids = gpu_ids
-        self._cpus = cpus
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    @property
-    def gpu_ids(self) -> tuple[int, ...]:
-        return self._gpu_ids
-
-    @property
-    def cpus(self) -> int:
-        return self._cpus
-
-    def ping(self) -> None:
-        _call(self._actor.ping, "starting the rollout host")
-
-    def free_port(self) -> int:
-        port: int = _call(self._actor.free_port, "picking a port")
-        return port
-
-    def start(
-        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path
-    ) -> RayHostedProcess:
-        pid: int = _call(
-            self._actor.start, "starting a server", list(argv), dict(env), str(log_path)
-        )
-        return RayHostedProcess(self._actor, pid)
-
-
-@final
-class RayHostedProcess:
-    """A :class:`~rlcore.protocols.HostedProcess` started by a :class:`RayProcessHost`. When the
-    host actor is gone (its node died), the process counts as exited with code -9."""
-
-    def __init__(self, actor: Any, pid: int) -> None:
-        self._actor = actor
-        self._pid = pid
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    def poll(self) -> int | None:
-        try:
-            code: int | None = ray.get(self._actor.poll.remote(self._pid), timeout=_CALL_S)
-        except RayActorError:
-            return -9
-        return code
-
-    def stop(self, timeout_s: float) -> None:
-        try:
-            ray.get(self._actor.stop.remote(self._pid, timeout_s), timeout=timeout_s * 2 + _CALL_S)
-        except RayError:
-            pass  # the actor (and with it the process) is gone
-
-    def log_tail(self, lines: int) -> list[str]:
-        try:
-            tail: list[str] = ray.get(
-                self._actor.log_tail.remote(self._pid, lines), timeout=_CALL_S
-            )
-        except RayError:
-            return []
-        return tail
-
-
-def _call(method: Any, what: str, *args: object) -> Any:
-    from rlcore.errors import RolloutError
-
-    try:
-        return ray.get(method.remote(*args), timeout=_CALL_S)
-    except (RayError, GetTimeoutError) as exc:
-        raise RolloutError(f"rollout host: {what} failed: {exc}") from exc
