@@ -383,7 +383,7 @@ class OPDSpec:
     advantage loses ``kl_coef`` times the student's log-prob minus the teacher's, after the
     estimator and before any whitening, as in slime (:mod:`rlcore.algorithms.distill`). The
     teacher is an :class:`EvalSpec`, built as an eval stack, which has no optimizer, and scores
-    at train time (``--opd-type megatron``); or a :class:`ServedTeacher`, a server that scores
+    at train time (``--opd-type backend``); or a :class:`ServedTeacher`, a server that scores
     each rollout as it is made (``--opd-type sglang``).
 
     ``teacher_load``: a checkpoint folder (``rollout_NNNNNN``) whose ``actor`` holds the teacher's

@@ -165,6 +165,15 @@ def test_with_normalize_advantages_the_teachers_term_is_whitened_with_the_rest()
         assert math.fsum(flat) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_the_built_teacher_is_named_for_its_kind_and_slimes_name_still_works() -> None:
+    """``--opd-type backend`` (the default) is a teacher the training backend builds, whichever
+    backend; ``megatron``, slime's name for it, plans the same teacher."""
+    plans = [plan(load_config(_flags(2, *OPD, *kind))) for kind in ((), ("--opd-type", "megatron"))]
+    teachers = [p.opd.teacher for p in plans if isinstance(p, TrainPlan) and p.opd is not None]
+    assert len(teachers) == 2 and teachers[0] == teachers[1]
+    assert isinstance(teachers[0], EvalSpec) and teachers[0].model.role == "teacher"
+
+
 def test_a_served_teacher_is_a_url_and_a_run_needs_its_server() -> None:
     the_plan = plan(load_config(_flags(2, *SERVED)))
     assert isinstance(the_plan, TrainPlan) and the_plan.opd is not None

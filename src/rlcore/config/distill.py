@@ -4,8 +4,9 @@
 The student (the actor) trains on its own rollouts while a frozen teacher scores every token it
 sampled; the per-token reverse KL between them is taken off the advantage before any whitening
 (:mod:`rlcore.algorithms.distill`). The teacher is an eval stack: it never gets an
-optimizer. With ``--opd-type megatron`` its weights come from exactly one place: a Hugging Face
-folder (``--opd-teacher-hf-checkpoint``) or the actor of an rlcore checkpoint
+optimizer. With ``--opd-type backend`` (the default; ``megatron`` is slime's name for it) its
+weights come from exactly one place: a Hugging Face folder (``--opd-teacher-hf-checkpoint``) or
+the actor of an rlcore checkpoint
 (``--opd-teacher-load``, ``--opd-teacher-ckpt-step``), built with the model folder that
 checkpoint's run recorded, as an eval-only ``--load`` is. With ``--opd-type sglang`` the teacher
 is an SGLang server someone runs (``--opd-teacher-url``, slime's ``--rm-url`` in its OPD example),
@@ -26,10 +27,11 @@ from rlcore.errors import ConfigProblem
 
 __all__ = ["OPDConfig", "OPDType", "opd_problems"]
 
-OPDType = Literal["megatron", "sglang"]
-"""Where the teacher runs: ``megatron``, an eval stack the backend builds beside the actor, which
-scores each rollout at train time; ``sglang``, an SGLang server that scores each rollout as it is
-made (during rollout, so under ``--max-staleness`` it overlaps training)."""
+OPDType = Literal["backend", "megatron", "sglang"]
+"""The teacher's kind: ``backend``, an eval stack the training backend (``--train-backend``, any)
+builds beside the actor, which scores each rollout at train time (``megatron`` is slime's name
+for it, kept: it means the same with any backend); ``sglang``, an SGLang server that scores each
+rollout as it is made (during rollout, so under ``--max-staleness`` it overlaps training)."""
 
 
 @attrs.frozen
@@ -43,12 +45,18 @@ class OPDConfig:
         "the student's log-prob minus the teacher's (reverse KL), on top of any estimator",
     )
     opd_type: OPDType = option(
-        "megatron",
+        "backend",
         "--opd-type",
-        "where the teacher runs: megatron (an eval stack the backend builds, in the actor's "
-        "slots) or sglang (an SGLang server at --opd-teacher-url scores each rollout as it is "
-        "made)",
+        "the teacher's kind: backend (an eval stack the training backend builds, in the actor's "
+        "slots; megatron, slime's name, means the same) or sglang (an SGLang server at "
+        "--opd-teacher-url scores each rollout as it is made)",
     )
+
+    @property
+    def served(self) -> bool:
+        """Whether the teacher is a server (``--opd-type sglang``), not a stack the run builds."""
+        return self.opd_type == "sglang"
+
     opd_kl_coef: float = option(1.0, "--opd-kl-coef", "weight of the reverse KL to the teacher")
     opd_teacher_hf_checkpoint: Path | None = option(
         None,
@@ -94,7 +102,7 @@ class OPDConfig:
 
 
 def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
-    """A teacher for ``--use-opd`` named once (weights for ``--opd-type megatron``, a server's URL
+    """A teacher for ``--use-opd`` named once (weights for ``--opd-type backend``, a server's URL
     for ``sglang``), a coefficient >= 0, a checkpoint step only with a checkpoint, nothing that
     needs a reward with ``--opd-only`` (the algorithm settings ``a``), and no OPD flag without
     ``--use-opd``."""
@@ -113,12 +121,12 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
         return problems
     if o.opd_kl_coef < 0:
         add("opd_kl_coef", f"must be >= 0, got {o.opd_kl_coef}")
-    if o.opd_type == "sglang":
+    if o.served:
         problems += _served_teacher_problems(o)
     elif o.opd_teacher_url is not None:
         add(
             "opd_teacher_url",
-            "names a teacher server, but --opd-type megatron builds the teacher itself",
+            f"names a teacher server, but --opd-type {o.opd_type} builds the teacher itself",
             "add --opd-type sglang to distill from that server, or drop --opd-teacher-url",
         )
     elif o.opd_teacher_hf_checkpoint is None and o.opd_teacher_load is None:
@@ -136,7 +144,7 @@ def opd_problems(o: OPDConfig, a: AlgorithmConfig) -> list[ConfigProblem]:
             "keep one of the two (a checkpoint's architecture is the model folder its run "
             "recorded)",
         )
-    if o.opd_teacher_ckpt_step is not None and o.opd_type == "megatron":
+    if o.opd_teacher_ckpt_step is not None and not o.served:
         if o.opd_teacher_load is None:
             add(
                 "opd_teacher_ckpt_step",
@@ -165,7 +173,7 @@ def _served_teacher_problems(o: OPDConfig) -> list[ConfigProblem]:
                 "opd_teacher_url",
                 "--opd-type sglang needs the teacher's server",
                 "start one on the teacher's folder (python -m sglang.launch_server --model-path "
-                "DIR ...) and pass its URL, or use --opd-type megatron",
+                "DIR ...) and pass its URL, or use --opd-type backend",
             )
         )
     elif not o.opd_teacher_url.startswith(("http://", "https://")):
@@ -192,7 +200,7 @@ def _served_teacher_problems(o: OPDConfig) -> list[ConfigProblem]:
                     name,
                     "names the teacher's weights, but with --opd-type sglang the server at "
                     "--opd-teacher-url serves its own",
-                    "drop it (start the server on those weights), or use --opd-type megatron",
+                    "drop it (start the server on those weights), or use --opd-type backend",
                 )
             )
     return problems

@@ -391,7 +391,7 @@ def _opd_spec(config: RunConfig) -> OPDSpec | None:
     o = config.opd
     if not o.use_opd:
         return None
-    if o.opd_type == "sglang":
+    if o.served:
         assert o.opd_teacher_url is not None  # the [opd] check requires a server
         served = ServedTeacher(url=o.opd_teacher_url.rstrip("/"))
         return OPDSpec(teacher=served, kl_coef=o.opd_kl_coef, only=o.opd_only)

@@ -107,8 +107,8 @@ class TrainStacks:
     hf_exporter: HFExporter | None = None
     """The actor's Hugging Face export, when the plan asks for one (``--save-hf``)."""
     teacher: EvalStack | None = None
-    """The on-policy distillation teacher (``--use-opd --opd-type megatron``): an eval stack, never
-    trained. A served teacher (``--opd-type sglang``) is no stack of the run."""
+    """The on-policy distillation teacher (``--use-opd``, ``--opd-type backend``): an eval
+    stack, never trained. A served teacher (``--opd-type sglang``) is no stack of the run."""
 
     def built(self) -> tuple[str, ...]:
         roles = [f"train:{name}" for name in self.training()]
