@@ -68,8 +68,13 @@ def saved_model_problem(stack: Path, hf_config: Mapping[str, Any], source: str) 
 
 
 def parallel_problem(parallel: ParallelSpec) -> str | None:
-    """Megatron splits by tensor and expert parallel (and data parallel over the rest)."""
-    del parallel
+    """This backend splits a model by tensor and expert parallel (and data parallel over the
+    rest); it builds each model whole on those ranks, so it refuses pipeline stages."""
+    if parallel.pipeline > 1:
+        return (
+            f"the megatron backend does not cut a model into pipeline stages (asked for "
+            f"{parallel.pipeline}): it builds every layer on each tensor-parallel group"
+        )
     return None
 
 

@@ -18,9 +18,9 @@ import pytest
 from rlcore.checkpoint_files import CheckpointMeta
 from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError, PlanError
+from rlcore.launch import checks as prepare_module
 from rlcore.launch.prepare import prepare
 from rlcore.loop.checkpoints import write_checkpoint
-from rlcore_megatron import prepare as prepare_module
 from tests.e2e.cli import WatchedCLI, model_hub
 
 

@@ -58,6 +58,12 @@ class ModelConfig:
     expert_model_parallel_size: int = option(
         1, "--expert-model-parallel-size", "expert-parallel ranks (MoE models share experts out)"
     )
+    pipeline_model_parallel_size: int = option(
+        1,
+        "--pipeline-model-parallel-size",
+        "pipeline stages (the layers cut into stages over ranks); a backend that does not cut "
+        "layers refuses more than 1 before anything starts",
+    )
     moe_aux_loss_coeff: float = option(
         0.0, "--moe-aux-loss-coeff", "MoE router load-balancing loss weight (0 = off)"
     )
@@ -126,7 +132,11 @@ def model_problems(m: ModelConfig) -> list[ConfigProblem]:
     problems = [] if backend is None else [backend]
     problems += [
         problem(ModelConfig, "model", name, f"must be >= 1, got {getattr(m, name)}")
-        for name in ("tensor_model_parallel_size", "expert_model_parallel_size")
+        for name in (
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
+        )
         if getattr(m, name) < 1
     ]
     if not m.moe_aux_loss_coeff >= 0:
@@ -146,10 +156,11 @@ def parallel_problems(m: ModelConfig, ranks_by_role: Mapping[str, int]) -> list[
     its experts over expert-parallel groups of them."""
     problems: list[ConfigProblem] = []
     tp, ep = m.tensor_model_parallel_size, m.expert_model_parallel_size
-    if min(tp, ep) < 1:
+    pp = m.pipeline_model_parallel_size
+    if min(tp, ep, pp) < 1:
         return problems
     for role, ranks in ranks_by_role.items():
-        split = parallel_split_problem(tp, ranks)
+        split = parallel_split_problem(tp, ranks, pp)
         if split:
             problems.append(
                 problem(

@@ -93,11 +93,16 @@ def optimizer_problems(o: OptimizerConfig) -> list[ConfigProblem]:
 
 
 def batch_problems(
-    t: TrainConfig, r: RolloutConfig, tensor_parallel: int, ranks_by_role: Mapping[str, int]
+    t: TrainConfig,
+    r: RolloutConfig,
+    tensor_parallel: int,
+    ranks_by_role: Mapping[str, int],
+    pipeline_parallel: int = 1,
 ) -> list[ConfigProblem]:
     """A rollout's samples split into whole global batches, a global batch keeps each prompt's
     group together, and splits into whole micro-batches on every data-parallel rank of every
-    trained model (``ranks_by_role``)."""
+    trained model (``ranks_by_role``; a model's data-parallel ranks are its ranks over its
+    tensor and pipeline parallel sizes)."""
     problems: list[ConfigProblem] = []
 
     def add(name: str, message: str, hint: str, reads: tuple[str, ...]) -> None:
@@ -133,12 +138,13 @@ def batch_problems(
                 "use a multiple of --n-samples-per-prompt",
                 sampling[1:],
             )
-    tp = tensor_parallel
-    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp) >= 1
+    tp, pp = tensor_parallel, pipeline_parallel
+    sizes_valid = min(t.global_batch_size, t.micro_batch_size, tp, pp) >= 1
     for role, ranks in ranks_by_role.items():
-        if sizes_valid and ranks >= 1 and not parallel_split_problem(tp, ranks):
+        if sizes_valid and ranks >= 1 and not parallel_split_problem(tp, ranks, pp):
             # TrainSpec's own rule, so that a config that passes plans into valid TrainSpecs.
-            split = batch_split_problem(t.global_batch_size, t.micro_batch_size, ranks // tp)
+            data = ranks // (tp * pp)
+            split = batch_split_problem(t.global_batch_size, t.micro_batch_size, data)
             if split:
                 add("micro_batch_size", f"the {role}'s {split}", "pick sizes that divide", ())
     return problems

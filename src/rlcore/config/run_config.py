@@ -204,8 +204,13 @@ def training_problems(config: RunConfig) -> list[ConfigProblem]:
     r = config.rollout
     problems = algorithm_problems(config.algorithm, r)
     problems += optimizer_problems(config.optim)
+    m = config.model
     problems += batch_problems(
-        config.train, r, config.model.tensor_model_parallel_size, ranks_by_role(config)
+        config.train,
+        r,
+        m.tensor_model_parallel_size,
+        ranks_by_role(config),
+        m.pipeline_model_parallel_size,
     )
     if r.num_rollout is not None and r.num_rollout > 0 and not problems:
         reads = () if config.optim.lr_decay_iters is not None else _STEP_COUNT

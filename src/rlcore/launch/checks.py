@@ -32,11 +32,12 @@ from rlcore.loop.preflight import (
 from rlcore.protocols import TeacherServer
 from rlcore.rollout import load_rollout_function
 from rlcore.rollout.multiturn import load_custom_generate_function, load_environment_factory
-from rlcore.specs import ServedTeacher
+from rlcore.specs import EvalSpec, ServedTeacher
 
 __all__ = [
     "TEACHER_HEALTH_TIMEOUT_S",
     "check_fault_tolerance",
+    "check_parallel_layout",
     "check_user_functions",
     "preflight",
     "served_teacher",
@@ -312,3 +313,30 @@ def check_fault_tolerance(config: RunConfig) -> None:
             )
         ]
     )
+
+
+def check_parallel_layout(config: RunConfig, the_plan: Plan) -> None:
+    """Every model the plan builds is split as the chosen backend can split it (its kind's
+    :attr:`~rlcore.backends.BackendKind.parallel_problem`: a dimension it does not implement is
+    refused here, before anything starts, with a :class:`ConfigError` naming the backend)."""
+    kind = load_backend_kind(config.model.train_backend)
+    match the_plan:
+        case TrainPlan():
+            specs = [the_plan.actor.model]
+            specs += [s.model for s in (the_plan.critic, the_plan.reference) if s is not None]
+            teacher = the_plan.opd.teacher if the_plan.opd is not None else None
+            specs += [teacher.model] if isinstance(teacher, EvalSpec) else []
+        case _:
+            specs = [the_plan.actor.model]
+    for spec in specs:
+        problem = kind.parallel_problem(spec.parallel)
+        if problem is not None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        with_flag("model.train_backend"),
+                        f"the {spec.role}: {problem}",
+                        "split the model as this backend can, or pick a backend that splits it so",
+                    )
+                ]
+            )

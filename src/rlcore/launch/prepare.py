@@ -29,6 +29,7 @@ from rlcore.engines import load_engine
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.launch.checks import (
     check_fault_tolerance,
+    check_parallel_layout,
     check_user_functions,
     preflight,
     served_teacher,
@@ -274,6 +275,7 @@ def prepare(config: RunConfig) -> Prepared:
         if not config.is_eval_only:
             config = resolve_num_rollout(config, len(data.train_prompts))
         the_plan = plan(config)
+        check_parallel_layout(config, the_plan)
         reward_fn = with_env_reward(
             get_reward_fn(config.data.rm_type, config.data.custom_rm_path),
             config.multiturn.env_reward,

@@ -203,7 +203,10 @@ def _model(config: RunConfig, role: Role) -> ModelSpec:
     m, k = config.model, config.cluster
     ranks = k.critic_ranks if role == "critic" else k.actor_ranks
     parallel = ParallelSpec(
-        tensor=m.tensor_model_parallel_size, world_size=ranks, expert=m.expert_model_parallel_size
+        tensor=m.tensor_model_parallel_size,
+        world_size=ranks,
+        expert=m.expert_model_parallel_size,
+        pipeline=m.pipeline_model_parallel_size,
     )
     return ModelSpec(
         role=role,
