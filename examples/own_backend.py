@@ -2,10 +2,12 @@
 
 The model is a tiny causal language model (embedding -> GRU -> logits over the next token); the
 actor trains it with AdamW and a LambdaLR that follows the plan's LRSchedule, the critic is the
-same model with a scalar value head. Two classes satisfy ``rlcore.TrainingStack`` /
-``rlcore.EvalStack`` structurally, one satisfies ``rlcore.Backend``; the rollout engine is
-``rlcore.engines.torch_engine.TorchEngine`` sampling from a copy of the model being trained; the
-planner, loop, advantages, losses, checkpoints and eval come from rlcore.
+same model with a scalar value head. Two classes satisfy the ``TrainingStack`` and
+``EvalStack`` of :mod:`rlcore.backend_api` structurally, one satisfies its ``Backend``; the
+rollout engine is ``rlcore.engines.torch_engine.TorchEngine`` sampling from a copy of the model
+being trained; the planner, loop, advantages, losses, checkpoints and eval come from rlcore, and
+the train step's arithmetic (micro-batches, the global normaliser, the metrics) from
+``rlcore.backend_api`` too.
 
 The task: after ``c>`` answer the next letter, ``d``. Run it: ``python examples/own_backend.py``
 prints the sampled reward of every rollout (about 1/20 at the start, when the model guesses) and
@@ -25,23 +27,30 @@ import torch
 from torch import nn
 
 import rlcore
-from rlcore.algorithms import (
+from rlcore.backend_api import (
+    CheckpointError,
+    EvalSpec,
+    ModelSpec,
+    Sample,
+    StepMetrics,
+    TrainBatch,
+    TrainMetrics,
+    TrainSpec,
+    WeightSink,
     actor_loss,
     critic_loss,
+    deliver,
     gather_response,
+    local_micro_batches,
+    optimizer_step_batches,
     tensorize_samples,
     token_log_probs,
     unpad,
 )
-from rlcore.algorithms.train_step import StepMetrics, local_micro_batches, optimizer_step_batches
 from rlcore.data import load_eval_sets, load_prompts
 from rlcore.engines.torch_engine import TorchEngine
-from rlcore.errors import CheckpointError
-from rlcore.protocols import WeightSink
-from rlcore.samples import Prompt, Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.samples import Prompt
 from rlcore.testing import RecordingSink
-from rlcore.weights import deliver
 
 LETTERS = "abcdefghijklmnop"
 PAD, BOS, EOS, ARROW = 0, 1, 2, 3
@@ -221,7 +230,7 @@ class TorchTrainingStack:
 
 @final
 class TorchBackend:
-    """``rlcore.Backend``: two methods, no base class."""
+    """``rlcore.backend_api.Backend``: two methods, no base class."""
 
     def build_training_stack(self, spec: TrainSpec) -> TorchTrainingStack:
         return TorchTrainingStack(spec)

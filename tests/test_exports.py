@@ -30,12 +30,10 @@ EXPECTED = {
     "RolloutFn",
     "RolloutContext",
     "PromptSource",
-    "ISCorrection",
     "GroupFilter",
     "Group",
     "DynamicSampling",
     "AdvantageSpec",
-    "Backend",
     "BackendContractError",
     "BackendError",
     "BackendUnavailableError",
@@ -45,18 +43,8 @@ EXPECTED = {
     "DataError",
     "EvalPlan",
     "EvalSet",
-    "EvalSpec",
-    "EvalStack",
     "Generation",
-    "LRSchedule",
-    "LossSpec",
     "MetricsSink",
-    "ModelSpec",
-    "ModelStack",
-    "NamedTensors",
-    "Optimizer",
-    "OptimizerSpec",
-    "ParallelSpec",
     "Plan",
     "PlanError",
     "Prompt",
@@ -71,14 +59,7 @@ EXPECTED = {
     "RunResult",
     "Sample",
     "SamplingParams",
-    "Scheduler",
-    "TrainBatch",
-    "TrainMetrics",
     "TrainPlan",
-    "TrainSpec",
-    "TrainingStack",
-    "WeightSink",
-    "WeightSource",
     "execute",
     "load_backend",
     "load_config",
@@ -89,11 +70,80 @@ EXPECTED = {
 }
 
 
+BACKEND_API = {
+    "KNOWN_BACKENDS",
+    "AnyProcess",
+    "Backend",
+    "BackendContractError",
+    "BackendKind",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "EvalSpec",
+    "EvalStack",
+    "HFExporter",
+    "ISCorrection",
+    "InProcess",
+    "LRSchedule",
+    "LoadSpec",
+    "LossOut",
+    "LossSpec",
+    "ModelSpec",
+    "ModelStack",
+    "NamedTensors",
+    "OnHost",
+    "Optimizer",
+    "OptimizerSpec",
+    "ParallelSpec",
+    "RankRuntime",
+    "Sample",
+    "Scheduler",
+    "StepMetrics",
+    "TensorBatch",
+    "TrainBatch",
+    "TrainMetrics",
+    "TrainSpec",
+    "TrainingStack",
+    "WeightSink",
+    "WeightSource",
+    "actor_loss",
+    "critic_loss",
+    "deliver",
+    "entropy_from_logits",
+    "gather_response",
+    "load_backend_kind",
+    "local_micro_batches",
+    "logprob_temperature",
+    "optimizer_step_batches",
+    "tempered",
+    "tensorize",
+    "tensorize_samples",
+    "token_log_probs",
+    "unpad",
+}
+"""What a backend author implements and may reuse (issue #35: the public API by audience)."""
+
+
 def test_all_is_pinned() -> None:
     assert set(rlcore.__all__) == EXPECTED
     assert sorted(rlcore.__all__) == rlcore.__all__
     for name in rlcore.__all__:
         assert hasattr(rlcore, name), name
+
+
+def test_backend_authors_have_one_module_and_it_is_light_until_torch_is_asked_for() -> None:
+    import rlcore.backend_api as api
+
+    assert set(api.__all__) == BACKEND_API
+    code = (
+        "import sys, rlcore.backend_api as api; heavy = 'torch' in sys.modules; "
+        "api.token_log_probs; print(heavy, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "True"]
+    for name in api.__all__:
+        assert getattr(api, name) is not None, name
 
 
 def test_import_rlcore_is_light() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlcore.backend_api import EvalSpec, ModelSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,7 @@ def test_own_backend_learns_saves_and_evaluates(
     state = torch.load(
         tmp_path / "ckpt" / "rollout_000030" / "actor" / "state.pt", weights_only=True
     )
-    stack = module.TorchEvalStack(module.rlcore.EvalSpec(module.rlcore.ModelSpec("actor", None)))
+    stack = module.TorchEvalStack(EvalSpec(ModelSpec("actor", None)))
     # The 30th rollout's checkpoint; the stack records the loop's rollout id, from 0.
     assert stack.load(tmp_path / "ckpt" / "rollout_000030" / "actor") == 29
     assert torch.equal(stack.model.state_dict()["head.weight"], state["model"]["head.weight"])

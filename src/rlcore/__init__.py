@@ -14,15 +14,20 @@ it):
   :mod:`rlcore.engines` (rollout engines by name, the embedded engine), :mod:`rlcore.algorithms`
   (the torch maths: advantages, losses, KL), :mod:`rlcore.new_model` (a small model folder of
   your own from scratch: ``python -m rlcore.new_model``);
+  :mod:`rlcore.backends` (training backends by name, each described by its kind);
 - :mod:`rlcore.config`: the run configuration, flags and TOML;
 - :mod:`rlcore.loop`: the plan, the stages of a run and their schedule, checkpoints, metrics;
 - beside the loop, :mod:`rlcore.testing`: fakes for tests;
-- on top, :mod:`rlcore.plot`: a run's curves from its ``metrics.jsonl`` (``python -m
-  rlcore.plot``).
+- on top, :mod:`rlcore.launch` (the launcher: the command line, the checks before start, Ray's
+  side, the run record, the demos), :mod:`rlcore.plot` (a run's curves from its
+  ``metrics.jsonl``: ``python -m rlcore.plot``) and :mod:`rlcore.backend_api` (what a backend
+  author implements and may reuse).
 
-``import rlcore`` is light (standard library, attrs, cattrs): the torch maths and the embedded
-engine import torch on demand, and backends (``rlcore_megatron``) and rollout engines
-(``rlcore_sglang``) are imported by name.
+This package's names are for users who run training: configs, plans, :func:`run` and
+:func:`execute`, the rollout seam, multi-turn environments, the errors. A backend is written
+against :mod:`rlcore.backend_api`. ``import rlcore`` is light (standard library, attrs, cattrs):
+the torch maths and the embedded engine import torch on demand, and backends
+(``rlcore_megatron``) and rollout engines (``rlcore_sglang``) are imported by name.
 """
 
 from __future__ import annotations
@@ -47,25 +52,16 @@ from rlcore.errors import (
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, RolloutSpec, TrainPlan, plan
 from rlcore.protocols import (
-    Backend,
     DynamicSampling,
-    EvalStack,
     Group,
     GroupFilter,
     MetricsSink,
-    ModelStack,
-    NamedTensors,
-    Optimizer,
     PromptSource,
     RewardFn,
     RolloutContext,
     RolloutEngine,
     RolloutFn,
     RolloutOutput,
-    Scheduler,
-    TrainingStack,
-    WeightSink,
-    WeightSource,
 )
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
 from rlcore.rollout.environments import Environment, EnvironmentFactory, StepResult
@@ -78,20 +74,10 @@ from rlcore.samples import (
     Prompt,
     Sample,
     SamplingParams,
-    TrainBatch,
-    TrainMetrics,
     Turn,
 )
 from rlcore.specs import (
     AdvantageSpec,
-    EvalSpec,
-    ISCorrection,
-    LossSpec,
-    LRSchedule,
-    ModelSpec,
-    OptimizerSpec,
-    ParallelSpec,
-    TrainSpec,
 )
 
 
@@ -111,7 +97,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdvantageSpec",
-    "Backend",
     "BackendContractError",
     "BackendError",
     "BackendUnavailableError",
@@ -125,22 +110,11 @@ __all__ = [
     "EpisodeEngine",
     "EvalPlan",
     "EvalSet",
-    "EvalSpec",
-    "EvalStack",
     "GenerateContext",
     "Generation",
     "Group",
     "GroupFilter",
-    "ISCorrection",
-    "LRSchedule",
-    "LossSpec",
     "MetricsSink",
-    "ModelSpec",
-    "ModelStack",
-    "NamedTensors",
-    "Optimizer",
-    "OptimizerSpec",
-    "ParallelSpec",
     "Plan",
     "PlanError",
     "Prompt",
@@ -161,18 +135,11 @@ __all__ = [
     "RunResult",
     "Sample",
     "SamplingParams",
-    "Scheduler",
     "StepResult",
     "Tool",
     "ToolEnvironment",
-    "TrainBatch",
-    "TrainMetrics",
     "TrainPlan",
-    "TrainSpec",
-    "TrainingStack",
     "Turn",
-    "WeightSink",
-    "WeightSource",
     "check_reward_nonzero_std",
     "default_rollout",
     "execute",

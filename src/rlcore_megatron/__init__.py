@@ -4,8 +4,8 @@
 import their module on first use. It ignores the start-up warnings of Megatron that no user can
 act on (:data:`QUIET`), in every process that imports it (the ranks too) before Megatron.
 
-- :class:`MegatronBackend` (``rlcore.Backend``) builds :class:`MegatronTrainingStack` and
-  :class:`MegatronEvalStack` on this rank.
+- :class:`MegatronBackend` (``rlcore.backend_api.Backend``) builds
+  :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
 - :func:`init_megatron` initialises ``torch.distributed`` and Megatron's parallel state,
   idempotently.
 - :func:`save_hf` writes an HF checkpoint from a stack or from ``(hf_name, tensor)`` pairs.

@@ -1,4 +1,5 @@
-"""``MegatronBackend``: builds Megatron stacks from the planner's specs (``rlcore.Backend``).
+"""``MegatronBackend``: builds Megatron stacks from the planner's specs
+(``rlcore.backend_api.Backend``).
 
 Per rank: call it in every Megatron rank with the same spec (:mod:`rlcore.launch.ray.ranks` does
 that for Ray actors). It initialises ``torch.distributed`` and Megatron's parallel state through

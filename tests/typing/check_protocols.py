@@ -11,17 +11,14 @@ from typing import Literal, assert_never, assert_type
 
 from rlcore import (
     EvalPlan,
-    EvalSpec,
-    EvalStack,
     Plan,
     RolloutContext,
     RolloutOnlyPlan,
     RolloutOutput,
     Sample,
-    TrainingStack,
     TrainPlan,
-    TrainSpec,
 )
+from rlcore.backend_api import EvalSpec, EvalStack, TrainingStack, TrainSpec
 from rlcore.loop.stages import TrainStacks
 from rlcore.protocols import (
     Backend,

@@ -102,13 +102,14 @@ def _rewind(config: RunConfig, the_plan: Plan, resumed_from: Path | None) -> int
 
 
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:
-    """Run ``config`` on the Megatron backend to the end, as ``python -m rlcore_megatron.run``
-    does (``rlcore.execute(config, backend="megatron")`` calls this): the checks before start
-    (:func:`prepare`; the data are read once, there), Ray, the ranks and the rollout engine,
-    ``metrics.jsonl``, ``run.log`` and ``summary.json`` in ``config.output_dir``, checkpoints,
-    and ``--max-restarts`` (:func:`launch_restarting`). Model folders are read from disk only
-    (``HF_HUB_OFFLINE=1`` for this process and what it starts). ``notes`` go to the run's log
-    first (what :func:`~rlcore.config.flags.load_config` reported taking from a checkpoint).
+    """Run ``config`` to the end, as ``python -m rlcore.launch`` does, on the backend it names
+    (``--train-backend``; ``rlcore.execute(config)`` calls this): the checks before start
+    (:func:`prepare`; the data are read once, there), Ray, the backend's ranks and the rollout
+    engine, ``metrics.jsonl``, ``run.log`` and ``summary.json`` in ``config.output_dir``,
+    checkpoints, and ``--max-restarts`` (:func:`launch_restarting`). Model folders are read from
+    disk only (``HF_HUB_OFFLINE=1`` for this process and what it starts). ``notes`` go to the
+    run's log first (what :func:`~rlcore.config.flags.load_config` reported taking from a
+    checkpoint).
 
     Raises what :func:`prepare` finds before anything starts (:class:`ConfigError`,
     :class:`PlanError`, :class:`~rlcore.errors.DataError`, ...), the rlcore error of a

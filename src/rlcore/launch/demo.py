@@ -1,4 +1,5 @@
-"""The self-contained demo that ``python -m rlcore_megatron.run`` runs with no flags.
+"""The self-contained demo that ``python -m rlcore.launch`` (and ``python -m rlcore_megatron.run``)
+runs with no flags, or with ``--train-backend NAME`` alone.
 
 Task: reverse a three-digit string (``"407>"`` -> ``"704"``), exact-match reward, 900 training
 strings and 100 held-out ones. The answer depends on every character of the prompt, so a constant

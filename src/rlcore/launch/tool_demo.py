@@ -246,11 +246,15 @@ def tool_demo_eval_flags(
 
 
 def main() -> int:
-    """``python -m rlcore.launch.tool_demo [FOLDER]``: prepare, warm start, GRPO, then score the
-    held-out set with and without the calculator."""
+    """``python -m rlcore.launch.tool_demo [FOLDER] [--train-backend NAME ...]``: prepare, warm
+    start, GRPO, then score the held-out set with and without the calculator; flags after the
+    folder (the backend, say) go to every run."""
     from rlcore.launch.cli import main as run_main
 
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/tool_demo")
+    args = sys.argv[1:]
+    named = bool(args) and not args[0].startswith("--")
+    folder = Path(args[0]) if named else Path("runs/tool_demo")
+    extra = args[1:] if named else args
     prepare_tool_demo(folder)
     for argv in (
         tool_demo_flags(folder, "warm"),
@@ -258,7 +262,7 @@ def main() -> int:
         tool_demo_eval_flags(folder, "calculator"),
         tool_demo_eval_flags(folder, "no_calculator"),
     ):
-        code = run_main(argv)
+        code = run_main([*argv, *extra])
         if code:
             return code
     return 0

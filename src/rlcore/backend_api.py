@@ -1,0 +1,152 @@
+"""For backend authors: what a backend implements, and what it may reuse, in one place.
+
+``import rlcore`` is for users who run training; a backend (the Megatron one, a second one, your
+own) is written against this module. What you implement:
+
+- a :class:`Backend` that builds an :class:`EvalStack` (a model: ``forward``, ``load``,
+  ``send_weights``; no optimizer) and a :class:`TrainingStack` (those plus ``optimizer``,
+  ``scheduler``, ``train_step``, ``save``) from a :class:`TrainSpec` or an :class:`EvalSpec`;
+  optionally :class:`HFExporter` for ``--save-hf``;
+- for the launcher (``--train-backend NAME``), a :class:`BackendKind` in a light module, with its
+  :class:`RankRuntime` (one rank's process group and parallel state, then the rank's backend),
+  its checks before start and its options, registered in :data:`KNOWN_BACKENDS`.
+
+What you may reuse, so that no backend writes it twice: the weight contract (:class:`WeightSink`,
+:func:`deliver`), the one place the sampling temperature meets the logits (:func:`tempered`),
+and (with torch) the batch tensors and per-token read-outs (:func:`tensorize`,
+:func:`token_log_probs`, :func:`entropy_from_logits`, :func:`gather_response`, :func:`unpad`),
+the losses (:func:`actor_loss`, :func:`critic_loss`) and what every train step shares
+(:func:`optimizer_step_batches`, :func:`local_micro_batches`, :class:`StepMetrics`). The torch
+names are imported on first use. A backend proves itself against the conformance suite
+(``tests/conformance``: one line in ``CANDIDATES``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from rlcore.backends import KNOWN_BACKENDS, BackendKind, RankRuntime, load_backend_kind
+from rlcore.errors import BackendContractError, BackendUnavailableError, CheckpointError
+from rlcore.logits import logprob_temperature, tempered
+from rlcore.protocols import (
+    Backend,
+    EvalStack,
+    HFExporter,
+    ModelStack,
+    Optimizer,
+    Scheduler,
+    TrainingStack,
+)
+from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.specs import (
+    EvalSpec,
+    ISCorrection,
+    LoadSpec,
+    LossSpec,
+    LRSchedule,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    TrainSpec,
+)
+from rlcore.weights import (
+    AnyProcess,
+    InProcess,
+    NamedTensors,
+    OnHost,
+    WeightSink,
+    WeightSource,
+    deliver,
+)
+
+if TYPE_CHECKING:
+    from rlcore.algorithms.batching import (
+        TensorBatch,
+        entropy_from_logits,
+        gather_response,
+        tensorize,
+        tensorize_samples,
+        token_log_probs,
+        unpad,
+    )
+    from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss
+    from rlcore.algorithms.train_step import (
+        StepMetrics,
+        local_micro_batches,
+        optimizer_step_batches,
+    )
+
+__all__ = [
+    "KNOWN_BACKENDS",
+    "AnyProcess",
+    "Backend",
+    "BackendContractError",
+    "BackendKind",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "EvalSpec",
+    "EvalStack",
+    "HFExporter",
+    "ISCorrection",
+    "InProcess",
+    "LRSchedule",
+    "LoadSpec",
+    "LossOut",
+    "LossSpec",
+    "ModelSpec",
+    "ModelStack",
+    "NamedTensors",
+    "OnHost",
+    "Optimizer",
+    "OptimizerSpec",
+    "ParallelSpec",
+    "RankRuntime",
+    "Sample",
+    "Scheduler",
+    "StepMetrics",
+    "TensorBatch",
+    "TrainBatch",
+    "TrainMetrics",
+    "TrainSpec",
+    "TrainingStack",
+    "WeightSink",
+    "WeightSource",
+    "actor_loss",
+    "critic_loss",
+    "deliver",
+    "entropy_from_logits",
+    "gather_response",
+    "load_backend_kind",
+    "local_micro_batches",
+    "logprob_temperature",
+    "optimizer_step_batches",
+    "tempered",
+    "tensorize",
+    "tensorize_samples",
+    "token_log_probs",
+    "unpad",
+]
+
+_WITH_TORCH = {
+    "TensorBatch": "batching",
+    "entropy_from_logits": "batching",
+    "gather_response": "batching",
+    "tensorize": "batching",
+    "tensorize_samples": "batching",
+    "token_log_probs": "batching",
+    "unpad": "batching",
+    "LossOut": "losses",
+    "actor_loss": "losses",
+    "critic_loss": "losses",
+    "StepMetrics": "train_step",
+    "local_micro_batches": "train_step",
+    "optimizer_step_batches": "train_step",
+}
+"""The names that need torch: each imported from ``rlcore.algorithms.<module>`` on first use."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WITH_TORCH:
+        raise AttributeError(f"module 'rlcore.backend_api' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlcore.algorithms.{_WITH_TORCH[name]}"), name)
