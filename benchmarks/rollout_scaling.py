@@ -62,7 +62,7 @@ import torch
 
 from benchmarks.results import Ratio, write_ratios
 from rlcore.data import HFTokenizer
-from rlcore.protocols import RolloutEngine
+from rlcore.protocols.engine import RolloutEngine
 from rlcore.samples import Prompt, SamplingParams
 
 THREADS = 2

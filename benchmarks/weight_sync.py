@@ -45,10 +45,10 @@ from rlcore import new_model
 from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
 from rlcore.launch.ray.worker import RankContext
 from rlcore.loop import push_weights
-from rlcore.protocols import EvalStack, NamedTensors
+from rlcore.protocols.stacks import EvalStack
 from rlcore.samples import Prompt, SamplingParams
 from rlcore.specs import EvalSpec, ModelSpec
-from rlcore.weights import AnyProcess
+from rlcore.weights import AnyProcess, NamedTensors
 from rlcore_megatron.kind import MegatronRuntime
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings

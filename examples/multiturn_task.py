@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rlcore.launch.cli import main
 from rlcore.new_model import Sizes, build_char_tokenizer, build_model
-from rlcore.protocols import Tokenizer
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.replay import load_rollout_data
 from rlcore.samples import Generation, Prompt, Turn

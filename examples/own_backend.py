@@ -58,7 +58,7 @@ VOCAB = 4 + len(LETTERS)
 
 
 class LetterTokenizer:
-    """``rlcore.protocols.Tokenizer``: ``<pad> <bos> <eos> >`` then one id per letter;
+    """``rlcore.protocols.tokenizer.Tokenizer``: ``<pad> <bos> <eos> >`` then one id per letter;
     ``encode`` prepends ``<bos>``, ``decode`` leaves the special tokens out."""
 
     pad_token_id = PAD

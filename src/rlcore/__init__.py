@@ -51,15 +51,15 @@ from rlcore.errors import (
 )
 from rlcore.loop import RunData, RunInterrupted, RunResult, run, should_eval, should_save
 from rlcore.loop.plan import EvalPlan, Plan, RolloutOnlyPlan, RolloutSpec, TrainPlan, plan
-from rlcore.protocols import (
+from rlcore.protocols.engine import RolloutEngine
+from rlcore.protocols.metrics import MetricsSink
+from rlcore.protocols.rollout import (
     DynamicSampling,
     Group,
     GroupFilter,
-    MetricsSink,
     PromptSource,
     RewardFn,
     RolloutContext,
-    RolloutEngine,
     RolloutFn,
     RolloutOutput,
 )
@@ -76,9 +76,7 @@ from rlcore.samples import (
     SamplingParams,
     Turn,
 )
-from rlcore.specs import (
-    AdvantageSpec,
-)
+from rlcore.specs import AdvantageSpec
 
 
 def execute(config: RunConfig, notes: Sequence[str] = ()) -> RunResult:

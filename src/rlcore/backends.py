@@ -25,7 +25,7 @@ import attrs
 
 from rlcore.errors import ConfigProblem
 from rlcore.imports import Registry, load_registered
-from rlcore.protocols import Backend
+from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
 
 __all__ = ["KNOWN_BACKENDS", "BackendKind", "RankRuntime", "load_backend", "load_backend_kind"]

@@ -80,7 +80,7 @@ def rollout_number(rollout_id: int) -> int:
     saved rollout files, metrics steps, logs, ``summary.json``, flags): the count of rollouts
     done once it is trained, so rollout id 0 (the first) is rollout 1, the checkpoint after 80
     rollouts is ``rollout_000080``, and ``-1`` (before training) is 0. The loop, the rollout
-    seam (:attr:`~rlcore.protocols.RolloutContext.rollout_id`) and
+    seam (:attr:`~rlcore.protocols.rollout.RolloutContext.rollout_id`) and
     :class:`~rlcore.loop.RunResult` count ids from 0, as slime does."""
     return rollout_id + 1
 

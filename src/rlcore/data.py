@@ -5,9 +5,9 @@ Files are JSON lines (``.jsonl``) or Parquet (``.parquet``, needs ``pyarrow``: `
 answer under ``label_key``. Anything malformed raises :class:`~rlcore.errors.DataError` naming the
 file, the 1-based line (or row) and what to do, before a single rollout runs.
 
-The tokenizer comes in through the small :class:`~rlcore.protocols.Tokenizer` protocol (re-exported
-here), so this module imports neither transformers nor torch; :class:`HFTokenizer` adapts a Hugging
-Face tokenizer to it.
+The tokenizer comes in through the small :class:`~rlcore.protocols.tokenizer.Tokenizer` protocol
+(re-exported here), so this module imports neither transformers nor torch; :class:`HFTokenizer`
+adapts a Hugging Face tokenizer to it.
 
 :class:`PromptSampler` keeps its whole position in one integer, ``consumed``, so a checkpoint that
 records it resumes the prompt stream exactly where it stopped.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal, Protocol, cast, final, overload
 
 from rlcore.errors import DataError
-from rlcore.protocols import ChatTokenizer, Message, Tokenizer
+from rlcore.protocols.tokenizer import ChatTokenizer, Message, Tokenizer
 from rlcore.samples import EvalSet, Prompt
 
 __all__ = [
@@ -563,7 +563,8 @@ class PromptSampler:
 
     def take(self, count: int) -> tuple[Prompt, ...]:
         """The next ``count`` prompts of the stream (dynamic sampling takes rounds of any size);
-        advances ``consumed`` by ``count``. Satisfies :class:`~rlcore.protocols.PromptSource`."""
+        advances ``consumed`` by ``count``. Satisfies
+        :class:`~rlcore.protocols.rollout.PromptSource`."""
         if count < 0:
             raise ValueError(f"PromptSampler.take: count must be >= 0, got {count}")
         n = len(self._prompts)

@@ -1,8 +1,8 @@
 """Weights on their way from a training stack to a rollout engine.
 
 A :class:`WeightSource` (a stack, or the rank group behind it) sends its weights to the
-:class:`WeightSink` s that a :class:`~rlcore.protocols.RolloutEngine` opens for one update. This
-module holds that contract and the two small things both sides share: where a sink may run
+:class:`WeightSink` s that a :class:`~rlcore.protocols.engine.RolloutEngine` opens for one update.
+This module holds that contract and the two small things both sides share: where a sink may run
 (:data:`SinkPlacement`) and how one pass over the weights feeds the sinks of one process
 (:func:`deliver`). It imports nothing else of rlcore (torch only for the type checker), so the
 protocols build on it.

@@ -14,7 +14,7 @@ import attrs
 from rlcore.backends import BackendKind
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.imports import NoOptions
-from rlcore.protocols import Backend
+from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
 from rlcore_megatron.model.arch import arch_from_hf_config, model_info
 

@@ -29,10 +29,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from rlcore.protocols import NamedTensors, WeightSink
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import deliver
+from rlcore.weights import NamedTensors, WeightSink, deliver
 from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch, model_info
@@ -301,7 +300,7 @@ class MegatronTrainingStack:
         self._scheduler.step(increment=0)  # this step's learning rate, from the above
 
     def save_hf(self, folder: Path) -> None:
-        """The model as a Hugging Face folder (:class:`~rlcore.protocols.HFExporter`), in the
+        """The model as a Hugging Face folder (:class:`~rlcore.protocols.stacks.HFExporter`), in the
         dtype it trains in. Every rank calls it (the export gathers over tensor and expert
         parallel); rank 0 writes."""
         save_hf(self, folder, self.arch)

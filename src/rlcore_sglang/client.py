@@ -1,5 +1,5 @@
 """SGLang as the rollout engine: data-parallel HTTP servers, launched by the run or connected by
-URL. :class:`SGLangEngine` satisfies :class:`~rlcore.protocols.RolloutEngine`.
+URL. :class:`SGLangEngine` satisfies :class:`~rlcore.protocols.engine.RolloutEngine`.
 
 Generation goes through ``/generate`` with token ids (batched requests, a concurrency limit,
 retries with backoff on connection errors). A weight update (:meth:`SGLangEngine.receive_weights`)
@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 
 from rlcore.engines.hosts import LocalProcessHost
 from rlcore.errors import RolloutError
-from rlcore.protocols import NamedTensors, ProcessHost, WeightSink, WeightSource
+from rlcore.protocols.hosts import ProcessHost
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
-from rlcore.weights import deliver
+from rlcore.weights import NamedTensors, WeightSink, WeightSource, deliver
 from rlcore_sglang import server_loader
 from rlcore_sglang.launcher import LaunchSettings, launch_servers
 from rlcore_sglang.options import EngineOptions
@@ -68,7 +68,8 @@ _DEFAULT_OPTIONS: Final = EngineOptions()
 
 @final
 class SGLangEngine:
-    """A :class:`~rlcore.protocols.RolloutEngine` over one or more SGLang servers (data parallel).
+    """A :class:`~rlcore.protocols.engine.RolloutEngine` over one or more SGLang servers (data
+    parallel).
 
     Build it with :meth:`connect` (servers someone else runs) or :meth:`launch` (processes this
     engine starts, on this machine or on the hosts a cluster reserved, and stops). Use it as a
@@ -209,7 +210,8 @@ class SGLangEngine:
 
     def restore_weights_from(self, source: WeightSource | None) -> None:
         """Where the weights now served are: a server restarted under fault tolerance gets them
-        from ``source`` before it serves (see :class:`~rlcore.protocols.RestartingEngine`)."""
+        from ``source`` before it serves (see
+        :class:`~rlcore.protocols.engine.RestartingEngine`)."""
         self._source = source
 
     @property

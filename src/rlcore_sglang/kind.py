@@ -8,7 +8,7 @@ from typing import Final
 
 from rlcore.engines import EngineKind, EngineSetup
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.protocols import RolloutEngine, TeacherServer
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
 from rlcore_sglang.options import SGLangOptions
 
 __all__ = ["SGLANG", "build"]

@@ -1,5 +1,5 @@
 """Starting ``python -m sglang.launch_server``: one data-parallel server per
-:class:`~rlcore.protocols.ProcessHost`.
+:class:`~rlcore.protocols.hosts.ProcessHost`.
 
 A host is a place the run's placement reserved (a cluster node and its GPUs, see
 ``rlcore.launch.ray.cluster``) or this machine (:class:`~rlcore.engines.hosts.LocalProcessHost`).
@@ -19,7 +19,7 @@ from typing import final
 import attrs
 
 from rlcore.errors import RolloutError
-from rlcore.protocols import ProcessHost
+from rlcore.protocols.hosts import ProcessHost
 from rlcore_sglang import server_loader
 from rlcore_sglang.server import SGLangServer
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Final, final
 
 from rlcore.errors import RolloutError, causes
-from rlcore.protocols import ProcessHost
+from rlcore.protocols.hosts import ProcessHost
 from rlcore_sglang.launcher import LaunchSettings, start_server
 from rlcore_sglang.options import FaultTolerance
 from rlcore_sglang.server import ServerTimeoutError, ServerUnreachableError, SGLangServer

@@ -3,9 +3,9 @@
 :class:`SGLangServer` is the only place that speaks HTTP to SGLang (stdlib ``urllib``, so neither
 ``requests`` nor ``sglang`` is needed). Every call has a timeout; every failure becomes a
 :class:`~rlcore.errors.RolloutError` that names the server and, for a server we launched, quotes
-the tail of its log. A launched server's process is a :class:`~rlcore.protocols.HostedProcess`:
-on this machine or on a cluster node (:mod:`rlcore_sglang.launcher` starts it). Also here: the
-helpers that call several servers at once.
+the tail of its log. A launched server's process is a
+:class:`~rlcore.protocols.hosts.HostedProcess`: on this machine or on a cluster node
+(:mod:`rlcore_sglang.launcher` starts it). Also here: the helpers that call several servers at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import attrs
 
 from rlcore.engines.hosts import free_port
 from rlcore.errors import RolloutError
-from rlcore.protocols import HostedProcess
+from rlcore.protocols.hosts import HostedProcess
 
 __all__ = [
     "CallPolicy",

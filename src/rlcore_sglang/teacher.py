@@ -1,6 +1,6 @@
 """A distillation teacher served by SGLang (``--opd-type sglang``): the
-:class:`~rlcore.protocols.TeacherServer` the loop asks for the teacher's log-probs of every rollout
-as it is made (:func:`rlcore.loop.rollouts.rollout_source`), at the rollout's temperature.
+:class:`~rlcore.protocols.engine.TeacherServer` the loop asks for the teacher's log-probs of every
+rollout as it is made (:func:`rlcore.loop.rollouts.rollout_source`), at the rollout's temperature.
 
 At temperature 1 each sample is sent whole, prompt then response, to ``/generate`` with
 ``max_new_tokens`` 0 and ``return_logprob``; the server returns its ``input_token_logprobs``

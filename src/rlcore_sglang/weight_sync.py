@@ -54,8 +54,7 @@ import torch.multiprocessing  # registers torch's pickling reductions with Forki
 from torch._C._distributed_c10d import TCPStore
 
 from rlcore.errors import RolloutError
-from rlcore.protocols import NamedTensors
-from rlcore.weights import AnyProcess, OnHost, on_release
+from rlcore.weights import AnyProcess, NamedTensors, OnHost, on_release
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import (
     CallPolicy,

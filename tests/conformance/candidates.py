@@ -12,7 +12,7 @@ from typing import Any, Final
 import attrs
 import pytest
 
-from rlcore.protocols import Backend
+from rlcore.protocols.stacks import Backend
 from rlcore.testing import FakeBackend
 from tests.megatron.helpers import TINY
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from rlcore.protocols import Backend
+from rlcore.protocols.stacks import Backend
 from tests.conformance.candidates import CANDIDATES
 
 

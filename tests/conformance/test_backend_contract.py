@@ -16,7 +16,7 @@ import torch
 import rlcore
 from rlcore.errors import BackendContractError, CheckpointError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
-from rlcore.protocols import Backend, EvalStack, ModelStack, TrainingStack
+from rlcore.protocols.stacks import Backend, EvalStack, ModelStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.testing import ScriptedEngine, label_reward

@@ -13,7 +13,7 @@ from rlcore.data import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.engines.sampling import sample_next_tokens
 from rlcore.errors import RolloutError
-from rlcore.protocols import RolloutEngine
+from rlcore.protocols.engine import RolloutEngine
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.testing.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
 

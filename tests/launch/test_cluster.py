@@ -28,10 +28,10 @@ from rlcore.launch.ray.cluster import ClusterPlacement
 from rlcore.launch.ray.ranks import GroupOptions
 from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
 from rlcore.launch.ray.worker import RankContext
-from rlcore.protocols import Backend, EvalStack, TrainingStack, WeightSink
+from rlcore.protocols.stacks import Backend, EvalStack, TrainingStack
 from rlcore.samples import Sample
 from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec, TrainSpec
-from rlcore.weights import deliver
+from rlcore.weights import WeightSink, deliver
 from tests.conftest_ray import SimulatedCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

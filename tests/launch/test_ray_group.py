@@ -45,7 +45,7 @@ from rlcore.launch.ray.stacks import (
     load,
 )
 from rlcore.launch.ray.worker import RankContext
-from rlcore.protocols import Backend, EvalStack, ModelStack, NamedTensors, TrainingStack, WeightSink
+from rlcore.protocols.stacks import Backend, EvalStack, ModelStack, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     EvalSpec,
@@ -57,7 +57,7 @@ from rlcore.specs import (
     TrainSpec,
 )
 from rlcore.testing import RecordingWeightSink
-from rlcore.weights import AnyProcess, OnHost, deliver
+from rlcore.weights import AnyProcess, NamedTensors, OnHost, WeightSink, deliver
 from rlcore_megatron.kind import MegatronRuntime
 
 if TYPE_CHECKING:

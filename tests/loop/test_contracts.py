@@ -19,7 +19,6 @@ from rlcore.errors import BackendError, CheckpointError, PlanError, RolloutError
 from rlcore.loop import RunData, RunInterrupted, run
 from rlcore.loop.plan import EvalPlan, plan
 from rlcore.loop.records import Progress
-from rlcore.protocols import WeightSink
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import (
@@ -31,6 +30,7 @@ from rlcore.testing import (
     ScriptedEngine,
     label_reward,
 )
+from rlcore.weights import WeightSink
 
 PROMPTS = tuple(
     Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(6)

@@ -18,7 +18,7 @@ from rlcore.errors import BackendContractError, CheckpointError, ConfigError
 from rlcore.loop import RunData, run
 from rlcore.loop.hf_export import TOKENIZER_FILES, hf_folder, should_export_hf
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
-from rlcore.protocols import Backend
+from rlcore.protocols.stacks import Backend
 from rlcore.samples import Prompt
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import (

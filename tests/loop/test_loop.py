@@ -261,7 +261,7 @@ def test_a_failed_weight_send_leaves_the_engine_on_its_old_version() -> None:
     from collections.abc import Sequence
 
     from rlcore.loop import push_weights
-    from rlcore.protocols import WeightSink
+    from rlcore.weights import WeightSink
 
     class Broken:
         def send_weights(self, sinks: Sequence[WeightSink]) -> None:

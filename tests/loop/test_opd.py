@@ -16,7 +16,7 @@ from rlcore.config import load_config
 from rlcore.errors import ConfigError, PlanError, RolloutError
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import EvalPlan, RolloutOnlyPlan, TrainPlan, plan
-from rlcore.protocols import RewardFn
+from rlcore.protocols.rollout import RewardFn
 from rlcore.samples import EvalSet, Generation, Prompt, Sample
 from rlcore.specs import EvalSpec, ModelSpec, ServedTeacher, TrainSpec
 from rlcore.testing import (

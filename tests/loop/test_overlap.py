@@ -20,9 +20,9 @@ from rlcore.loop.overlap import run_overlapped_training
 from rlcore.loop.plan import TrainPlan, plan
 from rlcore.loop.records import Progress
 from rlcore.loop.training import run_training
-from rlcore.protocols import WeightSink, WeightSource
 from rlcore.samples import EvalSet, Generation, Prompt, SamplingParams
 from rlcore.testing import FakeBackend, RecordingSink, ScriptedEngine, label_reward
+from rlcore.weights import WeightSink, WeightSource
 
 PROMPTS = tuple(
     Prompt(index=i, text=f"{i}?", token_ids=(1, i + 3), label=str(i), target_token_ids=(i + 4, 2))
@@ -283,8 +283,8 @@ def test_a_stopped_and_resumed_lockstep_run_equals_an_uninterrupted_one(
 
 
 class _Restarting:
-    """A :class:`~rlcore.protocols.RestartingEngine`: a scripted engine that records where the
-    loop says the weights it serves are."""
+    """A :class:`~rlcore.protocols.engine.RestartingEngine`: a scripted engine that records where
+    the loop says the weights it serves are."""
 
     def __init__(self) -> None:
         self.inner = ScriptedEngine(every_third_always_right)

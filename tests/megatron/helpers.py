@@ -12,7 +12,7 @@ from typing import Any, Final
 import attrs
 import torch
 
-from rlcore.protocols import ModelStack, NamedTensors
+from rlcore.protocols.stacks import ModelStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
     ISCorrection,
@@ -24,7 +24,7 @@ from rlcore.specs import (
     Role,
     TrainSpec,
 )
-from rlcore.weights import InProcess
+from rlcore.weights import InProcess, NamedTensors
 
 TINY: Final[dict[str, Any]] = {
     "vocab_size": 32,

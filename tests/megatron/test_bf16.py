@@ -245,7 +245,7 @@ def test_every_family_trains_and_exports_in_bf16(
     assert any(not torch.equal(t, before[name]) for name, t in exported.items())  # trained
 
     out = tmp_path / "hf"
-    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.HFExporter)
+    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.stacks.HFExporter)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     arch = read_hf_config(out)
     again = build_gpt(arch, "actor", torch.device("cpu"), precision="bfloat16")

@@ -158,7 +158,7 @@ def test_trained_model_exports_a_checkpoint_transformers_loads(
     assert any(not torch.equal(t, original.get(n)) for n, t in exported.items())  # trained
 
     out = tmp_path / "hf"
-    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.HFExporter)
+    stack.save_hf(out)  # what --save-hf calls (rlcore.protocols.stacks.HFExporter)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [stack.arch.architecture]
     assert (config["model_type"], config["dtype"]) == (family, "float32")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rlcore.config import structure_config
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import plan
-from rlcore.protocols import EvalStack, TrainingStack
+from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward

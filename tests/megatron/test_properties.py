@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from rlcore.config import structure_config
 from rlcore.loop.plan import EvalPlan, TrainPlan, plan
-from rlcore.protocols import EvalStack, TrainingStack
+from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore_megatron.backend import MegatronBackend
 from tests.megatron.helpers import make_batch, make_samples
 from tests.strategies import valid_config_dicts

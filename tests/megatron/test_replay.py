@@ -15,7 +15,7 @@ import torch
 from rlcore.config import structure_config
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import Plan, plan
-from rlcore.protocols import EvalStack, TrainingStack
+from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.samples import Prompt
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward

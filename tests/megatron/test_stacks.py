@@ -12,7 +12,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.errors import BackendUnavailableError, ConfigError, PlanError
-from rlcore.protocols import EvalStack, TrainingStack
+from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.specs import EvalSpec, ISCorrection, LossSpec, LRSchedule, ModelSpec, ParallelSpec
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.model.hf_weights import load_named_tensors

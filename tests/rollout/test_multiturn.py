@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from rlcore.errors import RolloutError
-from rlcore.protocols import WeightSink
 from rlcore.rollout import generate_groups
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.multiturn import EpisodeEngine, GenerateContext, with_env_reward
@@ -33,6 +32,7 @@ from rlcore.rollout.tools import (
 )
 from rlcore.samples import Generation, Prompt, SamplingParams, Turn
 from rlcore.testing import ScriptedEngine
+from rlcore.weights import WeightSink
 
 EOS = 3  # a code point no script writes
 

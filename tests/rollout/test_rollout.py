@@ -16,7 +16,6 @@ from rlcore.data import PromptSampler
 from rlcore.errors import ConfigError, DataError, RolloutError
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import plan
-from rlcore.protocols import WeightSink
 from rlcore.rollout import (
     DynamicSampling,
     RolloutContext,
@@ -30,6 +29,7 @@ from rlcore.rollout import (
 from rlcore.rollout.replay import load_rollout_data, rollout_data_path, save_rollout_data
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams
 from rlcore.testing import FakeBackend, ScriptedEngine, label_reward
+from rlcore.weights import WeightSink
 
 PROMPTS = tuple(
     Prompt(index=i, text=f"{i}?", token_ids=(1, i + 3), label=str(i)) for i in range(12)

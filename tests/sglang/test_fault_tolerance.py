@@ -17,9 +17,8 @@ import pytest
 
 from rlcore.engines import _shm
 from rlcore.errors import RolloutError
-from rlcore.protocols import WeightSink
 from rlcore.samples import Generation, Prompt, SamplingParams
-from rlcore.weights import deliver
+from rlcore.weights import WeightSink, deliver
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, FaultTolerance

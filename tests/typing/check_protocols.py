@@ -20,18 +20,9 @@ from rlcore import (
 )
 from rlcore.backend_api import EvalSpec, EvalStack, TrainingStack, TrainSpec
 from rlcore.loop.stages import TrainStacks
-from rlcore.protocols import (
-    Backend,
-    GroupFilter,
-    ModelStack,
-    NamedTensors,
-    RewardFn,
-    RolloutEngine,
-    RolloutFn,
-    TeacherServer,
-    WeightSink,
-    WeightSource,
-)
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
+from rlcore.protocols.rollout import GroupFilter, RewardFn, RolloutFn
+from rlcore.protocols.stacks import Backend, ModelStack
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
 from rlcore.rollout.rewards import AsyncRewardFn
 from rlcore.samples import Generation, Prompt, SamplingParams
@@ -43,7 +34,7 @@ from rlcore.testing import (
     RecordingWeightSink,
     ScriptedEngine,
 )
-from rlcore.weights import AnyProcess, InProcess, OnHost
+from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, WeightSource
 
 
 def eval_stack_has_no_optimizer(stack: EvalStack) -> None:

@@ -2,7 +2,7 @@
 each step's global batch into this rank's micro-batches, the loss normaliser of the global batch,
 and the step's metrics summed over micro-batches and reduced over data-parallel ranks.
 
-The contract (:meth:`rlcore.protocols.TrainingStack.train_step`): every rank of a multi-rank
+The contract (:meth:`rlcore.protocols.stacks.TrainingStack.train_step`): every rank of a multi-rank
 stack receives the *whole* rollout batch. Each optimizer step takes the next
 ``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own contiguous
 share of them (:func:`local_micro_batches`), cut into micro-batches. Each micro-batch's loss

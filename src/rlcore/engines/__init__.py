@@ -27,7 +27,9 @@ import attrs
 
 from rlcore.errors import BackendUnavailableError
 from rlcore.imports import NoOptions, Registry, load_registered
-from rlcore.protocols import ProcessHost, RolloutEngine, TeacherServer, Tokenizer
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
+from rlcore.protocols.hosts import ProcessHost
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.specs import Precision
 
 __all__ = ["EMBEDDED", "KNOWN_ENGINES", "EngineKind", "EngineSetup", "NoOptions", "load_engine"]

@@ -44,9 +44,9 @@ from rlcore.engines.decode_attention import ATTENTION, load_kernel
 from rlcore.engines.kv_cache import DecodeCache
 from rlcore.engines.sampling import check_params, copy_weights, sample_next_tokens
 from rlcore.errors import RolloutError
-from rlcore.protocols import NamedTensors, Tokenizer
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.samples import Generation, Prompt, SamplingParams
-from rlcore.weights import InProcess, deliver
+from rlcore.weights import InProcess, NamedTensors, deliver
 
 __all__ = ["EmbeddedEngine", "EmbeddedWeightSink"]
 
@@ -115,7 +115,7 @@ def _target(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | No
 
 @final
 class EmbeddedEngine:
-    """A :class:`~rlcore.protocols.RolloutEngine` over an in-process Hugging Face causal LM.
+    """A :class:`~rlcore.protocols.engine.RolloutEngine` over an in-process Hugging Face causal LM.
 
     ``EmbeddedEngine(model, tokenizer, seed=...)`` wraps a model already in memory (it is used,
     not copied: :meth:`update_weights` writes into it); :meth:`from_pretrained` loads one from a
@@ -492,7 +492,7 @@ class EmbeddedEngine:
         """As :meth:`receive_weights`, but a generation running in another thread is stopped at
         its next token boundary instead of waited for; once the weights are in, it recomputes
         its context with them and goes on (a partial rollout: see
-        :class:`~rlcore.protocols.PartialRolloutEngine`)."""
+        :class:`~rlcore.protocols.engine.PartialRolloutEngine`)."""
         self._no_update.clear()
         self._interrupt.set()
         try:

@@ -1,4 +1,4 @@
-"""This machine as a :class:`~rlcore.protocols.ProcessHost`: start a server process, watch it,
+"""This machine as a :class:`~rlcore.protocols.hosts.ProcessHost`: start a server process, watch it,
 read its log, stop it and everything it started, and remove the shared-memory files it leaves.
 
 A cluster's hosts (``rlcore.launch.ray.cluster``) run a :class:`LocalProcessHost` on the node they

@@ -25,7 +25,7 @@ import torch
 
 from rlcore.engines.sampling import check_params, copy_weights, sample_next_tokens
 from rlcore.errors import RolloutError
-from rlcore.protocols import Tokenizer
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.weights import InProcess, NamedTensors
 
@@ -34,7 +34,7 @@ __all__ = ["TorchEngine", "TorchWeightSink"]
 
 @final
 class TorchEngine:
-    """A :class:`~rlcore.protocols.RolloutEngine` over an in-process ``torch.nn.Module`` that
+    """A :class:`~rlcore.protocols.engine.RolloutEngine` over an in-process ``torch.nn.Module`` that
     returns next-token logits (module docstring).
 
     ``model`` is used, not copied: weight updates write into it, so give the engine its own

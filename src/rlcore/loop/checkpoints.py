@@ -43,7 +43,8 @@ from rlcore.config.resume import SettingChange, refusal, resume_changes, saved_c
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError, causes
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.stages import TrainStacks
-from rlcore.protocols import Group, RolloutOutput, TrainingStack
+from rlcore.protocols.rollout import Group, RolloutOutput
+from rlcore.protocols.stacks import TrainingStack
 from rlcore.rollout.replay import read_groups, read_output, write_groups, write_output
 
 __all__ = [

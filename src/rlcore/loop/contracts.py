@@ -27,23 +27,24 @@ from pathlib import Path
 from typing import Final, final
 
 from rlcore.errors import BackendContractError, BackendError, RLCoreError, RolloutError
-from rlcore.protocols import (
+from rlcore.protocols.engine import (
+    RolloutEngine,
+    keep_weight_source,
+    receive_weights_midway,
+    takes_weights_midway,
+)
+from rlcore.protocols.stacks import (
     Backend,
     EvalStack,
     HFExporter,
     ModelStack,
     Optimizer,
-    RolloutEngine,
     Scheduler,
     TrainingStack,
-    WeightSink,
-    WeightSource,
-    keep_weight_source,
-    receive_weights_midway,
-    takes_weights_midway,
 )
 from rlcore.samples import Generation, Prompt, Sample, SamplingParams, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.weights import WeightSink, WeightSource
 
 log = logging.getLogger("rlcore")
 
@@ -135,7 +136,7 @@ class _Checked:
 
 @final
 class CheckedEvalStack(_Checked):
-    """An :class:`~rlcore.protocols.EvalStack` whose calls are checked (see the module)."""
+    """An :class:`~rlcore.protocols.stacks.EvalStack` whose calls are checked (see the module)."""
 
     kind: Final = "eval"
 
@@ -145,7 +146,8 @@ class CheckedEvalStack(_Checked):
 
 @final
 class CheckedTrainingStack(_Checked):
-    """A :class:`~rlcore.protocols.TrainingStack` whose calls are checked (see the module)."""
+    """A :class:`~rlcore.protocols.stacks.TrainingStack` whose calls are checked (see the
+    module)."""
 
     kind: Final = "train"
 
@@ -170,7 +172,7 @@ class CheckedTrainingStack(_Checked):
             self._training.save(path, rollout_id)
 
     def hf_exporter(self) -> CheckedHFExporter:
-        """The stack's Hugging Face export (:class:`~rlcore.protocols.HFExporter`), checked.
+        """The stack's Hugging Face export (:class:`~rlcore.protocols.stacks.HFExporter`), checked.
         Raises :class:`~rlcore.errors.BackendContractError` when the stack has none."""
         if not isinstance(self._training, HFExporter):
             raise BackendContractError(
@@ -183,7 +185,7 @@ class CheckedTrainingStack(_Checked):
 
 @final
 class CheckedHFExporter:
-    """An :class:`~rlcore.protocols.HFExporter` whose errors are named (see the module)."""
+    """An :class:`~rlcore.protocols.stacks.HFExporter` whose errors are named (see the module)."""
 
     def __init__(self, stack: HFExporter, what: str) -> None:
         self._stack = stack
@@ -272,7 +274,7 @@ def _check_kind(stack: object, kind: str, what: str) -> None:
 def check_generations(
     engine: object, prompts: Sequence[Prompt], generations: Sequence[object]
 ) -> list[Generation]:
-    """``generations`` as a list, after checking the :class:`~rlcore.protocols.RolloutEngine`
+    """``generations`` as a list, after checking the :class:`~rlcore.protocols.engine.RolloutEngine`
     contract: exactly one :class:`~rlcore.samples.Generation` per prompt. Raises
     :class:`~rlcore.errors.RolloutError` naming the engine otherwise."""
     if len(generations) != len(prompts):
@@ -294,7 +296,8 @@ def check_generations(
 
 @final
 class CheckedEngine:
-    """A :class:`~rlcore.protocols.RolloutEngine` whose calls are checked (see the module)."""
+    """A :class:`~rlcore.protocols.engine.RolloutEngine` whose calls are checked (see the
+    module)."""
 
     def __init__(self, engine: RolloutEngine) -> None:
         missing = missing_members(engine, RolloutEngine)

@@ -38,7 +38,7 @@ import attrs
 from rlcore.data import PromptSampler
 from rlcore.errors import RolloutError
 from rlcore.loop.rollouts import RolloutSource
-from rlcore.protocols import Group, RolloutOutput
+from rlcore.protocols.rollout import Group, RolloutOutput
 
 __all__ = ["Produced", "RolloutGenerator", "staleness"]
 

@@ -2,9 +2,9 @@
 ``transformers`` and the rollout engines load, on ``--save-hf-interval`` (by default the save
 interval) and after the last rollout.
 
-The stack writes the weights and ``config.json`` (:class:`~rlcore.protocols.HFExporter`, in the
-dtype it trains in); this stage adds the tokenizer's files from the actor's model folder, so that
-each export is a whole model (``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it). An
+The stack writes the weights and ``config.json`` (:class:`~rlcore.protocols.stacks.HFExporter`, in
+the dtype it trains in); this stage adds the tokenizer's files from the actor's model folder, so
+that each export is a whole model (``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it). An
 export is built in a hidden folder beside its destination and renamed into place
 (:func:`~rlcore.loop.checkpoints.write_folder`): a failed or interrupted export leaves no folder
 under its final name, and exporting the same rollout again replaces the folder only once the new
@@ -21,7 +21,7 @@ from rlcore.checkpoint_files import rollout_number, rollout_path
 from rlcore.loop.checkpoints import write_folder
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.stages import should_save
-from rlcore.protocols import HFExporter
+from rlcore.protocols.stacks import HFExporter
 
 __all__ = ["TOKENIZER_FILES", "export_hf", "hf_folder", "should_export_hf"]
 

@@ -30,15 +30,10 @@ from rlcore.loop.records import NullSink, Progress, RunData, RunInterrupted, Run
 from rlcore.loop.rollouts import rollout_source
 from rlcore.loop.stages import evaluate, push_weights, rollout_metrics, training_samples
 from rlcore.loop.training import run_training
-from rlcore.protocols import (
-    Backend,
-    Group,
-    MetricsSink,
-    RewardFn,
-    RolloutEngine,
-    RolloutFn,
-    TeacherServer,
-)
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
+from rlcore.protocols.metrics import MetricsSink
+from rlcore.protocols.rollout import Group, RewardFn, RolloutFn
+from rlcore.protocols.stacks import Backend
 
 __all__ = ["check_inputs", "run", "run_eval_only", "run_rollout_only"]
 

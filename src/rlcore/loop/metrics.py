@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import IO, final
 
 from rlcore.errors import BackendUnavailableError
-from rlcore.protocols import MetricsSink
+from rlcore.protocols.metrics import MetricsSink
 
 __all__ = ["JsonlSink", "MultiSink", "StepsFrom", "TensorBoardSink", "read_jsonl_metrics"]
 

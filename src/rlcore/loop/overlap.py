@@ -12,10 +12,11 @@ up to ``K`` policy versions ahead, while the trainer trains::
   generated with one known version and two runs with the same seed give the same metrics.
 - ``K > 1``: the generator runs freely, as far as ``K`` versions ahead. With
   ``--partial-rollout`` new weights interrupt it at a token boundary
-  (:class:`~rlcore.protocols.PartialRolloutEngine`) and it goes on with them. Without, a step's
-  weights go to the engine only between two of its rollouts: when the generator is mid-rollout
-  they are deferred (``rollout/weights_deferred``) and the next step's go instead, unless a save,
-  an evaluation or the end of the run needs them now (then they wait for the rollout to end).
+  (:class:`~rlcore.protocols.engine.PartialRolloutEngine`) and it goes on with them. Without, a
+  step's weights go to the engine only between two of its rollouts: when the generator is
+  mid-rollout they are deferred (``rollout/weights_deferred``) and the next step's go instead,
+  unless a save, an evaluation or the end of the run needs them now (then they wait for the rollout
+  to end).
 
 Evaluations and saves hold the generator between rollouts. A save keeps the rollouts generated
 ahead of training with the checkpoint, so a resumed run trains on exactly them (a ``K = 1`` run
@@ -66,15 +67,10 @@ from rlcore.loop.stages import (
     warm_start,
 )
 from rlcore.loop.tail import Evaluation, save_and_export, wants_save
-from rlcore.protocols import (
-    Backend,
-    MetricsSink,
-    RewardFn,
-    RolloutEngine,
-    RolloutFn,
-    TeacherServer,
-    takes_weights_midway,
-)
+from rlcore.protocols.engine import RolloutEngine, TeacherServer, takes_weights_midway
+from rlcore.protocols.metrics import MetricsSink
+from rlcore.protocols.rollout import RewardFn, RolloutFn
+from rlcore.protocols.stacks import Backend
 
 __all__ = ["run_overlapped_training", "staleness_metrics"]
 

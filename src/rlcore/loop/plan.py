@@ -20,7 +20,7 @@ from rlcore.checkpoint_files import find_checkpoint_of, recorded_model_folder
 from rlcore.config import RunConfig, with_flag
 from rlcore.config.convert import settings_data
 from rlcore.errors import CheckpointError, ConfigError, ConfigProblem, PlanError
-from rlcore.protocols import DEFAULT_MAX_ROUNDS
+from rlcore.protocols.rollout import DEFAULT_MAX_ROUNDS
 from rlcore.samples import SamplingParams
 from rlcore.specs import (
     AdvantageSpec,

@@ -74,7 +74,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 class NullSink:
-    """A :class:`~rlcore.protocols.MetricsSink` that drops everything (no sink given)."""
+    """A :class:`~rlcore.protocols.metrics.MetricsSink` that drops everything (no sink given)."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         del step, metrics

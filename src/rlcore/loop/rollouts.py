@@ -14,17 +14,16 @@ import attrs
 from rlcore.checkpoint_files import rollout_number
 from rlcore.errors import PlanError, RLCoreError, RolloutError
 from rlcore.loop.plan import RolloutOnlyPlan, TrainPlan
-from rlcore.protocols import (
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
+from rlcore.protocols.rollout import (
     DynamicSampling,
     Group,
     GroupFilter,
     PromptSource,
     RewardFn,
     RolloutContext,
-    RolloutEngine,
     RolloutFn,
     RolloutOutput,
-    TeacherServer,
 )
 from rlcore.rollout.default import (
     check_reward_nonzero_std,

@@ -35,24 +35,15 @@ from rlcore.checkpoint_files import rollout_number
 from rlcore.errors import PlanError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import TrainPlan
-from rlcore.protocols import (
-    Backend,
-    EvalStack,
-    Group,
-    HFExporter,
-    RewardFn,
-    RolloutEngine,
-    RolloutOutput,
-    TrainingStack,
-    WeightSource,
-    keep_weight_source,
-    receive_weights_midway,
-)
+from rlcore.protocols.engine import RolloutEngine, keep_weight_source, receive_weights_midway
+from rlcore.protocols.rollout import Group, RewardFn, RolloutOutput
+from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, TrainingStack
 from rlcore.rollout.default import (
     generate_groups,
 )
 from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
 from rlcore.specs import EvalSpec, OPDSpec
+from rlcore.weights import WeightSource
 
 __all__ = [
     "TrainStacks",
@@ -174,7 +165,7 @@ def push_weights(
     synchronous schedule); then a server the engine restarts (``--use-fault-tolerance``) gets them
     from it again. Off-policy schedules train ahead and pass ``False``. ``midway``: the new
     weights interrupt in-flight generation at a token boundary instead of waiting for it
-    (``--partial-rollout``; :func:`~rlcore.protocols.receive_weights_midway`)."""
+    (``--partial-rollout``; :func:`~rlcore.protocols.engine.receive_weights_midway`)."""
     receiving = (
         receive_weights_midway(engine, version) if midway else engine.receive_weights(version)
     )

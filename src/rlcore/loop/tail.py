@@ -19,7 +19,9 @@ from rlcore.loop.hf_export import export_hf, should_export_hf
 from rlcore.loop.plan import TrainPlan
 from rlcore.loop.records import Progress
 from rlcore.loop.stages import TrainStacks, evaluate, should_save
-from rlcore.protocols import Group, MetricsSink, RewardFn, RolloutEngine, RolloutOutput
+from rlcore.protocols.engine import RolloutEngine
+from rlcore.protocols.metrics import MetricsSink
+from rlcore.protocols.rollout import Group, RewardFn, RolloutOutput
 from rlcore.samples import EvalSet
 
 __all__ = ["Evaluation", "save_and_export", "wants_save"]

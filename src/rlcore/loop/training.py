@@ -32,14 +32,10 @@ from rlcore.loop.stages import (
     warm_start,
 )
 from rlcore.loop.tail import Evaluation, save_and_export, wants_save
-from rlcore.protocols import (
-    Backend,
-    MetricsSink,
-    RewardFn,
-    RolloutEngine,
-    RolloutFn,
-    TeacherServer,
-)
+from rlcore.protocols.engine import RolloutEngine, TeacherServer
+from rlcore.protocols.metrics import MetricsSink
+from rlcore.protocols.rollout import RewardFn, RolloutFn
+from rlcore.protocols.stacks import Backend
 
 __all__ = ["run_training"]
 

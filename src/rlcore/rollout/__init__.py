@@ -11,15 +11,15 @@
 - :mod:`~rlcore.rollout.replay`: rollouts saved to files and read back (debug replay, carried
   groups in checkpoints).
 
-The seam's own types (:class:`~rlcore.protocols.RolloutFn`, its context and output) are shared
-types in :mod:`rlcore.protocols`, re-exported here. This room imports the shared types
+The seam's own types (:class:`~rlcore.protocols.rollout.RolloutFn`, its context and output) are
+shared types in :mod:`rlcore.protocols`, re-exported here. This room imports the shared types
 (``errors``, ``samples``, ``specs``, ``weights``, ``protocols``, ``imports``) and nothing else of
 rlcore: not the config, the engines or the loop.
 """
 
 from __future__ import annotations
 
-from rlcore.protocols import (
+from rlcore.protocols.rollout import (
     DEFAULT_MAX_ROUNDS,
     DynamicSampling,
     Group,

@@ -1,8 +1,8 @@
 """The default rollout function, and the pieces a custom one reuses.
 
-A rollout function (:class:`~rlcore.protocols.RolloutFn`, slime's ``--rollout-function-path``)
-takes a :class:`~rlcore.protocols.RolloutContext` and returns a
-:class:`~rlcore.protocols.RolloutOutput`. The default,
+A rollout function (:class:`~rlcore.protocols.rollout.RolloutFn`, slime's
+``--rollout-function-path``) takes a :class:`~rlcore.protocols.rollout.RolloutContext` and returns a
+:class:`~rlcore.protocols.rollout.RolloutOutput`. The default,
 :func:`default_rollout`, is DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, section
 3.2)::
 
@@ -27,12 +27,12 @@ from typing import Final
 from rlcore.checkpoint_files import rollout_number
 from rlcore.errors import RolloutError
 from rlcore.imports import load_function
-from rlcore.protocols import (
+from rlcore.protocols.engine import RolloutEngine
+from rlcore.protocols.rollout import (
     Group,
     GroupFilter,
     RewardFn,
     RolloutContext,
-    RolloutEngine,
     RolloutFn,
     RolloutOutput,
 )

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import attrs
 
-from rlcore.protocols import ChatTokenizer, Tokenizer
+from rlcore.protocols.tokenizer import ChatTokenizer, Tokenizer
 from rlcore.samples import Prompt, Turn
 
 __all__ = ["Environment", "EnvironmentFactory", "StepResult", "observation_ids"]

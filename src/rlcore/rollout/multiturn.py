@@ -2,8 +2,8 @@
 
 Where it plugs in: below the rollout function, in place of its engine call. An episode is one
 :class:`~rlcore.samples.Generation` per prompt, exactly what the
-:class:`~rlcore.protocols.RolloutEngine` contract returns, so :class:`EpisodeEngine` wraps the
-rollout engine and the rollout seam is unchanged (the default rollout function, dynamic
+:class:`~rlcore.protocols.engine.RolloutEngine` contract returns, so :class:`EpisodeEngine` wraps
+the rollout engine and the rollout seam is unchanged (the default rollout function, dynamic
 sampling, custom rollout functions, evaluation and rollout-only runs all get episodes). It runs
 one coroutine per request (the generate function: :func:`run_episode`, or the user's
 ``--custom-generate-function-path module:fn``, slime's flag) concurrently on one event loop, and
@@ -38,20 +38,19 @@ import attrs
 
 from rlcore.errors import RLCoreError, RolloutError
 from rlcore.imports import load_function
-from rlcore.protocols import (
-    RewardFn,
+from rlcore.protocols.engine import (
     RolloutEngine,
-    Tokenizer,
-    WeightSink,
-    WeightSource,
     keep_weight_source,
     receive_weights_midway,
     takes_weights_midway,
 )
+from rlcore.protocols.rollout import RewardFn
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.rollout.environments import EnvironmentFactory, StepResult
 from rlcore.rollout.rewards import AsyncReward, AsyncRewardFn, _run_coroutine
 from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams, Turn
 from rlcore.specs import EnvRewardMode
+from rlcore.weights import WeightSink, WeightSource
 
 __all__ = [
     "BatchingEngine",
@@ -263,7 +262,7 @@ async def run_episode(ctx: GenerateContext, prompt: Prompt) -> Generation:
 
 @final
 class EpisodeEngine:
-    """A :class:`~rlcore.protocols.RolloutEngine` whose generations are episodes.
+    """A :class:`~rlcore.protocols.engine.RolloutEngine` whose generations are episodes.
 
     ``generate`` turns every prompt into an episode of ``generate_fn`` (default
     :func:`run_episode`) against ``engine``; all of a call's episodes run concurrently and their

@@ -24,7 +24,7 @@ import cattrs
 
 from rlcore.checkpoint_files import rollout_number, rollout_path
 from rlcore.errors import DataError
-from rlcore.protocols import RolloutOutput
+from rlcore.protocols.rollout import RolloutOutput
 from rlcore.samples import Sample
 
 __all__ = [
@@ -80,8 +80,8 @@ def write_groups(path: Path, rollout_id: int, groups: tuple[tuple[Sample, ...], 
 
 
 def write_output(path: Path, rollout_id: int, output: RolloutOutput) -> None:
-    """A whole :class:`~rlcore.protocols.RolloutOutput` (groups, surplus and metrics) as rollout
-    ``rollout_id``'s file at ``path``, atomically: a rollout generated ahead of training and
+    """A whole :class:`~rlcore.protocols.rollout.RolloutOutput` (groups, surplus and metrics) as
+    rollout ``rollout_id``'s file at ``path``, atomically: a rollout generated ahead of training and
     saved with a checkpoint, to be trained on after a resume exactly as it would have been."""
     _write(
         path,
@@ -96,7 +96,7 @@ def write_output(path: Path, rollout_id: int, output: RolloutOutput) -> None:
 
 
 def read_output(path: Path, rollout_id: int) -> RolloutOutput:
-    """The :class:`~rlcore.protocols.RolloutOutput` :func:`write_output` wrote (errors as
+    """The :class:`~rlcore.protocols.rollout.RolloutOutput` :func:`write_output` wrote (errors as
     :func:`read_groups`')."""
     record = _read(path, rollout_id)
     try:

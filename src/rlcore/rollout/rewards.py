@@ -25,7 +25,7 @@ from fractions import Fraction
 from typing import Protocol, TypeGuard, TypeVar, final
 
 from rlcore.errors import ConfigError, ConfigProblem, RewardError
-from rlcore.protocols import RewardFn
+from rlcore.protocols.rollout import RewardFn
 from rlcore.samples import Generation, Prompt
 from rlcore.specs import RewardName
 
@@ -47,7 +47,7 @@ _EXCERPT = 60
 
 class AsyncRewardFn(Protocol):
     """An ``async def reward(prompt, generation) -> float`` (parameters positional-only, as in
-    :class:`~rlcore.protocols.RewardFn`)."""
+    :class:`~rlcore.protocols.rollout.RewardFn`)."""
 
     def __call__(self, prompt: Prompt, generation: Generation, /) -> Awaitable[float]: ...
 
@@ -157,7 +157,7 @@ def _run_coroutine(coro: Coroutine[object, object, _T]) -> _T:
 
 @final
 class AsyncReward:
-    """A :class:`~rlcore.protocols.RewardFn` made from an ``async`` reward function.
+    """A :class:`~rlcore.protocols.rollout.RewardFn` made from an ``async`` reward function.
 
     :func:`score_samples` awaits :meth:`score` for many samples at once; calling the object
     directly scores one sample on a fresh event loop (slow, but correct, for code that expects a

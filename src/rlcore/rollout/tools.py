@@ -38,7 +38,7 @@ from typing import Final, Protocol, final
 import attrs
 
 from rlcore.errors import DataError
-from rlcore.protocols import ChatTokenizer, Tokenizer
+from rlcore.protocols.tokenizer import ChatTokenizer, Tokenizer
 from rlcore.rollout.environments import StepResult, observation_ids
 from rlcore.samples import Turn
 

@@ -274,7 +274,7 @@ class ScriptedEngine:
 
 @final
 class RecordingWeightSink:
-    """An in-process :class:`~rlcore.protocols.WeightSink` that keeps the names it received."""
+    """An in-process :class:`~rlcore.weights.WeightSink` that keeps the names it received."""
 
     def __init__(self) -> None:
         self.names: tuple[str, ...] = ()

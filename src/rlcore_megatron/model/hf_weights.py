@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from rlcore.errors import CheckpointError
 from rlcore.loop.preflight import safetensors_problem
-from rlcore.protocols import NamedTensors
 from rlcore.specs import Role
+from rlcore.weights import NamedTensors
 from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config
 from rlcore_megatron.model.weight_map import (
     EXPERT_KINDS,
