@@ -61,7 +61,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")  # --threads sets torch's count be
 import torch
 
 from benchmarks.results import Ratio, write_ratios
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.protocols.engine import RolloutEngine
 from rlcore.samples import Prompt, SamplingParams
 

@@ -47,7 +47,7 @@ from rlcore.backend_api import (
     token_log_probs,
     unpad,
 )
-from rlcore.data import load_eval_sets, load_prompts
+from rlcore.data.prompts import load_eval_sets, load_prompts
 from rlcore.engines.torch_engine import TorchEngine
 from rlcore.samples import Prompt
 from rlcore.testing import RecordingSink

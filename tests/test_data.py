@@ -11,15 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.data import (
-    ChatTokenizer,
-    HFTokenizer,
-    PromptSampler,
-    Tokenizer,
-    load_eval_sets,
-    load_prompts,
-)
+from rlcore.data.hf_tokenizer import HFTokenizer
+from rlcore.data.prompts import load_eval_sets, load_prompts
+from rlcore.data.sampler import PromptSampler
 from rlcore.errors import DataError
+from rlcore.protocols.tokenizer import ChatTokenizer, Tokenizer
 from rlcore.samples import Prompt
 
 ALPHABET = "0123456789+= "
@@ -281,7 +277,7 @@ def test_labels_become_sft_targets_in_context(tmp_path: Path) -> None:
     from rlcore.testing.tiny import build_char_tokenizer
 
     hf = build_char_tokenizer(tmp_path / "tok", "0123456789>")
-    from rlcore.data import HFTokenizer
+    from rlcore.data.hf_tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(hf)
     path = tmp_path / "p.jsonl"
@@ -295,7 +291,7 @@ def test_labels_become_sft_targets_in_context(tmp_path: Path) -> None:
 def test_a_character_the_tokenizer_cannot_encode_is_named_with_its_line(tmp_path: Path) -> None:
     """A word-level vocabulary without an unknown token raises a bare ``Exception`` (it ended a
     run with a raw traceback); reading the data names the file, line, key and character."""
-    from rlcore.data import HFTokenizer
+    from rlcore.data.hf_tokenizer import HFTokenizer
     from rlcore.testing.tiny import build_char_tokenizer
 
     tokenizer = HFTokenizer(build_char_tokenizer(tmp_path / "tok", "0123456789>"))
@@ -315,7 +311,7 @@ def test_a_character_the_tokenizer_cannot_encode_is_named_with_its_line(tmp_path
 
 
 def test_prompts_longer_than_the_limit_are_left_out_and_counted(tmp_path: Path) -> None:
-    from rlcore.data import HFTokenizer
+    from rlcore.data.hf_tokenizer import HFTokenizer
     from rlcore.testing.tiny import build_char_tokenizer
 
     tokenizer = HFTokenizer(build_char_tokenizer(tmp_path / "tok", "0123456789>"))

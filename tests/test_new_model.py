@@ -17,7 +17,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.loop.preflight import check_model_folder
 from rlcore.new_model import FAMILIES, build_tokenizer, main
 from rlcore.testing.tiny import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama

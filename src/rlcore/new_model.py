@@ -17,10 +17,10 @@ longest word that starts at each position, else one character; decoding concaten
 so a space is a character like any other (give ``" "`` in the alphabet when the text has spaces).
 Encoding prepends ``<bos>``; padding is on the left (the rollout engine left-pads prompts).
 There is no unknown token: text with a character outside the vocabulary cannot be encoded
-(:func:`rlcore.data.load_prompts` names the character and the line). One catch, transformers 5's:
-``AutoTokenizer`` gives a ``qwen2`` folder Qwen2's own tokenizer, rebuilt from the vocabulary,
+(:func:`rlcore.data.prompts.load_prompts` names the character and the line). One catch, transformers
+5's: ``AutoTokenizer`` gives a ``qwen2`` folder Qwen2's own tokenizer, rebuilt from the vocabulary,
 whatever the folder holds; load that one with ``PreTrainedTokenizerFast.from_pretrained`` (runs
-do: :meth:`rlcore.data.HFTokenizer.from_folder`).
+do: :meth:`rlcore.data.hf_tokenizer.HFTokenizer.from_folder`).
 
 This module imports torch, transformers and tokenizers when a function runs, not when it is
 imported.

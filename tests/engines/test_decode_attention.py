@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.engines import decode_attention
 from rlcore.engines.decode_attention import Kernel, decode_attention_forward, load_kernel
 from rlcore.engines.embedded import EmbeddedEngine

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.engines.decode_attention import ATTENTION
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.engines.kv_cache import DecodeCache, PreallocatedLayer, unblock_keys

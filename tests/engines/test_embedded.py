@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.engines.sampling import sample_next_tokens
 from rlcore.errors import RolloutError

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.algorithms.batching import tensorize_samples, token_log_probs
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.engines.embedded import EmbeddedEngine
 from rlcore.rollout.environments import StepResult
 from rlcore.rollout.multiturn import EpisodeEngine

@@ -414,7 +414,7 @@ def test_a_real_chat_template_formats_tool_results(tmp_path: Path) -> None:
     """Qwen2.5's tool-turn layout through a Hugging Face tokenizer's own chat template."""
     from transformers import AutoTokenizer
 
-    from rlcore.data import HFTokenizer
+    from rlcore.data.hf_tokenizer import HFTokenizer
     from rlcore.rollout.tools import ToolResult, default_observation_format
     from rlcore.testing.tiny import build_char_tokenizer
 

@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from rlcore.config import load_config
-from rlcore.data import PromptSampler
+from rlcore.data.sampler import PromptSampler
 from rlcore.errors import ConfigError, DataError, RolloutError
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import plan

@@ -35,7 +35,7 @@ from typing import final
 
 import attrs
 
-from rlcore.data import PromptSampler
+from rlcore.data.sampler import PromptSampler
 from rlcore.errors import RolloutError
 from rlcore.loop.rollouts import RolloutSource
 from rlcore.protocols.rollout import Group, RolloutOutput

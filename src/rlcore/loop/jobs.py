@@ -20,7 +20,7 @@ import time
 from typing import assert_never
 
 from rlcore.checkpoint_files import find_checkpoint, read_meta, rollout_number
-from rlcore.data import PromptSampler
+from rlcore.data.sampler import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import read_carried, resume_point
 from rlcore.loop.contracts import CheckedEngine, build_eval_stack

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 
 from rlcore.checkpoint_files import rollout_number
-from rlcore.data import PromptSampler
+from rlcore.data.sampler import PromptSampler
 from rlcore.errors import PlanError
 from rlcore.loop.checkpoints import resume
 from rlcore.loop.plan import TrainPlan
