@@ -347,7 +347,7 @@ def test_new_weights_mid_generation_interrupt_it_and_it_goes_on_with_them(
     recomputed with them, and each token's log-prob is its own version's."""
     import threading
 
-    import rlcore.engines.embedded as embedded
+    import rlcore.engines.decode_loop as decode_loop
     from rlcore.engines.sampling import sample_next_tokens
 
     engine = make_engine(assets, seed=5)
@@ -374,7 +374,7 @@ def test_new_weights_mid_generation_interrupt_it_and_it_goes_on_with_them(
                 pass
         return real(logits, params, gen)
 
-    monkeypatch.setattr(embedded, "sample_next_tokens", sample)
+    monkeypatch.setattr(decode_loop, "sample_next_tokens", sample)
     batch = prompts(assets[1], TEXTS)
     generations = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert updater is not None
