@@ -11,12 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlcore.weights import release_sender_resources
-from rlcore_sglang.weight_sync import (
-    _held_in_flight,
-    _share,
-    iter_buckets,
-    release_shared_buffers,
-)
+from rlcore_sglang.weight_sync.base import iter_buckets
+from rlcore_sglang.weight_sync.tensor import _held_in_flight, _share, release_shared_buffers
 
 
 def _own_shared_memory_files() -> list[str]:

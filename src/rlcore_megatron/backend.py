@@ -130,9 +130,9 @@ def share_cpu_parameters(model: torch.nn.Module) -> None:
     for this process), before the optimizer or DDP hold them.
 
     Tensor-mode weight sync then hands a server on this machine handles to the live parameters
-    (``rlcore_sglang.weight_sync.TensorSink``), as CUDA IPC handles do on GPUs, instead of first
-    copying every tensor into a shared buffer: the server's copy into its own weights is the only
-    one.
+    (``rlcore_sglang.weight_sync.tensor.TensorSink``), as CUDA IPC handles do on GPUs, instead of
+    first copying every tensor into a shared buffer: the server's copy into its own weights is the
+    only one.
 
     The memory used stays that of the weights: each parameter is copied into a shared mapping and
     its heap memory freed, and glibc would keep those freed pages resident (nearly the weights a

@@ -51,14 +51,10 @@ from rlcore_sglang.server import (
     post_with_retries,
     run_all,
 )
-from rlcore_sglang.weight_sync import (
-    BroadcastSink,
-    DiskSink,
-    ServerRef,
-    TensorSink,
-    close_sender,
-    release_shared_buffers,
-)
+from rlcore_sglang.weight_sync.base import ServerRef
+from rlcore_sglang.weight_sync.disk import DiskSink
+from rlcore_sglang.weight_sync.distributed import BroadcastSink, close_sender
+from rlcore_sglang.weight_sync.tensor import TensorSink, release_shared_buffers
 
 __all__ = ["SGLangEngine", "sampling_payload"]
 
@@ -232,10 +228,10 @@ class SGLangEngine:
     @contextmanager
     def receive_weights(self, version: int) -> Iterator[list[WeightSink]]:
         """Open a weight update on every server and yield the sinks for ``options.weight_sync``:
-        one :class:`~rlcore_sglang.weight_sync.TensorSink` per machine with servers, or one
-        :class:`~rlcore_sglang.weight_sync.BroadcastSink` / ``DiskSink`` for all of them.
-        ``version`` is recorded when the block completes; a failure inside it is re-raised with
-        the log tail of any server that died. Requests in flight (from another thread) finish
+        one :class:`~rlcore_sglang.weight_sync.tensor.TensorSink` per machine with servers, or one
+        :class:`~rlcore_sglang.weight_sync.distributed.BroadcastSink` / ``DiskSink`` for all of
+        them. ``version`` is recorded when the block completes; a failure inside it is re-raised
+        with the log tail of any server that died. Requests in flight (from another thread) finish
         first, and new ones wait for the update."""
         with self._traffic:
             self._updating = True

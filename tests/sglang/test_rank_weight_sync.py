@@ -13,9 +13,9 @@ from rlcore.launch.ray.stacks import RayBackend, RayEvalStack
 from rlcore.loop import push_weights
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.kind import MegatronRuntime
-from rlcore_sglang import weight_sync
 from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
+from rlcore_sglang.weight_sync import distributed, tensor
 from tests.sglang.conftest import Weights
 from tests.sglang.test_weight_sync import assert_serves
 
@@ -53,8 +53,8 @@ def test_a_rank_sends_its_weights_to_the_servers(
         assert engine.weight_version == 51
         assert_serves(engine, tiny_model, weights_b, version=51)
         # The transfer ran in the rank: no shared-memory buffer, no broadcast group here.
-        assert weight_sync._SHARED.buffers == [None, None]
-        assert weight_sync._SENDERS == {}
+        assert tensor._SHARED.buffers == [None, None]
+        assert distributed._SENDERS == {}
         push_weights(rank_stack, engine, version=52)  # again: the rank reuses its buffers/group
         assert_serves(engine, tiny_model, weights_b, version=52)
     if mode == "disk":

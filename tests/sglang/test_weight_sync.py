@@ -13,7 +13,7 @@ from rlcore_sglang.client import SGLangEngine
 from rlcore_sglang.launcher import LaunchSettings
 from rlcore_sglang.options import EngineOptions, WeightSyncMode
 from rlcore_sglang.server import SGLangServer
-from rlcore_sglang.weight_sync import release_shared_buffers
+from rlcore_sglang.weight_sync.tensor import release_shared_buffers
 from tests.sglang.conftest import Weights, mapped_files
 from tests.sglang.reference import greedy, hf_model
 from tests.sglang.test_generate import prompts

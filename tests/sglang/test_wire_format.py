@@ -7,7 +7,7 @@ import torch
 
 from rlcore.samples import SamplingParams
 from rlcore_sglang.client import sampling_payload
-from rlcore_sglang.weight_sync import pickle_b64
+from rlcore_sglang.weight_sync.tensor import pickle_b64
 
 pytestmark = pytest.mark.sglang
 
