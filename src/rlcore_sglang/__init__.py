@@ -11,6 +11,7 @@ module here imports ``sglang``: the servers are separate processes, spoken to ov
 - :class:`SGLangTeacher` (:mod:`rlcore_sglang.teacher`): a distillation teacher served by SGLang
   (``--opd-type sglang``).
 - The weight sinks (:mod:`rlcore_sglang.weight_sync`): tensor, distributed, disk.
+- ``/generate``'s requests and answers (:mod:`rlcore_sglang.generate`).
 - :class:`SGLangOptions` / :class:`EngineOptions` (:mod:`rlcore_sglang.options`): the run's flags
   and the client's settings.
 """

@@ -5,7 +5,8 @@ Generation goes through ``/generate`` with token ids (batched requests, a concur
 retries with backoff on connection errors). A weight update (:meth:`SGLangEngine.receive_weights`)
 opens a ``/begin_weight_update`` ... ``/end_weight_update`` session on every server (SGLang 0.5.23
 refuses tensor and distributed updates outside one) and hands out the sinks of
-:mod:`rlcore_sglang.weight_sync` for the chosen mode: the weight source runs them where the
+:mod:`rlcore_sglang.weight_sync` for the chosen mode
+(:class:`~rlcore_sglang.weight_sync.session.WeightUpdates`): the weight source runs them where the
 weights are (a Megatron rank), so the weights never pass through this process unless the source
 lives here. Every mode flushes the prefix cache and records the weight version on the servers;
 generations carry the version the server reports. Nothing waits forever: each HTTP call, the
@@ -15,50 +16,36 @@ With ``options.fault_tolerance`` (``--use-fault-tolerance``), a launched server 
 answering is replaced (:mod:`rlcore_sglang.restarts`), given the weights served, and the request
 that failed is sent again.
 
-This module, :mod:`rlcore_sglang.server`, :mod:`rlcore_sglang.weight_sync` and
-:mod:`rlcore_sglang.teacher` are the only ones that know SGLang's wire format; none imports
-``sglang``.
+This module, :mod:`rlcore_sglang.generate` (``/generate``'s requests and answers),
+:mod:`rlcore_sglang.server`, :mod:`rlcore_sglang.weight_sync` and :mod:`rlcore_sglang.teacher` are
+the only ones that know SGLang's wire format; none imports ``sglang``.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Final, final
-from urllib.parse import urlsplit
 
 from rlcore.engines.hosts import LocalProcessHost
 from rlcore.errors import RolloutError
 from rlcore.protocols.hosts import ProcessHost
-from rlcore.samples import FinishReason, Generation, Prompt, SamplingParams
+from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.weights import NamedTensors, WeightSink, WeightSource, deliver
 from rlcore_sglang import server_loader
+from rlcore_sglang.generate import parse_generation, post_generate, sampling_payload
 from rlcore_sglang.launcher import LaunchSettings, launch_servers
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.restarts import Restarter
-from rlcore_sglang.server import (
-    CallPolicy,
-    SGLangHTTPError,
-    SGLangServer,
-    on_all,
-    post_ok,
-    post_with_retries,
-    run_all,
-)
-from rlcore_sglang.weight_sync.base import ServerRef
-from rlcore_sglang.weight_sync.disk import DiskSink
-from rlcore_sglang.weight_sync.distributed import BroadcastSink, close_sender
-from rlcore_sglang.weight_sync.tensor import TensorSink, release_shared_buffers
+from rlcore_sglang.server import CallPolicy, SGLangServer, on_all, run_all
+from rlcore_sglang.weight_sync.session import WeightUpdates
+from rlcore_sglang.weight_sync.tensor import release_shared_buffers
 
-__all__ = ["SGLangEngine", "sampling_payload"]
+__all__ = ["SGLangEngine"]
 
-_GROUP_NAME: Final = "rlcore_weight_sync"
 _DEFAULT_OPTIONS: Final = EngineOptions()
 
 
@@ -96,10 +83,6 @@ class SGLangEngine:
         self._servers = list(servers)
         self.options = options
         self._tp_sizes = tuple(tp_sizes) if tp_sizes is not None else (1,) * len(servers)
-        self._loaders = tuple(loaders) if loaders is not None else (None,) * len(servers)
-        self._hosts = (
-            tuple(hosts) if hosts is not None else tuple(_url_host(s.url) for s in servers)
-        )
         self._policy = CallPolicy(options.connect_retries, options.retry_backoff_s)
         self._version = 0
         self._closed = False
@@ -110,10 +93,14 @@ class SGLangEngine:
         self._traffic = threading.Condition()
         self._in_flight = 0
         self._updating = False
-        self._own_sync_dir: Path | None = None
-        self._broadcast_used = False
-        # Unique per engine: a server keeps a stale group under its name until it is destroyed.
-        self._group_name = f"{_GROUP_NAME}_{uuid.uuid4().hex[:8]}"
+        self._updates = WeightUpdates(
+            self._servers,
+            options,
+            self._policy,
+            tp_sizes=self._tp_sizes,
+            loaders=tuple(loaders) if loaders is not None else (None,) * len(servers),
+            hosts=hosts,
+        )
         # The weights' source, once any were pushed: what a restarted server gets them from.
         self._source: WeightSource | None = None
         self._pushed = False
@@ -274,25 +261,8 @@ class SGLangEngine:
         if only is None:
             self._revive_dead()
         indices = range(len(self._servers)) if only is None else (only,)
-        servers = [self._servers[i] for i in indices]
-        sinks = self._sinks(version, indices)
-        session = self.options.weight_sync != "disk"
-        if session:
-            on_all(servers, self._begin)
-        try:
+        with self._updates.session(version, indices) as sinks:
             yield sinks
-        except BaseException as exc:
-            if session:
-                try:
-                    on_all(servers, self._end)
-                except RolloutError:
-                    pass  # best effort: the first failure is the one to report
-            dead = [server for server in servers if not server.is_alive()]
-            if dead and isinstance(exc, Exception):
-                raise _died(dead[0], version, exc) from exc
-            raise
-        if session:
-            on_all(servers, self._end)
         self._version = version
         self._pushed = True
 
@@ -317,62 +287,19 @@ class SGLangEngine:
         self._closed = True
         if self._restarter is not None:
             self._restarter.close(timeout_s=self.options.request_timeout_s)
-        if self._broadcast_used:
-            close_sender(self._group_name, self._refs())
+        self._updates.leave_group()
         for server in self.servers:
             server.shutdown()
         release_shared_buffers()
-        if self._own_sync_dir is not None:
-            shutil.rmtree(self._own_sync_dir, ignore_errors=True)
+        self._updates.remove_sync_dir()
 
     # -- weight updates ----------------------------------------------------------------------
 
-    def _refs(self, indices: Sequence[int] | None = None) -> tuple[ServerRef, ...]:
-        chosen = range(len(self.servers)) if indices is None else indices
-        return tuple(
-            ServerRef(self.servers[i].url, self._tp_sizes[i], self._loaders[i]) for i in chosen
-        )
-
-    def _sinks(self, version: int, indices: Sequence[int]) -> list[WeightSink]:
-        mode = self.options.weight_sync
-        if mode == "tensor":
-            by_host: dict[str, list[int]] = {}
-            for index in indices:
-                by_host.setdefault(self._hosts[index], []).append(index)
-            return [
-                TensorSink(host, self._refs(indices), version, self.options)
-                for host, indices in by_host.items()
-            ]
-        if mode == "distributed":
-            self._broadcast_used = True
-            return [BroadcastSink(self._refs(indices), self._group_name, version, self.options)]
-        return [DiskSink(self._refs(indices), self._sync_root(), version, self.options)]
-
-    def _sync_root(self) -> Path:
-        if self.options.sync_dir is not None:
-            return self.options.sync_dir
-        if self._own_sync_dir is None:
-            self._own_sync_dir = Path(tempfile.mkdtemp(prefix="rlcore-sglang-weights-"))
-        return self._own_sync_dir
-
     def _post_ok(self, server: SGLangServer, path: str, payload: Mapping[str, object]) -> None:
-        post_ok(server, path, payload, self.options.weight_sync_timeout_s, self._policy)
+        self._updates.post_ok(server, path, payload)
 
     def _on_servers(self, call: Callable[[SGLangServer], object]) -> None:
         on_all(self.servers, call)
-
-    def _begin(self, server: SGLangServer) -> None:
-        try:
-            self._post_ok(server, "/begin_weight_update", {})
-        except RolloutError as exc:
-            if "already open" not in str(exc):
-                raise
-            # A session left open by a client that died mid-sync: close it, start afresh.
-            self._post_ok(server, "/end_weight_update", {})
-            self._post_ok(server, "/begin_weight_update", {})
-
-    def _end(self, server: SGLangServer) -> None:
-        self._post_ok(server, "/end_weight_update", {})
 
     def _check_open(self) -> None:
         if self._closed:
@@ -418,66 +345,10 @@ class SGLangEngine:
         sampling: Mapping[str, object],
         dispatched: int,
     ) -> list[Generation]:
-        payload = {
-            "input_ids": [list(p.token_ids) for p in prompts],
-            "sampling_params": sampling,
-            "return_logprob": True,
-        }
-        try:
-            answer = post_with_retries(
-                server, "/generate", payload, self.options.request_timeout_s, self._policy
-            )
-        except SGLangHTTPError as exc:
-            if exc.status == 400 and "unknown field" in exc.body:
-                raise RolloutError(
-                    f"{server.describe()} rejected a sampling parameter: {exc.body.strip()}. "
-                    f"rlcore sent {sorted(sampling)}; remove the unknown name from "
-                    "EngineOptions.extra_sampling_params (or use an SGLang version that knows it)"
-                ) from exc
-            raise RolloutError(f"{exc}{server.log_tail_text()}") from exc
-        items = answer if isinstance(answer, list) else [answer]
-        if len(items) != len(prompts):
-            raise RolloutError(
-                f"{server.describe()} returned {len(items)} results for {len(prompts)} prompts"
-            )
-        return [self._parse_generation(server, item, dispatched) for item in items]
-
-    def _parse_generation(self, server: SGLangServer, item: object, dispatched: int) -> Generation:
-        try:
-            assert isinstance(item, dict)
-            meta = item["meta_info"]
-            token_ids = tuple(int(t) for t in item["output_ids"])
-            entries = meta["output_token_logprobs"]
-            log_probs = tuple(float(entry[0]) for entry in entries)
-            logprob_ids = tuple(int(entry[1]) for entry in entries)
-            finish = meta["finish_reason"]
-            finish_type = finish["type"] if isinstance(finish, dict) else str(finish)
-            text = str(item.get("text", ""))
-            version_text = str(meta.get("weight_version", ""))
-        except (AssertionError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise RolloutError(
-                f"{server.describe()} sent a /generate answer rlcore cannot read ({exc!r}): "
-                f"{str(item)[:500]}"
-            ) from exc
-        if logprob_ids != token_ids:
-            raise RolloutError(
-                f"{server.describe()}: output_token_logprobs name tokens {logprob_ids[:8]}... "
-                f"but output_ids are {token_ids[:8]}...; is the server an SGLang 0.5.x?"
-            )
-        reason: FinishReason = "abort"
-        if finish_type == "stop":
-            reason = "stop"
-        elif finish_type == "length":
-            reason = "length"
-        version = int(version_text) if version_text.isdigit() else self._version
-        return Generation(
-            token_ids,
-            log_probs,
-            text,
-            reason,
-            version,
-            first_weight_version=min(dispatched, version),
+        items = post_generate(
+            server, prompts, sampling, self.options.request_timeout_s, self._policy
         )
+        return [parse_generation(server, item, dispatched, self._version) for item in items]
 
     # -- fault tolerance ---------------------------------------------------------------------
 
@@ -506,37 +377,6 @@ class SGLangEngine:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _died(server: SGLangServer, version: int, cause: Exception) -> RolloutError:
-    return RolloutError(
-        f"weight update to version {version} failed ({cause}) and "
-        f"{server.describe()} is no longer running" + server.log_tail_text()
-    )
-
-
-def _url_host(url: str) -> str:
-    """The machine a server runs on, from its URL (loopback names stay loopback: the weight
-    source maps them to the machine of whoever opened the update)."""
-    return urlsplit(url).hostname or "127.0.0.1"
-
-
-def sampling_payload(params: SamplingParams, extra: Mapping[str, object]) -> dict[str, object]:
-    """rlcore's :class:`SamplingParams` as SGLang's ``/generate`` ``sampling_params``."""
-    payload: dict[str, object] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        # rlcore's "off" is 0; SGLang's is -1.
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "skip_special_tokens": True,
-    }
-    if params.stop_token_ids:
-        payload["stop_token_ids"] = list(params.stop_token_ids)
-    if params.ignore_eos:
-        payload["ignore_eos"] = True
-    payload.update(extra)
-    return payload
 
 
 def _tp_size(info: Mapping[str, object]) -> int:

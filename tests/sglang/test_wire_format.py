@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlcore.samples import SamplingParams
-from rlcore_sglang.client import sampling_payload
+from rlcore_sglang.generate import sampling_payload
 from rlcore_sglang.weight_sync.tensor import pickle_b64
 
 pytestmark = pytest.mark.sglang

@@ -11,6 +11,8 @@
   anywhere that shares the folder with them.
 - :mod:`~rlcore_sglang.weight_sync.base`: what the three share, the servers as a sink knows them
   and the buckets.
+- :mod:`~rlcore_sglang.weight_sync.session`: the engine's side, which sinks an update hands out
+  and the update session around them on every server.
 
 Every sink reads the weights once, as they come, in buckets holding at most ``bucket_bytes``
 (``--update-weight-buffer-size``; a larger tensor goes alone), and puts the new version and a
