@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from rlcore.backends import KNOWN_BACKENDS, BackendKind, RankRuntime, load_backend_kind
 from rlcore.errors import BackendContractError, BackendUnavailableError, CheckpointError
 from rlcore.logits import logprob_temperature, tempered
-from rlcore.protocols import (
+from rlcore.protocols.stacks import (
     Backend,
     EvalStack,
     HFExporter,

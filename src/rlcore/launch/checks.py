@@ -29,7 +29,7 @@ from rlcore.loop.preflight import (
     remove_folders,
     save_folder_problems,
 )
-from rlcore.protocols import TeacherServer
+from rlcore.protocols.engine import TeacherServer
 from rlcore.rollout import load_rollout_function
 from rlcore.rollout.multiturn import load_custom_generate_function, load_environment_factory
 from rlcore.specs import EvalSpec, ServedTeacher

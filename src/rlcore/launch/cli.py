@@ -60,7 +60,8 @@ from rlcore.loop import RunInterrupted, RunResult, resume_point, run
 from rlcore.loop.plan import Plan, TrainPlan
 from rlcore.loop.preflight import remove_earlier_checkpoints, rewind_checkpoints
 from rlcore.loop.records import Progress
-from rlcore.protocols import MetricsSink, RolloutEngine
+from rlcore.protocols.engine import RolloutEngine
+from rlcore.protocols.metrics import MetricsSink
 
 __all__ = ["execute", "launch", "launch_restarting", "main"]
 

@@ -9,13 +9,15 @@ import time
 from collections.abc import Sequence
 
 from rlcore.config import RunConfig
-from rlcore.data import HFTokenizer
+from rlcore.data.hf_tokenizer import HFTokenizer
 from rlcore.engines import EngineSetup, load_engine
 from rlcore.launch.console import ProgressSink, WandbSink
 from rlcore.launch.prepare import local_node
 from rlcore.loop.metrics import JsonlSink, MultiSink, StepsFrom, TensorBoardSink
 from rlcore.loop.plan import Plan, RolloutOnlyPlan, TrainPlan
-from rlcore.protocols import MetricsSink, ProcessHost, RolloutEngine
+from rlcore.protocols.engine import RolloutEngine
+from rlcore.protocols.hosts import ProcessHost
+from rlcore.protocols.metrics import MetricsSink
 from rlcore.rollout.multiturn import (
     EpisodeEngine,
     load_custom_generate_function,

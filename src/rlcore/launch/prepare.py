@@ -24,7 +24,8 @@ from rlcore.config import RunConfig, with_flag
 from rlcore.config.algorithm import AlgorithmConfig
 from rlcore.config.cluster import ClusterConfig
 from rlcore.config.convert import converter
-from rlcore.data import HFTokenizer, load_eval_sets, load_prompts
+from rlcore.data.hf_tokenizer import HFTokenizer
+from rlcore.data.prompts import load_eval_sets, load_prompts
 from rlcore.engines import load_engine
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.launch.checks import (
@@ -46,7 +47,8 @@ from rlcore.loop.preflight import (
     remove_folders,
 )
 from rlcore.loop.rollouts import group_filter_of
-from rlcore.protocols import RewardFn, TeacherServer
+from rlcore.protocols.engine import TeacherServer
+from rlcore.protocols.rollout import RewardFn
 from rlcore.rollout.multiturn import (
     with_env_reward,
 )

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Final
 
-from rlcore.data import Tokenizer
+from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.rollout.tools import PlainFormat, ToolEnvironment
 from rlcore.samples import Generation, Prompt
 

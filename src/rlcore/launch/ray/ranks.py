@@ -62,7 +62,7 @@ from rlcore.launch.placement import PlacementRequest
 from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot
 from rlcore.launch.ray.worker import ACTOR_CLASS, RankContext
 from rlcore.launch.watchdog import remove_shared_memory
-from rlcore.protocols import EvalStack, ModelStack, TrainingStack
+from rlcore.protocols.stacks import EvalStack, ModelStack, TrainingStack
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 
 __all__ = [

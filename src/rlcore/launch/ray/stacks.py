@@ -38,18 +38,10 @@ from rlcore.errors import CheckpointError
 from rlcore.launch.ray.cluster import ClusterPlacement
 from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError, split_evenly
 from rlcore.launch.ray.worker import RankContext
-from rlcore.protocols import (
-    Backend,
-    EvalStack,
-    HFExporter,
-    ModelStack,
-    NamedTensors,
-    TrainingStack,
-    WeightSink,
-)
+from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import AnyProcess, InProcess, OnHost, deliver
+from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, deliver
 
 if TYPE_CHECKING:
     import torch

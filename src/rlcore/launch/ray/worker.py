@@ -21,7 +21,7 @@ import ray
 from rlcore.backends import RankRuntime
 from rlcore.launch.ray.cluster import cuda_ordinal
 from rlcore.launch.watchdog import watch_group
-from rlcore.protocols import ModelStack
+from rlcore.protocols.stacks import ModelStack
 from rlcore.specs import EvalSpec, ParallelSpec, TrainSpec
 from rlcore.weights import release_sender_resources
 
