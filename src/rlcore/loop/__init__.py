@@ -17,11 +17,10 @@ checkpoints and evaluations.
   what a resumed run may change), :mod:`~rlcore.loop.hf_export` (the actor as a Hugging Face
   folder, ``--save-hf``), :mod:`~rlcore.loop.contracts`
   (every call into a backend, stack or engine, checked), :mod:`~rlcore.loop.metrics` (sinks),
-  :mod:`~rlcore.loop.backends` (backends by name), :mod:`~rlcore.loop.preflight` (what the file
-  system must hold before a run starts).
+  :mod:`~rlcore.loop.preflight` (what the file system must hold before a run starts).
 
-This room may import every other room of rlcore but :mod:`rlcore.testing`, which stands beside it;
-only the package's face (``rlcore/__init__.py``) imports it.
+This room may import every room of rlcore below it; :mod:`rlcore.testing` stands beside it, the
+launcher (:mod:`rlcore.launch`) above it.
 """
 
 from __future__ import annotations
