@@ -40,10 +40,10 @@ _WHERE = {
     "MegatronBackend": "backend",
     "MegatronEvalStack": "stacks",
     "MegatronTrainingStack": "stacks",
-    "ModelArch": "arch",
+    "ModelArch": "model.arch",
     "init_megatron": "parallel",
-    "read_hf_config": "arch",
-    "save_hf": "hf_weights",
+    "read_hf_config": "model.arch",
+    "save_hf": "model.hf_weights",
     "shutdown_megatron": "parallel",
 }
 
