@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SNIPPET = """
-from rlcore import EvalStack, TrainingStack
+from rlcore.backend_api import EvalStack, TrainingStack
 
 def evaluate_only(stack: EvalStack) -> None:
     for group in stack.optimizer.param_groups:

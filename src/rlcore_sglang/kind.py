@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Final
 
 from rlcore.engines import EngineKind, EngineSetup
-from rlcore.errors import ConfigError, ConfigProblem
+from rlcore.errors import ConfigError, ConfigProblem, RolloutError
 from rlcore.protocols.engine import RolloutEngine, TeacherServer
 from rlcore_sglang.options import SGLangOptions
 
@@ -73,7 +73,13 @@ def connect_teacher(url: str, timeout_s: float) -> tuple[TeacherServer, Path | N
     from rlcore_sglang.options import EngineOptions
     from rlcore_sglang.teacher import SGLangTeacher
 
-    teacher = SGLangTeacher.connect(url, EngineOptions(health_timeout_s=timeout_s))
+    try:
+        teacher = SGLangTeacher.connect(url, EngineOptions(health_timeout_s=timeout_s))
+    except RolloutError as exc:
+        raise RolloutError(
+            f"{str(exc).splitlines()[0]} (start it first: python -m sglang.launch_server "
+            "--model-path TEACHER ...)"
+        ) from exc
     return teacher, teacher.model_folder()
 
 

@@ -337,7 +337,7 @@ def _rank_processes(cli: WatchedCLI) -> list[psutil.Process]:
     named = {}
     for child in psutil.Process(cli.process.pid).children(recursive=True):
         try:
-            if "_RankWorker" in " ".join(child.cmdline()):
+            if "RankWorker" in " ".join(child.cmdline()):
                 named[child.pid] = child
         except psutil.NoSuchProcess:
             pass

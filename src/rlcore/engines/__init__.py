@@ -75,8 +75,9 @@ class EngineKind(Generic[OptionsT]):
     connect_teacher: Callable[[str, float], tuple[TeacherServer, Path | None]] | None = None
     """A distillation teacher served by this engine's kind of server (``--opd-type NAME
     --opd-teacher-url URL``): connect to the server at the URL, waiting up to the timeout (s) for
-    it to answer (else :class:`~rlcore.errors.RolloutError`), and return it with the model folder
-    it serves when this machine can read it. ``None``: this engine serves no teacher."""
+    it to answer (else :class:`~rlcore.errors.RolloutError` saying how to start one), and return
+    it with the model folder it serves when this machine can read it. ``None``: this engine serves
+    no teacher."""
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this engine's options type (its defaults for ``None``)."""

@@ -140,8 +140,7 @@ def served_teacher(config: RunConfig, the_plan: Plan, notes: list[str]) -> Teach
                 ConfigProblem(
                     where,
                     f"the teacher's server does not answer: {str(exc).splitlines()[0]}",
-                    f"start it first ({kind.name}'s server with the teacher's model) and check "
-                    "the URL",
+                    "check the URL",
                 )
             ]
         ) from exc
