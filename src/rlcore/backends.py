@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar, final
 import attrs
 
 from rlcore.errors import ConfigProblem
-from rlcore.imports import Registry, load_registered
+from rlcore.imports import Registry, kind_options, load_registered
 from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
 
@@ -73,14 +73,7 @@ class BackendKind(Generic[OptionsT]):
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this backend's options type (its defaults for ``None``)."""
-        if options is None:
-            return self.options_type()
-        if not isinstance(options, self.options_type):
-            raise TypeError(
-                f"backend {self.name!r} takes {self.options_type.__name__}, "
-                f"got {type(options).__name__}"
-            )
-        return options
+        return kind_options(self.options_type, options, f"backend {self.name!r}")
 
     def rank_runtime(self, options: object | None) -> RankRuntime:
         """The rank runtime for ``options`` (the backend's defaults for ``None``)."""

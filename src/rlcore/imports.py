@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 import attrs
 
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem
 
-__all__ = ["NoOptions", "Registry", "load_function", "load_registered"]
+__all__ = ["NoOptions", "Registry", "kind_options", "load_function", "load_registered"]
+
+OptionsT = TypeVar("OptionsT")
 
 Registry = dict[str, tuple[str, str, str]]
 """Kinds by name: ``name -> (module, attribute holding the kind, pip extra)``. The module named
@@ -29,6 +31,16 @@ stays light (no torch, no framework), so that listing a kind's options needs onl
 @attrs.frozen
 class NoOptions:
     """The options of a backend or rollout engine kind that has none."""
+
+
+def kind_options(options_type: type[OptionsT], options: object | None, kind: str) -> OptionsT:
+    """``options`` as a kind's ``options_type`` (its defaults for ``None``); a ``TypeError``
+    naming the kind (``"backend 'megatron'"``) for options of another type."""
+    if options is None:
+        return options_type()
+    if not isinstance(options, options_type):
+        raise TypeError(f"{kind} takes {options_type.__name__}, got {type(options).__name__}")
+    return options
 
 
 def load_registered(registry: Registry, name: str, what: str) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar, final
 import attrs
 
 from rlcore.errors import BackendUnavailableError
-from rlcore.imports import NoOptions, Registry, load_registered
+from rlcore.imports import NoOptions, Registry, kind_options, load_registered
 from rlcore.protocols.engine import RolloutEngine, TeacherServer
 from rlcore.protocols.hosts import ProcessHost
 from rlcore.protocols.tokenizer import Tokenizer
@@ -81,14 +81,7 @@ class EngineKind(Generic[OptionsT]):
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this engine's options type (its defaults for ``None``)."""
-        if options is None:
-            return self.options_type()
-        if not isinstance(options, self.options_type):
-            raise TypeError(
-                f"engine {self.name!r} takes {self.options_type.__name__}, "
-                f"got {type(options).__name__}"
-            )
-        return options
+        return kind_options(self.options_type, options, f"engine {self.name!r}")
 
     def build(self, setup: EngineSetup, options: object | None) -> RolloutEngine:
         """Build the engine; a missing dependency is a :class:`BackendUnavailableError`."""
