@@ -131,25 +131,29 @@ def score_samples(
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
 ) -> list[tuple[float, ...]]:
     """Per response token: log-probs at ``spec.temperature`` (a policy) or values (a critic),
-    one tuple per sample."""
+    one tuple per sample, in ``samples``' order; in micro-batches of ``micro_batch`` samples, or
+    by ``spec.log_probs_max_tokens_per_gpu`` tokens when set (longest first)."""
     from rlcore.algorithms.batching import (
         gather_response,
         tensorize_samples,
         token_log_probs,
         unpad,
     )
+    from rlcore.algorithms.token_budget import forward_groups, in_input_order
 
     is_critic = spec.role == "critic"
-    rows: list[tuple[float, ...]] = []
-    for start in range(0, len(samples), micro_batch):
-        tb = tensorize_samples(samples[start : start + micro_batch], arch.pad_token_id, device)
+    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
+    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
+    rows: list[list[tuple[float, ...]]] = []
+    for group in groups:
+        tb = tensorize_samples([samples[i] for i in group], arch.pad_token_id, device)
         out = model_output(model, tb, arch, is_critic)
         if is_critic:
             per_token = gather_response(out, tb)
         else:
             per_token = token_log_probs(out, tb, spec.temperature)
-        rows += unpad(per_token, tb)
-    return rows
+        rows.append(unpad(per_token, tb))
+    return in_input_order(groups, rows)
 
 
 @final
@@ -342,15 +346,15 @@ class MegatronTrainingStack:
         return result
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
-        from rlcore.algorithms.train_step import StepMetrics, local_micro_batches
+        from rlcore.algorithms.train_step import StepMetrics, step_micro_batches
 
         step = StepMetrics(global_batch, self.train_spec.loss.agg_mode)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        micro_batches = local_micro_batches(
+        micro_batches = step_micro_batches(
             global_batch,
-            self.train_spec.micro_batch_size,
+            self.train_spec,
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(),
         )
