@@ -27,12 +27,13 @@ from rlcore.algorithms.train_step import (
     budget_micro_batches,
     optimizer_step_batches,
     step_micro_batches,
+    step_tokens,
     trimmed,
 )
 from rlcore.samples import Sample, TrainBatch
-from rlcore.specs import ISCorrection, LossAggMode, LossSpec
+from rlcore.specs import ISCorrection, LossAggMode, LossSpec, ParallelSpec
 from tests.algorithms.test_train_step import _step
-from tests.megatron.helpers import train_spec
+from tests.megatron.helpers import make_samples, train_spec
 from tests.strategies import VOCAB, log_prob, rows_for, samples
 
 AGG_MODES = typing.get_args(LossAggMode)
@@ -67,10 +68,14 @@ def test_one_rank_needs_no_more_micro_batches_than_the_budget_forces(
     lengths: list[int], budget: int
 ) -> None:
     """Longest first, greedily: a new micro-batch starts only when the next sequence would not
-    fit in the last one, so no two neighbouring micro-batches would fit in one."""
+    fit in the last one, or is less than half as long as its longest (so padding is under half
+    of every micro-batch)."""
     groups = budget_groups(lengths, budget)
     for first, second in zip(groups, groups[1:], strict=False):
-        assert padded_size(lengths, [*first, second[0]]) > budget
+        overflows = padded_size(lengths, [*first, second[0]]) > budget
+        assert overflows or 2 * lengths[second[0]] < lengths[first[0]]
+    for group in groups:
+        assert 2 * sum(lengths[i] for i in group) > padded_size(lengths, group)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
 
 
@@ -78,6 +83,8 @@ def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own() -> No
     # slime's behaviour, not a refusal: the long answer runs alone, the short ones together
     lengths = [32, 32, 512, 32, 32, 32, 32, 32]
     assert budget_groups(lengths, 256) == [[2], [0, 1, 3, 4, 5, 6, 7]]
+    # a generous budget does not pad the short ones to the long one
+    assert budget_groups(lengths, 8 * 512) == [[2], [0, 1, 3, 4, 5, 6, 7]]
     # the long one's rank takes three short ones (equal counts), the other rank four
     assert rank_micro_batches(lengths, 100, 2) == [[[2], [5, 6, 7]], [[0, 1, 3], [4]]]
 
@@ -179,3 +186,28 @@ def test_a_budget_micro_batch_is_padded_only_to_its_own_longest_sequence(
         assert torch.equal(mb.loss_mask, alone.loss_mask)
         assert mb.returns is not None and mb.returns.shape == alone.response_mask.shape
     assert trimmed(global_batch).tokens.shape == global_batch.tokens.shape
+
+
+def test_step_tokens_count_what_the_micro_batches_hold() -> None:
+    """The padding metric's counts: by sample count every micro-batch has the rollout's width;
+    by a budget each has its own longest sequence's, over every data-parallel rank."""
+    batch_samples = make_samples(8, seed=5)
+    rows = tuple((0.0,) * len(s.response.token_ids) for s in batch_samples)
+    batch = TrainBatch(samples=tuple(batch_samples), advantages=rows)
+    spec = train_spec(None, global_batch_size=8, micro_batch_size=2)
+    (global_batch,) = optimizer_step_batches(batch, spec, pad_id=0)
+    real = int(global_batch.attention_mask.sum())
+    assert step_tokens(global_batch, spec) == (real, 8 * global_batch.tokens.shape[1])
+    for ranks in (1, 2):
+        budgeted = attrs.evolve(
+            spec,
+            model=attrs.evolve(spec.model, parallel=ParallelSpec(world_size=ranks)),
+            max_tokens_per_gpu=12,
+        )
+        held = [
+            mb.tokens.numel()
+            for rank in range(ranks)
+            for mb in step_micro_batches(global_batch, budgeted, rank, ranks)
+        ]
+        assert step_tokens(global_batch, budgeted) == (real, sum(held))
+        assert real <= sum(held) < 8 * global_batch.tokens.shape[1]

@@ -4,8 +4,11 @@ lists over a batch's sequences: pure Python on sequence lengths, the same on eve
 A micro-batch is padded to its own longest sequence, so what it costs the device is its
 *padded* size, ``len(micro_batch) * longest``; the budget bounds that. Sequences are sorted
 longest first and filled greedily (:func:`budget_groups`): neighbours in that order have similar
-lengths, so little is padded. A sequence longer than the budget gets a micro-batch of its own,
-as slime does (the budget is then exceeded by that one sequence, never refused).
+lengths, and a micro-batch also closes before a sequence less than half as long as its longest,
+so less than half of any micro-batch is padding (without that rule a generous budget would pad
+a batch's short answers to its one long answer, as cutting by sample count does). A sequence
+longer than the budget gets a micro-batch of its own, as slime does (the budget is then exceeded
+by that one sequence, never refused).
 
 A train step's global batch is first shared out over the data-parallel ranks
 (:func:`rank_shares`): the same number of sequences each, longest first to the rank with the
@@ -45,15 +48,17 @@ def budget_groups(
     lengths: Sequence[int], max_tokens: int, indices: Sequence[int] | None = None
 ) -> list[list[int]]:
     """``indices`` (default: all of ``lengths``) cut into micro-batches whose padded size is at
-    most ``max_tokens``, longest sequences first; a sequence longer than ``max_tokens`` alone.
-    Each group lists its indices longest first."""
+    most ``max_tokens``, longest sequences first; a sequence longer than ``max_tokens`` alone,
+    and a sequence less than half as long as a micro-batch's longest starts the next one. Each
+    group lists its indices longest first."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)) if indices is None else indices, key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
         # Longest first: a group's longest sequence is its first.
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and (len(groups[-1]) + 1) * longest <= max_tokens and 2 * lengths[i] >= longest:
             groups[-1].append(i)
         else:
             groups.append([i])
