@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -322,14 +323,17 @@ class MegatronTrainingStack:
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        from rlcore.algorithms.train_step import optimizer_step_batches
+        from rlcore.algorithms.train_step import optimizer_step_batches, step_tokens
 
         metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
+        sequence = padded = 0
         for global_batch in optimizer_step_batches(
             batch, self.train_spec, self.arch.pad_token_id, self.device
         ):
             metrics = self._optimizer_step(global_batch)
-        return metrics
+            real, positions = step_tokens(global_batch, self.train_spec)
+            sequence, padded = sequence + real, padded + positions
+        return attrs.evolve(metrics, sequence_tokens=sequence, padded_tokens=padded)
 
     def _micro_loss(self, mb: TensorBatch) -> LossOut:
         from rlcore.algorithms import batching, losses

@@ -236,3 +236,7 @@ def test_a_token_budget_run_scores_and_trains_as_a_padded_one(char_llama: Path) 
     assert {"train/critic/loss", "train/actor/kl_loss", "opd/kl_mean"} <= set(keys)
     for key in keys:
         assert budget[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+    # what the budget saves: padding, reported per train pass beside its throughput
+    for role in ("actor", "critic"):
+        assert 0 <= budget[f"perf/{role}_train_padding"] < padded[f"perf/{role}_train_padding"]
+        assert budget[f"perf/{role}_train_tokens_per_sec"] > 0

@@ -4,8 +4,11 @@ and the step's metrics summed over micro-batches and reduced over data-parallel 
 
 The contract (:meth:`rlcore.protocols.stacks.TrainingStack.train_step`): every rank of a multi-rank
 stack receives the *whole* rollout batch. Each optimizer step takes the next
-``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own contiguous
-share of them (:func:`local_micro_batches`), cut into micro-batches. Each micro-batch's loss
+``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own share of
+them, cut into micro-batches (:func:`step_micro_batches`): a contiguous share in micro-batches of
+``micro_batch_size`` sequences (:func:`local_micro_batches`), or with a token budget
+(``--use-dynamic-batch-size``) a share balanced by tokens in micro-batches of at most
+``max_tokens_per_gpu`` padded tokens (:func:`budget_micro_batches`). Each micro-batch's loss
 numerator (:mod:`rlcore.algorithms.losses`) is divided by the *global* batch's normaliser
 (:attr:`StepMetrics.normalizer`, which every rank computes from the whole global batch, so no
 collective is needed) and the gradients are summed over micro-batches and ranks, so the update is
@@ -29,7 +32,7 @@ import torch
 
 from rlcore.algorithms.batching import TensorBatch, tensorize
 from rlcore.algorithms.losses import LossOut, loss_normalizer
-from rlcore.algorithms.token_budget import rank_micro_batches
+from rlcore.algorithms.token_budget import padded_size, rank_micro_batches
 from rlcore.errors import PlanError
 from rlcore.samples import TrainBatch
 from rlcore.specs import LossAggMode, TrainSpec
@@ -41,6 +44,7 @@ __all__ = [
     "local_micro_batches",
     "optimizer_step_batches",
     "step_micro_batches",
+    "step_tokens",
     "trimmed",
 ]
 
@@ -115,6 +119,17 @@ def step_micro_batches(
     return budget_micro_batches(
         global_batch, spec.max_tokens_per_gpu, data_parallel_rank, data_parallel_size
     )
+
+
+def step_tokens(global_batch: TensorBatch, spec: TrainSpec) -> tuple[int, int]:
+    """The prompt + response tokens of ``global_batch`` and the positions that
+    :func:`step_micro_batches` gives them with padding, over all of ``spec``'s data-parallel
+    ranks: ``(sequence tokens, padded tokens)``, for the throughput and padding metrics."""
+    lengths = [int(n) for n in global_batch.attention_mask.sum(dim=1).tolist()]
+    if spec.max_tokens_per_gpu is None:  # every micro-batch has the rollout's width
+        return sum(lengths), len(lengths) * int(global_batch.tokens.shape[1])
+    plans = rank_micro_batches(lengths, spec.max_tokens_per_gpu, spec.model.parallel.data)
+    return sum(lengths), sum(padded_size(lengths, group) for plan in plans for group in plan)
 
 
 def budget_micro_batches(

@@ -287,11 +287,24 @@ def _served_scores(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
 
 
 def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
-    """Critic first (it learns from this rollout's returns), then the actor."""
+    """Critic first (it learns from this rollout's returns), then the actor. With each one's
+    training metrics, ``perf/ROLE_train_tokens_per_sec`` (prompt + response tokens over its
+    ``train_step``'s seconds) and ``perf/ROLE_train_padding`` (the fraction of the positions it
+    ran that were padding) when its backend reports the token counts."""
     metrics: dict[str, float] = {}
-    if stacks.critic is not None:
-        metrics.update(stacks.critic.train_step(batch).as_dict("train/critic"))
-    metrics.update(stacks.actor.train_step(batch).as_dict("train/actor"))
+    roles = [("critic", stacks.critic), ("actor", stacks.actor)]
+    for role, stack in roles:
+        if stack is None:
+            continue
+        t0 = time.perf_counter()
+        result = stack.train_step(batch)
+        seconds = time.perf_counter() - t0
+        metrics.update(result.as_dict(f"train/{role}"))
+        if result.padded_tokens > 0:
+            metrics[f"perf/{role}_train_tokens_per_sec"] = result.sequence_tokens / seconds
+            metrics[f"perf/{role}_train_padding"] = (
+                1 - result.sequence_tokens / result.padded_tokens
+            )
     return metrics
 
 
