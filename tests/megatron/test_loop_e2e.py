@@ -240,3 +240,5 @@ def test_a_token_budget_run_scores_and_trains_as_a_padded_one(char_llama: Path) 
     for role in ("actor", "critic"):
         assert 0 <= budget[f"perf/{role}_train_padding"] < padded[f"perf/{role}_train_padding"]
         assert budget[f"perf/{role}_train_tokens_per_sec"] > 0
+    for name in ("actor_logprobs", "ref_logprobs", "critic_values", "teacher_logprobs"):
+        assert budget[f"perf/{name}_tokens_per_sec"] > 0

@@ -37,7 +37,7 @@ from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import TrainPlan
 from rlcore.protocols.engine import RolloutEngine, keep_weight_source, receive_weights_midway
 from rlcore.protocols.rollout import Group, RewardFn, RolloutOutput
-from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, TrainingStack
+from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
 from rlcore.rollout.default import (
     generate_groups,
 )
@@ -226,15 +226,27 @@ def make_train_batch(
         or plan.advantage.kl_coef != 0
         or plan.opd is not None
     )
-    old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
-    ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
-    values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
     metrics: dict[str, float] = {}
+    tokens = sum(len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples)
+
+    def scored(stack: ModelStack, name: str) -> tuple[tuple[float, ...], ...]:
+        """``stack``'s pass over the samples, its throughput in ``perf/NAME_tokens_per_sec``."""
+        t0 = time.perf_counter()
+        rows = tuple(stack.forward(samples))
+        metrics[f"perf/{name}_tokens_per_sec"] = tokens / max(time.perf_counter() - t0, 1e-9)
+        return rows
+
+    old_log_probs = scored(stacks.actor, "actor_logprobs") if needs_old else ()
+    reference = stacks.reference
+    ref_log_probs = scored(reference, "ref_logprobs") if reference is not None else ()
+    values = scored(stacks.critic, "critic_values") if stacks.critic is not None else ()
     distilled: tuple[tuple[float, ...], ...] = ()
     if plan.opd is not None:
         if stacks.teacher is not None:
             t0 = time.perf_counter()
-            teacher_log_probs = stacks.teacher.forward(samples)
+            teacher_log_probs: Sequence[tuple[float, ...]] = scored(
+                stacks.teacher, "teacher_logprobs"
+            )
             metrics["perf/teacher_s"] = time.perf_counter() - t0
         else:  # served: the teacher scored each sample as its rollout was made
             teacher_log_probs = _served_scores(samples)
