@@ -1,6 +1,7 @@
 """Micro-batches by a token budget in the Megatron stacks (``--use-dynamic-batch-size``): the
 train step (actor in every aggregation mode with multi-turn loss masks, and the critic) and the
-forward-only passes (log-probs, values) give the numbers of micro-batches by sample count.
+forward-only passes (log-probs, values) give the numbers of micro-batches by sample count; so
+does a mixture-of-experts model, whose router's aux loss is per micro-batch.
 Data parallel 2 is in ``test_multirank.py`` (``dp2_budget``)."""
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import attrs
 import pytest
 import torch
 
+from rlcore.algorithms.token_budget import rank_micro_batches
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, LossSpec, ModelSpec, TrainSpec
 from rlcore_megatron.backend import MegatronBackend
+from tests.families import FamilyModels
 from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
+from tests.megatron.test_families import _expected_load_balancing_loss
 from tests.megatron.test_stacks import LOSS_VARIANTS
 
 pytestmark = pytest.mark.megatron
@@ -91,3 +95,29 @@ def test_forward_passes_return_the_same_values_in_sample_order(tiny_hf: Path) ->
     )
     for x, y in zip(backend.build_training_stack(budgeted).forward(samples), values, strict=True):
         assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_a_mixture_of_experts_model_under_a_token_budget(family_models: FamilyModels) -> None:
+    """Qwen3-MoE: without the router's aux loss the budget's update is the padded one; with it,
+    the load-balancing loss is Megatron's per micro-batch (it depends on the cut by definition),
+    over exactly the budget's micro-batches, padding left out."""
+    folder = family_models.folder("qwen3_moe")
+    samples = make_samples(4, seed=3)
+    batch = make_batch(samples, seed=4)
+    spec = train_spec(folder)  # global batch 4 in micro-batches of 2
+    (padded, w_padded), (budget, w_budget) = _padded_and_budget(spec, batch)
+    assert budget.loss == pytest.approx(padded.loss, rel=1e-5)
+    assert budget.grad_norm == pytest.approx(padded.grad_norm, rel=1e-5)
+    for name in w_padded:
+        torch.testing.assert_close(w_budget[name], w_padded[name], rtol=1e-5, atol=1e-6)
+    with_aux = attrs.evolve(
+        spec,
+        model=attrs.evolve(spec.model, moe_aux_loss_coeff=1.0),
+        max_tokens_per_gpu=BUDGET,
+    )
+    extra = MegatronBackend().build_training_stack(with_aux).train_step(batch).extra
+    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
+    (plan,) = rank_micro_batches(lengths, BUDGET, 1)
+    assert len(plan) > 1
+    expected = _expected_load_balancing_loss(folder, [[samples[i] for i in g] for g in plan])
+    assert extra["load_balancing_loss"] == pytest.approx(expected, rel=1e-5)
