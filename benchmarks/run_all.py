@@ -47,6 +47,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         [],
         ["--lengths", "8", "16", "--rounds", "1", "--variable-max-tokens", "16", "--prompts", "2"],
     ),
+    "packing": (
+        [],
+        ["--rounds", "1", "--repeats", "1", "--hidden", "64", "--layers", "1", "--long", "128"],
+    ),
 }
 NEEDS_SGLANG = {"weight_sync"}
 

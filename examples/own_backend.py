@@ -41,8 +41,8 @@ from rlcore.backend_api import (
     critic_loss,
     deliver,
     gather_response,
-    local_micro_batches,
     optimizer_step_batches,
+    step_micro_batches,
     tensorize_samples,
     token_log_probs,
     unpad,
@@ -180,7 +180,9 @@ class TorchTrainingStack:
             # whole global batch's normaliser, so the update is the global batch's.
             step = StepMetrics(global_batch, spec.loss.agg_mode)
             self._optimizer.zero_grad()
-            for micro in local_micro_batches(global_batch, spec.micro_batch_size):
+            # By spec.micro_batch_size samples, or by the token budget with
+            # --use-dynamic-batch-size.
+            for micro in step_micro_batches(global_batch, spec):
                 out = self.model(micro.tokens)
                 if self.spec.role == "critic":
                     result = critic_loss(gather_response(out.squeeze(-1), micro), micro, spec.loss)

@@ -16,7 +16,9 @@ What you may reuse, so that no backend writes it twice: the weight contract (:cl
 and (with torch) the batch tensors and per-token read-outs (:func:`tensorize`,
 :func:`token_log_probs`, :func:`entropy_from_logits`, :func:`gather_response`, :func:`unpad`),
 the losses (:func:`actor_loss`, :func:`critic_loss`) and what every train step shares
-(:func:`optimizer_step_batches`, :func:`local_micro_batches`, :class:`StepMetrics`). The torch
+(:func:`optimizer_step_batches`, :func:`step_micro_batches` by sample count or token budget,
+:func:`local_micro_batches`, :class:`StepMetrics`; the forward-only passes' micro-batches,
+:func:`forward_groups` and :func:`in_input_order`). The torch
 names are imported on first use. A backend proves itself against the conformance suite
 (``tests/conformance``: one line in ``CANDIDATES``).
 """
@@ -71,10 +73,12 @@ if TYPE_CHECKING:
         unpad,
     )
     from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss
+    from rlcore.algorithms.token_budget import forward_groups, in_input_order
     from rlcore.algorithms.train_step import (
         StepMetrics,
         local_micro_batches,
         optimizer_step_batches,
+        step_micro_batches,
     )
 
 __all__ = [
@@ -116,11 +120,14 @@ __all__ = [
     "critic_loss",
     "deliver",
     "entropy_from_logits",
+    "forward_groups",
     "gather_response",
+    "in_input_order",
     "load_backend_kind",
     "local_micro_batches",
     "logprob_temperature",
     "optimizer_step_batches",
+    "step_micro_batches",
     "tempered",
     "tensorize",
     "tensorize_samples",
@@ -142,6 +149,9 @@ _WITH_TORCH = {
     "StepMetrics": "train_step",
     "local_micro_batches": "train_step",
     "optimizer_step_batches": "train_step",
+    "step_micro_batches": "train_step",
+    "forward_groups": "token_budget",
+    "in_input_order": "token_budget",
 }
 """The names that need torch: each imported from ``rlcore.algorithms.<module>`` on first use."""
 

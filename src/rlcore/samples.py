@@ -204,13 +204,20 @@ class TrainBatch:
 
 @attrs.frozen
 class TrainMetrics:
-    """What one ``train_step`` reports. ``extra`` holds loss parts (``pg_loss``, ``kl``, ...)."""
+    """What one ``train_step`` reports. ``extra`` holds loss parts (``pg_loss``, ``kl``, ...).
+
+    ``sequence_tokens`` and ``padded_tokens``: the prompt + response tokens the whole
+    ``train_step`` ran through the model (every optimizer step, every data-parallel rank) and the
+    positions they took with padding; 0 when the backend does not say. The loop reads them as
+    ``perf/`` metrics (throughput and padding fraction), not as training metrics."""
 
     loss: float
     grad_norm: float
     lr: float
     tokens: int
     extra: Mapping[str, float] = attrs.field(factory=dict)
+    sequence_tokens: int = 0
+    padded_tokens: int = 0
 
     def as_dict(self, prefix: str) -> dict[str, float]:
         """Namespaced for a metrics sink: ``{prefix}/loss``, ``{prefix}/grad_norm``, ..."""

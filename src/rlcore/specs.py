@@ -193,10 +193,17 @@ class ModelSpec:
     """The rollout engine's sampling temperature (``--rollout-temperature``): a policy's
     log-probs and entropies are of ``softmax(logits / temperature)``, the distribution that
     sampled (:func:`rlcore.logits.tempered`; 0, greedy, means 1). A critic ignores it."""
+    log_probs_max_tokens_per_gpu: int | None = None
+    """The forward-only passes' token budget (log-probs, values, a teacher's scores): each
+    micro-batch holds at most this many tokens padded to its longest sequence
+    (:mod:`rlcore.algorithms.token_budget`); ``None``: a fixed number of sequences."""
 
     def __attrs_post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ValueError(f"ModelSpec.temperature must be >= 0, got {self.temperature}")
+        budget = self.log_probs_max_tokens_per_gpu
+        if budget is not None and budget < 1:
+            raise ValueError(f"ModelSpec.log_probs_max_tokens_per_gpu must be >= 1, got {budget}")
 
 
 @attrs.frozen
@@ -434,12 +441,20 @@ class TrainSpec:
     steps_per_rollout: int = 1
     load: LoadSpec = LoadSpec()
     """What ``load`` restores from a checkpoint (a resume; see :class:`LoadSpec`)."""
+    max_tokens_per_gpu: int | None = None
+    """The train step's token budget: each rank's micro-batches hold at most this many tokens
+    padded to their longest sequence, instead of ``micro_batch_size`` sequences
+    (:func:`rlcore.algorithms.train_step.step_micro_batches`); ``None``: by sequence count."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps_per_rollout"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"TrainSpec.{name} must be >= 1, got {value}")
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            raise ValueError(
+                f"TrainSpec.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}"
+            )
         problem = batch_split_problem(
             self.global_batch_size, self.micro_batch_size, self.model.parallel.data
         )

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -131,25 +132,29 @@ def score_samples(
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
 ) -> list[tuple[float, ...]]:
     """Per response token: log-probs at ``spec.temperature`` (a policy) or values (a critic),
-    one tuple per sample."""
+    one tuple per sample, in ``samples``' order; in micro-batches of ``micro_batch`` samples, or
+    by ``spec.log_probs_max_tokens_per_gpu`` tokens when set (longest first)."""
     from rlcore.algorithms.batching import (
         gather_response,
         tensorize_samples,
         token_log_probs,
         unpad,
     )
+    from rlcore.algorithms.token_budget import forward_groups, in_input_order
 
     is_critic = spec.role == "critic"
-    rows: list[tuple[float, ...]] = []
-    for start in range(0, len(samples), micro_batch):
-        tb = tensorize_samples(samples[start : start + micro_batch], arch.pad_token_id, device)
+    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
+    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
+    rows: list[list[tuple[float, ...]]] = []
+    for group in groups:
+        tb = tensorize_samples([samples[i] for i in group], arch.pad_token_id, device)
         out = model_output(model, tb, arch, is_critic)
         if is_critic:
             per_token = gather_response(out, tb)
         else:
             per_token = token_log_probs(out, tb, spec.temperature)
-        rows += unpad(per_token, tb)
-    return rows
+        rows.append(unpad(per_token, tb))
+    return in_input_order(groups, rows)
 
 
 @final
@@ -318,14 +323,17 @@ class MegatronTrainingStack:
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        from rlcore.algorithms.train_step import optimizer_step_batches
+        from rlcore.algorithms.train_step import optimizer_step_batches, step_tokens
 
         metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
+        sequence = padded = 0
         for global_batch in optimizer_step_batches(
             batch, self.train_spec, self.arch.pad_token_id, self.device
         ):
             metrics = self._optimizer_step(global_batch)
-        return metrics
+            real, positions = step_tokens(global_batch, self.train_spec)
+            sequence, padded = sequence + real, padded + positions
+        return attrs.evolve(metrics, sequence_tokens=sequence, padded_tokens=padded)
 
     def _micro_loss(self, mb: TensorBatch) -> LossOut:
         from rlcore.algorithms import batching, losses
@@ -342,15 +350,15 @@ class MegatronTrainingStack:
         return result
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
-        from rlcore.algorithms.train_step import StepMetrics, local_micro_batches
+        from rlcore.algorithms.train_step import StepMetrics, step_micro_batches
 
         step = StepMetrics(global_batch, self.train_spec.loss.agg_mode)
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
-        micro_batches = local_micro_batches(
+        micro_batches = step_micro_batches(
             global_batch,
-            self.train_spec.micro_batch_size,
+            self.train_spec,
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(),
         )

@@ -29,12 +29,24 @@ from tests.strategies import VOCAB, log_prob, rows_for, samples
 AGG_MODES = typing.get_args(LossAggMode)
 
 
+Cut = Callable[[TensorBatch, int, int], list[TensorBatch]]
+"""A rank's micro-batches of a global batch: ``cut(global_batch, rank, ranks)``."""
+
+
+def by_count(micro: int) -> Cut:
+    """Micro-batches of ``micro`` sequences (:func:`local_micro_batches`)."""
+    return lambda batch, rank, ranks: local_micro_batches(batch, micro, rank, ranks)
+
+
 def _step(
-    weight: torch.Tensor, global_batch: TensorBatch, spec: LossSpec, micro: int, ranks: int
+    weight: torch.Tensor, global_batch: TensorBatch, spec: LossSpec, cut: Cut | int, ranks: int
 ) -> tuple[torch.Tensor, dict[str, float], int]:
     """One optimizer step's gradient and metrics with the global batch cut over ``ranks``
-    simulated data-parallel ranks (threads meeting in an all-reduce) and ``micro``-sequence
-    micro-batches; the gradient summed over the ranks, as DDP does."""
+    simulated data-parallel ranks (threads meeting in an all-reduce) into micro-batches by
+    ``cut`` (an int: micro-batches of that many sequences); the gradient summed over the ranks,
+    as DDP does."""
+    if isinstance(cut, int):
+        cut = by_count(cut)
     weight.grad = None
     barrier = threading.Barrier(ranks)
     posted: list[list[float]] = [[] for _ in range(ranks)]
@@ -55,7 +67,7 @@ def _step(
 
     def rank_step(rank: int) -> None:
         step = StepMetrics(global_batch, spec.agg_mode)
-        for mb in local_micro_batches(global_batch, micro, rank, ranks):
+        for mb in cut(global_batch, rank, ranks):
             out = actor_loss(token_log_probs(weight[mb.tokens], mb), mb, spec)
             with lock:  # autograd accumulates into weight.grad from one thread at a time
                 torch.autograd.backward(out.loss / step.normalizer)

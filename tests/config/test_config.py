@@ -501,3 +501,58 @@ def test_a_negative_value_reaches_its_own_check(value: str) -> None:
     problems = _problems([*TRAIN, "--lr", value])
     assert any(p.startswith("optim.lr (--lr): must be") for p in problems), problems
     assert problems == _problems([*TRAIN, f"--lr={value}"])
+
+
+def test_token_budget_flags_keep_slimes_names_and_reach_every_spec(tmp_path: Path) -> None:
+    budget = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]
+    the_plan = plan(load_config([*TRAIN, *budget, "--advantage-estimator", "ppo", "--use-kl-loss"]))
+    assert isinstance(the_plan, TrainPlan) and the_plan.critic and the_plan.reference
+    assert the_plan.actor.max_tokens_per_gpu == the_plan.critic.max_tokens_per_gpu == 4096
+    # the forward-only passes default to the train budget, and take their own
+    for spec in (the_plan.actor.model, the_plan.critic.model, the_plan.reference.model):
+        assert spec.log_probs_max_tokens_per_gpu == 4096
+    own = load_config([*TRAIN, *budget, "--log-probs-max-tokens-per-gpu", "8192"])
+    assert plan(own).actor.model.log_probs_max_tokens_per_gpu == 8192
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        "[rollout]\nnum_rollout = 3\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n"
+        "[train]\nglobal_batch_size = 16\nmicro_batch_size = 4\nuse_dynamic_batch_size = true\n"
+        "max_tokens_per_gpu = 4096\nlog_probs_max_tokens_per_gpu = 8192\n"
+    )
+    assert load_config(["--config", str(toml)]) == own
+    # without the flag: by sample count, as before
+    default = plan(load_config(TRAIN))
+    assert isinstance(default, TrainPlan) and default.actor.max_tokens_per_gpu is None
+    assert default.actor.model.log_probs_max_tokens_per_gpu is None
+
+
+def test_token_budget_flags_are_checked() -> None:
+    joined = "\n".join(_problems([*TRAIN, "--use-dynamic-batch-size"]))
+    assert "train.max_tokens_per_gpu (--max-tokens-per-gpu)" in joined
+    assert "needs a token budget" in joined and "add --max-tokens-per-gpu N" in joined
+    joined = "\n".join(_problems([*TRAIN, "--max-tokens-per-gpu", "100"]))
+    assert "only used with --use-dynamic-batch-size" in joined
+    joined = "\n".join(
+        _problems(
+            [
+                *TRAIN,
+                "--use-dynamic-batch-size",
+                "--max-tokens-per-gpu",
+                "0",
+                "--log-probs-max-tokens-per-gpu",
+                "-3",
+            ]
+        )
+    )
+    assert "train.max_tokens_per_gpu (--max-tokens-per-gpu): must be >= 1, got 0" in joined
+    assert "(--log-probs-max-tokens-per-gpu): must be >= 1, got -3" in joined
+
+
+def test_an_eval_only_run_scores_by_the_token_budget(tmp_path: Path) -> None:
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    flags = ["--num-rollout", "0", "--eval-prompt-data", "a", str(data)]
+    the_plan = plan(
+        load_config([*flags, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "512"])
+    )
+    assert the_plan.actor.model.log_probs_max_tokens_per_gpu == 512

@@ -96,16 +96,21 @@ def test_a_training_stack_trains_saves_and_loads(candidate: Under, tmp_path: Pat
         assert all(torch.equal(out[name], saved[name]) for name in saved)
 
 
-def test_an_update_does_not_depend_on_the_micro_batches(candidate: Under) -> None:
-    """One global batch of 4 in one micro-batch, or in four: the same metrics and weights
-    (the loss of each micro-batch is divided by the whole global batch's normaliser)."""
+@pytest.mark.parametrize("cut", ["four micro-batches", "a token budget"])
+def test_an_update_does_not_depend_on_the_micro_batches(candidate: Under, cut: str) -> None:
+    """One global batch of 4 in one micro-batch, or in four, or in micro-batches of at most 8
+    padded tokens (``--use-dynamic-batch-size``): the same metrics and weights (the loss of each
+    micro-batch is divided by the whole global batch's normaliser)."""
     samples = make_samples(4, seed=5, vocab=candidate.vocab)
     batch = make_batch(samples, seed=6, rollout=True)
+    whole_spec = _spec(candidate, global_batch_size=4, micro_batch_size=4)
+    if cut == "a token budget":
+        split_spec = attrs.evolve(whole_spec, max_tokens_per_gpu=8)
+    else:
+        split_spec = _spec(candidate, global_batch_size=4, micro_batch_size=1)
     results = []
-    for micro in (4, 1):
-        stack = candidate.backend.build_training_stack(
-            _spec(candidate, global_batch_size=4, micro_batch_size=micro)
-        )
+    for spec in (whole_spec, split_spec):
+        stack = candidate.backend.build_training_stack(spec)
         metrics = stack.train_step(batch)
         results.append((metrics, _weights_out(stack)))
     (whole, whole_weights), (split, split_weights) = results

@@ -169,7 +169,8 @@ def _cli(*flags: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
 def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> None:
     """Actor, critic and reference model through the CLI's own Ray start-up: on a 2-core machine
     their ranks share one CPU slot and take turns (each used to claim a CPU of its own, and the
-    run waited for a third CPU until the group timeout)."""
+    run waited for a third CPU until the group timeout). Every pass is cut by a token budget
+    (``--use-dynamic-batch-size``), and reports its padding."""
     run = _cli(
         *_flags(
             demo,
@@ -188,6 +189,9 @@ def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> N
             "--lambd",
             "0.95",
             "--skip-eval-before-train",
+            "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu",
+            "48",
         )
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -199,6 +203,8 @@ def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> N
     for row in rows:
         assert row["train/critic/loss"] is not None and row["train/critic/loss"] >= 0
         assert "train/actor/kl_loss" in row and "rollout/kl_penalty" in row
+        assert 0 <= row["perf/actor_train_padding"] < 1
+        assert row["perf/ref_logprobs_tokens_per_sec"] > 0
     log = (tmp_path / "run.log").read_text()
     if (os.cpu_count() or 1) <= 2:
         assert "slot 0: " in log and "actor, reference, critic" in log

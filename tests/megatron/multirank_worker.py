@@ -149,4 +149,21 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
         },
         results / f"dp2_token.rank{rank}.pt",
     )
+    del stack
+
+    # the same by a token budget: ranks take length-balanced shares (not contiguous halves), cut
+    # into micro-batches of at most 8 padded tokens, as many on each rank
+    stack = backend.build_training_stack(
+        attrs.evolve(spec, model=attrs.evolve(spec.model, parallel=dp2), max_tokens_per_gpu=8)
+    )
+    metrics = stack.train_step(make_batch(samples, seed=22, rollout=True))
+    torch.save(
+        {
+            "trained": weights(stack.export_weights()),
+            "grad_norm": metrics.grad_norm,
+            "loss": metrics.loss,
+            "extra": dict(metrics.extra),
+        },
+        results / f"dp2_budget.rank{rank}.pt",
+    )
     shutdown_megatron()

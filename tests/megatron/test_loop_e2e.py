@@ -197,3 +197,48 @@ def test_a_teacher_is_a_megatron_eval_stack_whose_reverse_kl_reaches_the_advanta
     assert abs(same[1]) > 1e-4  # one step later it is not
     different, _ = distill(other)
     assert abs(different[0]) > 1e-3
+
+
+def test_a_token_budget_run_scores_and_trains_as_a_padded_one(char_llama: Path) -> None:
+    """``--use-dynamic-batch-size`` through the loop: the actor's old log-probs, the reference's,
+    the critic's values, the teacher's scores and both train steps, cut by a budget of 8 padded
+    tokens, give the rollout's metrics of micro-batches by sample count."""
+
+    def one_rollout(budget: dict[str, Any]) -> dict[str, float]:
+        data: dict[str, Any] = {
+            "model": {"hf_checkpoint": str(char_llama)},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+            "algorithm": {
+                "advantage_estimator": "ppo",
+                "kl_coef": 0.01,
+                "use_kl_loss": True,
+                "kl_loss_coef": 0.01,
+            },
+            "optim": {"lr": 1e-3},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2, **budget},
+            "opd": {"use_opd": True, "opd_teacher_hf_checkpoint": str(char_llama)},
+        }
+        sink = RecordingSink()
+        run(
+            plan(structure_config(data)),
+            MegatronBackend(),
+            ScriptedEngine(),
+            label_reward,
+            DATA,
+            sink,
+        )
+        (metrics,) = [m for _, m in sink.records if "train/actor/loss" in m]
+        return metrics
+
+    padded = one_rollout({})
+    budget = one_rollout({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 8})
+    keys = [k for k in padded if not k.startswith("perf/")]
+    assert {"train/critic/loss", "train/actor/kl_loss", "opd/kl_mean"} <= set(keys)
+    for key in keys:
+        assert budget[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+    # what the budget saves: padding, reported per train pass beside its throughput
+    for role in ("actor", "critic"):
+        assert 0 <= budget[f"perf/{role}_train_padding"] < padded[f"perf/{role}_train_padding"]
+        assert budget[f"perf/{role}_train_tokens_per_sec"] > 0
+    for name in ("actor_logprobs", "ref_logprobs", "critic_values", "teacher_logprobs"):
+        assert budget[f"perf/{name}_tokens_per_sec"] > 0

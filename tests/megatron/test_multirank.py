@@ -93,17 +93,19 @@ def test_two_rank_train_step_matches_one_process(two_ranks: Path, tiny_hf: Path,
             assert_same_step(tensor, expected[key], original.get(key), key)
 
 
+@pytest.mark.parametrize("name", ["dp2_token", "dp2_budget"])
 def test_token_mean_loss_over_two_data_parallel_ranks_matches_one_process(
-    two_ranks: Path, tiny_hf: Path
+    two_ranks: Path, tiny_hf: Path, name: str
 ) -> None:
     """The token-mean normaliser is the *global* token count: two replicas, each with half the
-    batch, take the update and report the metrics of one process with all of it."""
+    batch (contiguous halves, or length-balanced shares cut by a token budget), take the update
+    and report the metrics of one process with all of it."""
     stack = MegatronBackend().build_training_stack(gradient_step_spec(tiny_hf, loss=TOKEN_MEAN_TIS))
     metrics = stack.train_step(make_batch(make_samples(4, seed=21), seed=22, rollout=True))
     expected = weights(stack.export_weights())
     original = HFReader(tiny_hf)
     for rank in range(2):
-        result = _load(two_ranks, "dp2_token", rank)
+        result = _load(two_ranks, name, rank)
         assert result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
         assert result["loss"] == pytest.approx(metrics.loss, rel=1e-5)
         for key in ("tis_weight", "tis_clipfrac", "logprob_mismatch", "logprob_mismatch_max"):

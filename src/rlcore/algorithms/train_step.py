@@ -4,8 +4,11 @@ and the step's metrics summed over micro-batches and reduced over data-parallel 
 
 The contract (:meth:`rlcore.protocols.stacks.TrainingStack.train_step`): every rank of a multi-rank
 stack receives the *whole* rollout batch. Each optimizer step takes the next
-``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own contiguous
-share of them (:func:`local_micro_batches`), cut into micro-batches. Each micro-batch's loss
+``global_batch_size`` samples; data-parallel rank ``r`` of ``D`` trains on its own share of
+them, cut into micro-batches (:func:`step_micro_batches`): a contiguous share in micro-batches of
+``micro_batch_size`` sequences (:func:`local_micro_batches`), or with a token budget
+(``--use-dynamic-batch-size``) a share balanced by tokens in micro-batches of at most
+``max_tokens_per_gpu`` padded tokens (:func:`budget_micro_batches`). Each micro-batch's loss
 numerator (:mod:`rlcore.algorithms.losses`) is divided by the *global* batch's normaliser
 (:attr:`StepMetrics.normalizer`, which every rank computes from the whole global batch, so no
 collective is needed) and the gradients are summed over micro-batches and ranks, so the update is
@@ -24,15 +27,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import final
 
+import attrs
 import torch
 
 from rlcore.algorithms.batching import TensorBatch, tensorize
 from rlcore.algorithms.losses import LossOut, loss_normalizer
+from rlcore.algorithms.token_budget import padded_size, rank_micro_batches
 from rlcore.errors import PlanError
 from rlcore.samples import TrainBatch
 from rlcore.specs import LossAggMode, TrainSpec
 
-__all__ = ["Reduce", "StepMetrics", "local_micro_batches", "optimizer_step_batches"]
+__all__ = [
+    "Reduce",
+    "StepMetrics",
+    "budget_micro_batches",
+    "local_micro_batches",
+    "optimizer_step_batches",
+    "step_micro_batches",
+    "step_tokens",
+    "trimmed",
+]
 
 Reduce = Callable[[list[float]], list[float]]
 """An all-reduce over the data-parallel ranks of a list of floats (every rank passes a list of
@@ -87,6 +101,82 @@ def local_micro_batches(
         global_batch.select(slice(s, min(s + micro_batch_size, end)))
         for s in range(first, end, micro_batch_size)
     ]
+
+
+def step_micro_batches(
+    global_batch: TensorBatch,
+    spec: TrainSpec,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+) -> list[TensorBatch]:
+    """This rank's micro-batches of ``global_batch``, as ``spec`` cuts them: by its token budget
+    (:func:`budget_micro_batches`) when it has one, else :func:`local_micro_batches` of
+    ``spec.micro_batch_size`` sequences. What a backend's ``train_step`` loops over."""
+    if spec.max_tokens_per_gpu is None:
+        return local_micro_batches(
+            global_batch, spec.micro_batch_size, data_parallel_rank, data_parallel_size
+        )
+    return budget_micro_batches(
+        global_batch, spec.max_tokens_per_gpu, data_parallel_rank, data_parallel_size
+    )
+
+
+def step_tokens(global_batch: TensorBatch, spec: TrainSpec) -> tuple[int, int]:
+    """The prompt + response tokens of ``global_batch`` and the positions that
+    :func:`step_micro_batches` gives them with padding, over all of ``spec``'s data-parallel
+    ranks: ``(sequence tokens, padded tokens)``, for the throughput and padding metrics."""
+    lengths = [int(n) for n in global_batch.attention_mask.sum(dim=1).tolist()]
+    if spec.max_tokens_per_gpu is None:  # every micro-batch has the rollout's width
+        return sum(lengths), len(lengths) * int(global_batch.tokens.shape[1])
+    plans = rank_micro_batches(lengths, spec.max_tokens_per_gpu, spec.model.parallel.data)
+    return sum(lengths), sum(padded_size(lengths, group) for plan in plans for group in plan)
+
+
+def budget_micro_batches(
+    global_batch: TensorBatch,
+    max_tokens: int,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+) -> list[TensorBatch]:
+    """Data-parallel rank ``data_parallel_rank``'s micro-batches of ``global_batch`` by a token
+    budget (:func:`rlcore.algorithms.token_budget.rank_micro_batches`: ranks balanced by tokens,
+    each micro-batch at most ``max_tokens`` padded tokens unless one sequence is longer, the same
+    count on every rank), each :func:`trimmed` to its own longest sequence."""
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"budget_micro_batches: rank {data_parallel_rank} of {data_parallel_size}")
+    lengths = global_batch.attention_mask.sum(dim=1).tolist()
+    plan = rank_micro_batches(lengths, max_tokens, data_parallel_size)[data_parallel_rank]
+    device = global_batch.tokens.device
+    return [
+        trimmed(global_batch.select(torch.tensor(group, dtype=torch.long, device=device)))
+        for group in plan
+    ]
+
+
+def trimmed(batch: TensorBatch) -> TensorBatch:
+    """``batch`` with the padding beyond its own longest sequence (``S``) and longest response
+    (``T``) cut off: what :func:`~rlcore.algorithms.batching.tensorize_samples` would give for
+    its samples alone (padding positions of ``response_index`` clamped into the shorter ``S``)."""
+    seq = max(int(batch.attention_mask.sum(dim=1).max()), 1)
+    width = int(batch.response_mask.sum(dim=1).max())
+
+    def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[:, :width]
+
+    return attrs.evolve(
+        batch,
+        tokens=batch.tokens[:, :seq],
+        attention_mask=batch.attention_mask[:, :seq],
+        response_index=batch.response_index[:, :width].clamp(max=seq - 1),
+        response_mask=batch.response_mask[:, :width],
+        advantages=batch.advantages[:, :width],
+        returns=cut(batch.returns),
+        old_log_probs=cut(batch.old_log_probs),
+        ref_log_probs=cut(batch.ref_log_probs),
+        old_values=cut(batch.old_values),
+        rollout_log_probs=cut(batch.rollout_log_probs),
+        model_token_mask=cut(batch.model_token_mask),
+    )
 
 
 @final

@@ -61,15 +61,75 @@ class TrainConfig:
 
     global_batch_size: int = option(32, "--global-batch-size", "samples per optimizer step")
     micro_batch_size: int = option(8, "--micro-batch-size", "samples per forward/backward per rank")
+    use_dynamic_batch_size: bool = option(
+        False,
+        "--use-dynamic-batch-size",
+        "cut micro-batches by a token budget (--max-tokens-per-gpu) instead of "
+        "--micro-batch-size samples",
+    )
+    max_tokens_per_gpu: int | None = option(
+        None,
+        "--max-tokens-per-gpu",
+        "with --use-dynamic-batch-size: tokens per train micro-batch per rank, counted padded "
+        "to the micro-batch's longest sequence (a longer sequence gets a micro-batch of its own)",
+    )
+    log_probs_max_tokens_per_gpu: int | None = option(
+        None,
+        "--log-probs-max-tokens-per-gpu",
+        "with --use-dynamic-batch-size: the same for the forward-only passes (log-probs, "
+        "values, teacher) (default: --max-tokens-per-gpu)",
+    )
+
+    @property
+    def train_token_budget(self) -> int | None:
+        """The train step's tokens per micro-batch, or ``None`` (micro-batches by sample count)."""
+        return self.max_tokens_per_gpu if self.use_dynamic_batch_size else None
+
+    @property
+    def log_probs_token_budget(self) -> int | None:
+        """The forward-only passes' tokens per micro-batch, or ``None``."""
+        if not self.use_dynamic_batch_size:
+            return None
+        return self.log_probs_max_tokens_per_gpu or self.max_tokens_per_gpu
 
 
 def train_size_problems(t: TrainConfig) -> list[ConfigProblem]:
-    """Batch sizes are at least 1."""
-    return [
+    """Batch sizes are at least 1; a token budget is positive, given with
+    ``--use-dynamic-batch-size`` and only with it."""
+    problems = [
         problem(TrainConfig, "train", name, f"must be >= 1, got {getattr(t, name)}")
         for name in ("global_batch_size", "micro_batch_size")
         if getattr(t, name) < 1
     ]
+    budgets = ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu")
+    for name in budgets:
+        value = getattr(t, name)
+        if value is not None and value < 1:
+            problems.append(problem(TrainConfig, "train", name, f"must be >= 1, got {value}"))
+        elif value is not None and not t.use_dynamic_batch_size:
+            problems.append(
+                problem(
+                    TrainConfig,
+                    "train",
+                    name,
+                    "a token budget is only used with --use-dynamic-batch-size",
+                    "add --use-dynamic-batch-size, or drop the budget",
+                    reads=("train.use_dynamic_batch_size",),
+                )
+            )
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        problems.append(
+            problem(
+                TrainConfig,
+                "train",
+                "max_tokens_per_gpu",
+                "--use-dynamic-batch-size needs a token budget",
+                "add --max-tokens-per-gpu N (tokens per micro-batch per rank, e.g. the longest "
+                "prompt + response times the sequences you want per micro-batch)",
+                reads=("train.use_dynamic_batch_size",),
+            )
+        )
+    return problems
 
 
 def optimizer_problems(o: OptimizerConfig) -> list[ConfigProblem]:

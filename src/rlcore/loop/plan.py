@@ -216,6 +216,7 @@ def _model(config: RunConfig, role: Role) -> ModelSpec:
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         precision="bfloat16" if m.bf16 else "float32",
         temperature=config.rollout.temperature,
+        log_probs_max_tokens_per_gpu=config.train.log_probs_token_budget,
     )
 
 
@@ -324,6 +325,7 @@ def _train_spec(config: RunConfig, role: Role, lr: float) -> TrainSpec:
         micro_batch_size=config.train.micro_batch_size,
         steps_per_rollout=config.steps_per_rollout,
         load=_load_spec(config),
+        max_tokens_per_gpu=config.train.train_token_budget,
     )
 
 

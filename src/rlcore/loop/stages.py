@@ -37,7 +37,7 @@ from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.loop.plan import TrainPlan
 from rlcore.protocols.engine import RolloutEngine, keep_weight_source, receive_weights_midway
 from rlcore.protocols.rollout import Group, RewardFn, RolloutOutput
-from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, TrainingStack
+from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
 from rlcore.rollout.default import (
     generate_groups,
 )
@@ -226,15 +226,27 @@ def make_train_batch(
         or plan.advantage.kl_coef != 0
         or plan.opd is not None
     )
-    old_log_probs = tuple(stacks.actor.forward(samples)) if needs_old else ()
-    ref_log_probs = tuple(stacks.reference.forward(samples)) if stacks.reference is not None else ()
-    values = tuple(stacks.critic.forward(samples)) if stacks.critic is not None else ()
     metrics: dict[str, float] = {}
+    tokens = sum(len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples)
+
+    def scored(stack: ModelStack, name: str) -> tuple[tuple[float, ...], ...]:
+        """``stack``'s pass over the samples, its throughput in ``perf/NAME_tokens_per_sec``."""
+        t0 = time.perf_counter()
+        rows = tuple(stack.forward(samples))
+        metrics[f"perf/{name}_tokens_per_sec"] = tokens / max(time.perf_counter() - t0, 1e-9)
+        return rows
+
+    old_log_probs = scored(stacks.actor, "actor_logprobs") if needs_old else ()
+    reference = stacks.reference
+    ref_log_probs = scored(reference, "ref_logprobs") if reference is not None else ()
+    values = scored(stacks.critic, "critic_values") if stacks.critic is not None else ()
     distilled: tuple[tuple[float, ...], ...] = ()
     if plan.opd is not None:
         if stacks.teacher is not None:
             t0 = time.perf_counter()
-            teacher_log_probs = stacks.teacher.forward(samples)
+            teacher_log_probs: Sequence[tuple[float, ...]] = scored(
+                stacks.teacher, "teacher_logprobs"
+            )
             metrics["perf/teacher_s"] = time.perf_counter() - t0
         else:  # served: the teacher scored each sample as its rollout was made
             teacher_log_probs = _served_scores(samples)
@@ -287,11 +299,24 @@ def _served_scores(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
 
 
 def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
-    """Critic first (it learns from this rollout's returns), then the actor."""
+    """Critic first (it learns from this rollout's returns), then the actor. With each one's
+    training metrics, ``perf/ROLE_train_tokens_per_sec`` (prompt + response tokens over its
+    ``train_step``'s seconds) and ``perf/ROLE_train_padding`` (the fraction of the positions it
+    ran that were padding) when its backend reports the token counts."""
     metrics: dict[str, float] = {}
-    if stacks.critic is not None:
-        metrics.update(stacks.critic.train_step(batch).as_dict("train/critic"))
-    metrics.update(stacks.actor.train_step(batch).as_dict("train/actor"))
+    roles = [("critic", stacks.critic), ("actor", stacks.actor)]
+    for role, stack in roles:
+        if stack is None:
+            continue
+        t0 = time.perf_counter()
+        result = stack.train_step(batch)
+        seconds = time.perf_counter() - t0
+        metrics.update(result.as_dict(f"train/{role}"))
+        if result.padded_tokens > 0:
+            metrics[f"perf/{role}_train_tokens_per_sec"] = result.sequence_tokens / seconds
+            metrics[f"perf/{role}_train_padding"] = (
+                1 - result.sequence_tokens / result.padded_tokens
+            )
     return metrics
 
 

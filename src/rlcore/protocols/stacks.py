@@ -119,8 +119,10 @@ class TrainingStack(ModelStack, Protocol):
         normaliser of the whole global batch, so the update and the metrics do not depend on how
         the batch is cut. :mod:`rlcore.algorithms.train_step` does that arithmetic for every
         backend (:func:`~rlcore.algorithms.train_step.optimizer_step_batches`,
-        :func:`~rlcore.algorithms.train_step.local_micro_batches`,
-        :class:`~rlcore.algorithms.train_step.StepMetrics`)."""
+        :func:`~rlcore.algorithms.train_step.step_micro_batches`, by sample count or by
+        ``spec.max_tokens_per_gpu``, :class:`~rlcore.algorithms.train_step.StepMetrics`).
+        ``sequence_tokens`` and ``padded_tokens`` of the result, when set, are the whole call's
+        (:func:`~rlcore.algorithms.train_step.step_tokens`)."""
         ...
 
     def save(self, path: Path, rollout_id: int) -> None:

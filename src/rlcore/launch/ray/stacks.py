@@ -93,7 +93,7 @@ def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetri
     """One ``train_step`` on every rank with the whole batch; rank 0's metrics.
 
     The batch goes to the object store once and every rank reads it: each data-parallel rank's
-    stack trains on its own contiguous slice of every global batch
+    stack trains on its own share of every global batch
     (each stack splits worker-side, :mod:`rlcore.algorithms.train_step`) and reports metrics
     already reduced over data parallel.
     """

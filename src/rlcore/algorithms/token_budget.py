@@ -1,0 +1,123 @@
+"""Micro-batches by a token budget (``--use-dynamic-batch-size --max-tokens-per-gpu N``), as index
+lists over a batch's sequences: pure Python on sequence lengths, the same on every rank.
+
+A micro-batch is padded to its own longest sequence, so what it costs the device is its
+*padded* size, ``len(micro_batch) * longest``; the budget bounds that. Sequences are sorted
+longest first and filled greedily (:func:`budget_groups`): neighbours in that order have similar
+lengths, and a micro-batch also closes before a sequence less than half as long as its longest,
+so less than half of any micro-batch is padding (without that rule a generous budget would pad
+a batch's short answers to its one long answer, as cutting by sample count does). A sequence
+longer than the budget gets a micro-batch of its own, as slime does (the budget is then exceeded
+by that one sequence, never refused).
+
+A train step's global batch is first shared out over the data-parallel ranks
+(:func:`rank_shares`): the same number of sequences each, longest first to the rank with the
+fewest tokens, so the ranks carry about the same number of tokens (within the longest sequence
+of each other). Every rank then runs the same number of micro-batches
+(:func:`rank_micro_batches`), which collectives that run in every micro-batch (expert parallel
+all-to-all, FSDP's gathers) need: a rank with fewer splits its largest micro-batches in two
+(halves are within the budget too) until it has as many as the rank with the most. A rank holds
+``n / D`` sequences and no rank needs more micro-batches than that, so no micro-batch is ever
+empty. Every rank receives the whole global batch and computes every rank's plan itself: no
+collective is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+__all__ = [
+    "budget_groups",
+    "forward_groups",
+    "in_input_order",
+    "padded_size",
+    "rank_micro_batches",
+    "rank_shares",
+]
+
+_T = TypeVar("_T")
+
+
+def padded_size(lengths: Sequence[int], group: Sequence[int]) -> int:
+    """The tokens ``group`` (indices into ``lengths``) occupies padded to its longest sequence."""
+    return len(group) * max((lengths[i] for i in group), default=0)
+
+
+def budget_groups(
+    lengths: Sequence[int], max_tokens: int, indices: Sequence[int] | None = None
+) -> list[list[int]]:
+    """``indices`` (default: all of ``lengths``) cut into micro-batches whose padded size is at
+    most ``max_tokens``, longest sequences first; a sequence longer than ``max_tokens`` alone,
+    and a sequence less than half as long as a micro-batch's longest starts the next one. Each
+    group lists its indices longest first."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)) if indices is None else indices, key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        # Longest first: a group's longest sequence is its first.
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and (len(groups[-1]) + 1) * longest <= max_tokens and 2 * lengths[i] >= longest:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def rank_shares(lengths: Sequence[int], ranks: int) -> list[list[int]]:
+    """The indices of ``lengths`` shared out over ``ranks``: ``len(lengths) / ranks`` each (which
+    must be whole), longest first to the rank with the fewest tokens so far among those with room
+    (ties: the lower rank), each share in ascending index order."""
+    n = len(lengths)
+    if ranks < 1 or n % ranks:
+        raise ValueError(f"{n} sequences do not split evenly over {ranks} data-parallel ranks")
+    room = n // ranks
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        r = min((r for r in range(ranks) if len(shares[r]) < room), key=lambda r: loads[r])
+        shares[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(share) for share in shares]
+
+
+def rank_micro_batches(
+    lengths: Sequence[int], max_tokens: int, ranks: int
+) -> list[list[list[int]]]:
+    """Every data-parallel rank's micro-batches (index lists into ``lengths``): the rank's
+    :func:`rank_shares` cut by :func:`budget_groups`, then evened out to the same count on every
+    rank by splitting each rank's largest micro-batches (module docstring)."""
+    plans = [budget_groups(lengths, max_tokens, share) for share in rank_shares(lengths, ranks)]
+    count = max(len(plan) for plan in plans)
+    for plan in plans:
+        while len(plan) < count:
+            # The micro-batch with the most sequences (>= 2, since the rank holds >= count).
+            k = max(range(len(plan)), key=lambda j: (len(plan[j]), -j))
+            group = plan[k]
+            half = (len(group) + 1) // 2
+            plan[k : k + 1] = [group[:half], group[half:]]
+    return plans
+
+
+def forward_groups(
+    lengths: Sequence[int], max_tokens: int | None, micro_batch: int
+) -> list[list[int]]:
+    """A forward-only pass's micro-batches over sequences of ``lengths`` (every rank scores the
+    whole batch): by the budget ``max_tokens`` (:func:`budget_groups`), or with ``None`` in
+    order, ``micro_batch`` sequences each. Put the results back with :func:`in_input_order`."""
+    if max_tokens is not None:
+        return budget_groups(lengths, max_tokens)
+    n = len(lengths)
+    return [list(range(s, min(s + micro_batch, n))) for s in range(0, n, micro_batch)]
+
+
+def in_input_order(groups: Sequence[Sequence[int]], results: Sequence[Sequence[_T]]) -> list[_T]:
+    """Per-group results (``results[g][k]`` belongs to index ``groups[g][k]``) as one list in
+    index order; ``groups`` must cover ``0 .. n - 1`` once each."""
+    out: dict[int, _T] = {}
+    for group, rows in zip(groups, results, strict=True):
+        out.update(zip(group, rows, strict=True))
+    if sorted(out) != list(range(len(out))):
+        raise ValueError("in_input_order: the groups do not cover 0 .. n - 1 once each")
+    return [out[i] for i in range(len(out))]
