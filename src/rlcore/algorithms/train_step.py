@@ -21,18 +21,33 @@ here, and each backend's conformance run checks it holds for its stacks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 import torch
 
-from rlcore.algorithms.batching import TensorBatch, tensorize
-from rlcore.algorithms.losses import LossOut, loss_normalizer
+from rlcore.algorithms.batching import (
+    TensorBatch,
+    entropy_from_logits,
+    gather_response,
+    tensorize,
+    tensorize_samples,
+    token_log_probs,
+    unpad,
+)
+from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss, loss_normalizer
 from rlcore.errors import PlanError
-from rlcore.samples import TrainBatch
-from rlcore.specs import LossAggMode, TrainSpec
+from rlcore.samples import Sample, TrainBatch
+from rlcore.specs import LossAggMode, ModelSpec, TrainSpec
 
-__all__ = ["Reduce", "StepMetrics", "local_micro_batches", "optimizer_step_batches"]
+__all__ = [
+    "Reduce",
+    "StepMetrics",
+    "local_micro_batches",
+    "micro_batch_loss",
+    "optimizer_step_batches",
+    "score_samples",
+]
 
 Reduce = Callable[[list[float]], list[float]]
 """An all-reduce over the data-parallel ranks of a list of floats (every rank passes a list of
@@ -140,3 +155,41 @@ class StepMetrics:
         }
         means.update(zip(max_keys, peaks, strict=True))
         return means
+
+
+def score_samples(
+    output: Callable[[TensorBatch], torch.Tensor],
+    samples: Sequence[Sample],
+    spec: ModelSpec,
+    pad_id: int,
+    device: torch.device | str,
+    micro_batch: int,
+) -> list[tuple[float, ...]]:
+    """Per response token of each sample: log-probs at ``spec.temperature`` (a policy) or values
+    (a critic), in micro-batches of ``micro_batch`` samples, without gradients. ``output`` is the
+    backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
+    micro-batch's tokens."""
+    rows: list[tuple[float, ...]] = []
+    with torch.no_grad():
+        for start in range(0, len(samples), micro_batch):
+            tb = tensorize_samples(samples[start : start + micro_batch], pad_id, device)
+            out = output(tb)
+            if spec.role == "critic":
+                per_token = gather_response(out, tb)
+            else:
+                per_token = token_log_probs(out, tb, spec.temperature)
+            rows += unpad(per_token, tb)
+    return rows
+
+
+def micro_batch_loss(out: torch.Tensor, mb: TensorBatch, spec: TrainSpec) -> LossOut:
+    """A micro-batch's loss from the model's fp32 output ``out`` for it (logits ``[B, S, V]``, or
+    a critic's values ``[B, S]``): the critic's value loss, or the actor's policy loss on the
+    log-probs at the spec's temperature, with the entropy only when a coefficient asks for it."""
+    if spec.model.role == "critic":
+        return critic_loss(gather_response(out, mb), mb, spec.loss)
+    temperature = spec.model.temperature
+    log_probs = token_log_probs(out, mb, temperature)
+    wants_entropy = spec.loss.entropy_coef > 0
+    entropy = entropy_from_logits(out, mb, temperature) if wants_entropy else None
+    return actor_loss(log_probs, mb, spec.loss, entropy)
