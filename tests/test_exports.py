@@ -106,14 +106,19 @@ BACKEND_API = {
     "WeightSink",
     "WeightSource",
     "actor_loss",
+    "all_reduce_floats",
     "critic_loss",
     "deliver",
     "entropy_from_logits",
     "gather_response",
+    "init_process_group",
     "load_backend_kind",
     "local_micro_batches",
     "logprob_temperature",
+    "micro_batch_loss",
     "optimizer_step_batches",
+    "score_samples",
+    "send_exported",
     "tempered",
     "tensorize",
     "tensorize_samples",
@@ -152,7 +157,7 @@ def test_import_rlcore_is_light() -> None:
         "rlcore.data, rlcore.rollout.rewards, rlcore.loop.metrics; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'tokenizers', 'numpy', "
-        "'rlcore_megatron', 'rlcore_sglang'))))"
+        "'rlcore_megatron', 'rlcore_sglang', 'rlcore_fsdp'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

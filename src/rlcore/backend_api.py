@@ -15,10 +15,12 @@ What you may reuse, so that no backend writes it twice: the weight contract (:cl
 :func:`deliver`), the one place the sampling temperature meets the logits (:func:`tempered`),
 and (with torch) the batch tensors and per-token read-outs (:func:`tensorize`,
 :func:`token_log_probs`, :func:`entropy_from_logits`, :func:`gather_response`, :func:`unpad`),
-the losses (:func:`actor_loss`, :func:`critic_loss`) and what every train step shares
-(:func:`optimizer_step_batches`, :func:`local_micro_batches`, :class:`StepMetrics`). The torch
-names are imported on first use. A backend proves itself against the conformance suite
-(``tests/conformance``: one line in ``CANDIDATES``).
+the losses (:func:`actor_loss`, :func:`critic_loss`, :func:`micro_batch_loss`), scoring samples
+(:func:`score_samples`), what every train step shares (:func:`optimizer_step_batches`,
+:func:`local_micro_batches`, :class:`StepMetrics`), sending an export that is a collective
+(:func:`send_exported`) and the process group of a rank (:func:`init_process_group`,
+:func:`all_reduce_floats`). The torch names are imported on first use. A backend proves itself
+against the conformance suite (``tests/conformance``: one line in ``CANDIDATES``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from rlcore.weights import (
     WeightSink,
     WeightSource,
     deliver,
+    send_exported,
 )
 
 if TYPE_CHECKING:
@@ -70,11 +73,14 @@ if TYPE_CHECKING:
         token_log_probs,
         unpad,
     )
+    from rlcore.algorithms.distributed import all_reduce_floats, init_process_group
     from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss
     from rlcore.algorithms.train_step import (
         StepMetrics,
         local_micro_batches,
+        micro_batch_loss,
         optimizer_step_batches,
+        score_samples,
     )
 
 __all__ = [
@@ -113,14 +119,19 @@ __all__ = [
     "WeightSink",
     "WeightSource",
     "actor_loss",
+    "all_reduce_floats",
     "critic_loss",
     "deliver",
     "entropy_from_logits",
     "gather_response",
+    "init_process_group",
     "load_backend_kind",
     "local_micro_batches",
     "logprob_temperature",
+    "micro_batch_loss",
     "optimizer_step_batches",
+    "score_samples",
+    "send_exported",
     "tempered",
     "tensorize",
     "tensorize_samples",
@@ -141,7 +152,11 @@ _WITH_TORCH = {
     "critic_loss": "losses",
     "StepMetrics": "train_step",
     "local_micro_batches": "train_step",
+    "micro_batch_loss": "train_step",
     "optimizer_step_batches": "train_step",
+    "score_samples": "train_step",
+    "all_reduce_floats": "distributed",
+    "init_process_group": "distributed",
 }
 """The names that need torch: each imported from ``rlcore.algorithms.<module>`` on first use."""
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlcore.algorithms.distributed import all_reduce_floats
@@ -79,11 +80,13 @@ def export_weights(model: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _sum_gradients(model: HFModel) -> None:
     """Have FSDP2 sum the gradients over the data-parallel ranks instead of averaging them: each
-    rank's loss is already divided by the global batch's normaliser."""
+    rank's loss is already divided by the global batch's normaliser. With plain ``SUM``
+    collectives (a multiplication by the factor 1 after them): FSDP2 otherwise reduces with
+    ``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor, and gloo implements neither."""
     for module in model.modules():
-        set_factor = getattr(module, "set_gradient_divide_factor", None)
-        if set_factor is not None:
-            set_factor(1.0)
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 @final

@@ -63,3 +63,23 @@ def test_fsdp_trains_saves_exports_and_evaluates_the_demo(demo: Path, tmp_path: 
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     summary = _summary(tmp_path / "eval")
     assert summary["built"] == ["eval:actor"] and summary["trained"] == []
+
+
+def test_a_tensor_parallel_split_is_refused_before_anything_starts(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlcore.launch.cli import main
+
+    # fmt: off
+    flags = [
+        "--train-backend", "fsdp", "--hf-checkpoint", str(demo / "model"),
+        "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt",
+        "--label-key", "answer", "--num-rollout", "2", "--tensor-model-parallel-size", "2",
+        "--actor-num-gpus-per-node", "2", "--output-dir", str(tmp_path / "out"),
+    ]
+    # fmt: on
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "the fsdp backend shards models over data-parallel ranks only" in err, err
+    assert "--train-backend megatron" in err
+    assert "ray: started" not in err and not (tmp_path / "out").exists()
