@@ -1,6 +1,7 @@
-"""The core loop driving FSDPBackend: PPO with a critic and a KL reference, saved and resumed. A
+"""The core loop driving FSDPBackend: PPO with a critic and a KL reference, saved and resumed (a
 run stopped after 2 rollouts and resumed from its checkpoint ends with the same actor and critic
-weights, bit for bit, as an uninterrupted run of 4 (model, AdamW state, LR schedule)."""
+weights, bit for bit, as an uninterrupted run of 4: model, AdamW state, LR schedule), and an
+on-policy distillation teacher built as an eval stack."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rlcore.loop.plan import plan
 from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
 from rlcore.specs import EvalSpec, TrainSpec
-from rlcore.testing import ScriptedEngine, label_reward
+from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore_fsdp.backend import FSDPBackend
 from tests.megatron.helpers import TINY, sent_weights
@@ -36,6 +37,7 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.inner = FSDPBackend()
         self.training: dict[str, TrainingStack] = {}
+        self.eval_stacks: list[EvalStack] = []
 
     def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
         stack = self.inner.build_training_stack(spec)
@@ -43,7 +45,8 @@ class RecordingBackend:
         return stack
 
     def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
-        return self.inner.build_eval_stack(spec)
+        self.eval_stacks.append(self.inner.build_eval_stack(spec))
+        return self.eval_stacks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,24 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), f"{role}: {name}"
+
+
+def test_a_teacher_is_an_eval_stack_whose_reverse_kl_reaches_the_advantages(
+    char_llama: Path,
+) -> None:
+    """``--use-opd`` with FSDP: the teacher is built as an eval stack (no optimizer) and scores
+    every rollout; against the student's own start the reverse KL is 0, one step later not."""
+    data: dict[str, Any] = {
+        "model": {"hf_checkpoint": str(char_llama), "train_backend": "fsdp"},
+        "rollout": {"num_rollout": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+        "optim": {"lr": 1e-3},
+        "train": {"global_batch_size": 4, "micro_batch_size": 2},
+        "opd": {"use_opd": True, "opd_teacher_hf_checkpoint": str(char_llama)},
+    }
+    backend, sink = RecordingBackend(), RecordingSink()
+    result = run(plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA, sink)
+    assert result.built == ("train:actor", "eval:teacher")
+    (teacher,) = backend.eval_stacks
+    assert teacher.spec.role == "teacher" and not hasattr(teacher, "optimizer")
+    kl = [m["opd/kl_mean"] for _, m in sink.records if "opd/kl_mean" in m]
+    assert len(kl) == 2 and abs(kl[0]) < 1e-5 and abs(kl[1]) > 1e-4
