@@ -4,11 +4,13 @@
 Per rank: call it on every data-parallel rank with the same spec (the launcher's Ray ranks do).
 The model is ``AutoModelForCausalLM`` (a critic: ``AutoModelForTokenClassification`` with one
 label, a value head over the same backbone, as verl builds it) from the spec's model folder, used
-as it is, in fp32, and sharded with ``torch.distributed.fsdp.fully_shard``: one unit per decoder
-layer (the classes the model lists in ``_no_split_modules``) and the root. Every rank builds the
-same weights (the folder's, and seeded ones for a new value head) before sharding, so no rank
-broadcasts. Dropout is off (the model stays in eval mode): the loss is of the policy that
-sampled.
+as it is, with fp32 weights, and sharded with ``torch.distributed.fsdp.fully_shard``: one unit
+per decoder layer (the classes the model lists in ``_no_split_modules``) and the root. In
+``bfloat16`` (``--bf16``) FSDP2's mixed-precision policy computes in bf16 (each unit's weights
+cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
+Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
+sharding, so no rank broadcasts. Dropout is off (the model stays in eval mode): the loss is of
+the policy that sampled.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any, final
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
-from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.options import FSDPOptions, parallel_problem
 from rlcore_fsdp.stacks import FSDPEvalStack, FSDPTrainingStack, HFModel
 
@@ -50,15 +52,20 @@ def init_rank(parallel: ParallelSpec, seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def shard(model: torch.nn.Module) -> None:
+def shard(model: torch.nn.Module, precision: Precision = "float32") -> None:
     """FSDP2 over the default process group: each decoder layer (the module classes the model
     names in ``_no_split_modules``) a unit of its own, the rest (embeddings, final norm, head,
-    tied or not) in the root's."""
+    tied or not) in the root's; in ``bfloat16``, computing in bf16 over fp32 weights and
+    reducing gradients in fp32."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bfloat16" else None,
+        reduce_dtype=torch.float32,
+    )
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if module is not model and type(module).__name__ in layer_classes:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def _config(folder: Path, options: FSDPOptions) -> Any:
@@ -93,11 +100,6 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
                 )
             ]
         )
-    if spec.precision != "float32":
-        raise BackendUnavailableError(
-            f"the fsdp backend trains in float32 only for now (asked for {spec.precision}): "
-            "leave --bf16 off, or use --train-backend megatron"
-        )
     init_rank(spec.parallel, spec.seed)
     folder = Path(spec.hf_checkpoint)
     config = _config(folder, options)
@@ -118,7 +120,7 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
         )
     model.eval()
     model.to(device())
-    shard(model)
+    shard(model, spec.precision)
     return model, config
 
 

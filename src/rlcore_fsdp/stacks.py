@@ -16,6 +16,7 @@ embedding is sent once, under the input embedding's name, as ``save_pretrained``
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
 from rlcore_fsdp import checkpoint
 from rlcore_fsdp.options import model_record
@@ -65,16 +66,20 @@ def model_output(model: HFModel, tb: TensorBatch, is_critic: bool) -> torch.Tens
     return logits.squeeze(-1) if is_critic else logits
 
 
-def export_weights(model: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
+def export_weights(model: HFModel, precision: Precision) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under the model's Hugging Face names, gathered one tensor at a time
-    (every rank must iterate them to the end); a tensor shared under two names (tied
-    embeddings) once, under its first."""
+    (every rank must iterate them to the end), in the dtype the model computes in (bf16 copies
+    of the fp32 weights under ``bfloat16``); a tensor shared under two names (tied embeddings)
+    once, under its first."""
+    dtype = torch.bfloat16 if precision == "bfloat16" else None
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
         yield name, full.detach()
 
 
@@ -125,10 +130,10 @@ class FSDPEvalStack:
 
     def export_weights(self) -> NamedTensors:
         """The full weights under Hugging Face names (every rank must iterate them)."""
-        return export_weights(self.model)
+        return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_weights(self.model), sinks)
+        send_exported(export_weights(self.model, self.spec.precision), sinks)
 
 
 @final
@@ -182,10 +187,10 @@ class FSDPTrainingStack:
 
     def export_weights(self) -> NamedTensors:
         """The full weights under Hugging Face names (every rank must iterate them)."""
-        return export_weights(self.model)
+        return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_weights(self.model), sinks)
+        send_exported(export_weights(self.model, self.spec.precision), sinks)
 
     def _record(self) -> dict[str, object]:
         return model_record(self.config.to_dict(), self.spec.role)
@@ -218,17 +223,23 @@ class FSDPTrainingStack:
 
     def save_hf(self, folder: Path) -> None:
         """The model as a Hugging Face folder (:class:`~rlcore.protocols.stacks.HFExporter`):
-        ``config.json`` as transformers writes it and ``model.safetensors`` with the full weights
-        (a tied output embedding once, as ``save_pretrained`` writes it). Every rank calls it
+        ``config.json`` as transformers writes it (its ``dtype`` the one the model computes in)
+        and ``model.safetensors`` with the full weights in that dtype (a tied output embedding
+        once, as ``save_pretrained`` writes it). Every rank calls it
         (the export gathers); rank 0 writes."""
         from safetensors.torch import save_file
 
-        tensors = {name: t.to("cpu").contiguous() for name, t in export_weights(self.model)}
+        tensors = {
+            name: t.to("cpu").contiguous()
+            for name, t in export_weights(self.model, self.spec.precision)
+        }
         if dist.get_rank() != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        self.config.save_pretrained(folder)
+        config = copy.deepcopy(self.config)
+        config.dtype = "bfloat16" if self.spec.precision == "bfloat16" else "float32"
+        config.save_pretrained(folder)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         from rlcore.algorithms.train_step import optimizer_step_batches
