@@ -8,6 +8,7 @@ as it is, with fp32 weights, and sharded with ``torch.distributed.fsdp.fully_sha
 per decoder layer (the classes the model lists in ``_no_split_modules``) and the root. In
 ``bfloat16`` (``--bf16``) FSDP2's mixed-precision policy computes in bf16 (each unit's weights
 cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
+``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
 sharding, so no rank broadcasts. Dropout is off (the model stays in eval mode): the loss is of
 the policy that sampled.
@@ -20,6 +21,10 @@ from typing import Any, final
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlcore.algorithms.distributed import device, init_process_group
@@ -52,19 +57,32 @@ def init_rank(parallel: ParallelSpec, seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def shard(model: torch.nn.Module, precision: Precision = "float32") -> None:
+def shard(
+    model: torch.nn.Module, precision: Precision = "float32", checkpointing: bool = False
+) -> None:
     """FSDP2 over the default process group: each decoder layer (the module classes the model
     names in ``_no_split_modules``) a unit of its own, the rest (embeddings, final norm, head,
     tied or not) in the root's; in ``bfloat16``, computing in bf16 over fp32 weights and
-    reducing gradients in fp32."""
+    reducing gradients in fp32. ``checkpointing``: each decoder layer recomputes its activations
+    in the backward pass (torch's non-reentrant checkpoint wrapper, which keeps the parameter
+    names as they were)."""
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision == "bfloat16" else None,
         reduce_dtype=torch.float32,
     )
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if module is not model and type(module).__name__ in layer_classes:
-            fully_shard(module, mp_policy=policy)
+
+    def is_layer(module: torch.nn.Module) -> bool:
+        return module is not model and type(module).__name__ in layer_classes
+
+    units: list[torch.nn.Module]
+    if checkpointing:
+        apply_activation_checkpointing(model, check_fn=is_layer)
+        units = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    else:
+        units = [m for m in model.modules() if is_layer(m)]
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
 
 
@@ -120,7 +138,7 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
         )
     model.eval()
     model.to(device())
-    shard(model, spec.precision)
+    shard(model, spec.precision, options.gradient_checkpointing)
     return model, config
 
 

@@ -27,6 +27,12 @@ class FSDPOptions:
         "let transformers run the Python code a model folder ships (its auto_map): only for "
         "folders you trust",
     )
+    gradient_checkpointing: bool = option(
+        False,
+        "--gradient-checkpointing",
+        "recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(activation checkpointing: less memory, about one more forward of compute)",
+    )
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")

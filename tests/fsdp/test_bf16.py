@@ -1,7 +1,7 @@
 """``--bf16`` with the FSDP backend: FSDP2's mixed-precision policy computes in bf16 over fp32
 weights. Its log-probs are those of transformers' own bf16 model (to 1e-5, in a padded batch);
-training keeps the weights and AdamW's state in fp32 and lowers the loss; the engines and
-``--save-hf`` get the bf16 weights."""
+training keeps the weights and AdamW's state in fp32 (so its checkpoint resumes in fp32 too) and
+lowers the loss; the engines and ``--save-hf`` get the bf16 weights."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import transformers
 from rlcore.samples import Sample, TrainBatch
 from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_fsdp.backend import FSDPBackend
+from rlcore_fsdp.stacks import export_weights
 from tests.megatron.helpers import make_samples, train_spec, weights
 
 VOCAB = 40
@@ -91,3 +92,13 @@ def test_bf16_training_keeps_fp32_weights_and_exports_bf16(
     assert loaded.dtype == torch.bfloat16
     state = loaded.state_dict()
     assert all(torch.equal(state[name], tensor) for name, tensor in sent.items())
+
+    # The checkpoint holds the fp32 weights and AdamW state: training resumes in fp32 as well.
+    stack.save(tmp_path / "ckpt", rollout_id=2)
+    fp32_spec = attrs.evolve(spec, model=attrs.evolve(spec.model, precision="float32"))
+    fp32 = FSDPBackend().build_training_stack(fp32_spec)
+    assert fp32.load(tmp_path / "ckpt") == 2
+    masters = weights(export_weights(stack.model, "float32"))
+    resumed = weights(export_weights(fp32.model, "float32"))
+    assert all(torch.equal(resumed[name], tensor) for name, tensor in masters.items())
+    assert len(fp32.optimizer.state) == len(stack.optimizer.state) > 0
