@@ -30,7 +30,7 @@ def _groups(*names: str) -> tuple[str, ...]:
 
 
 def _install(session: nox.Session, *groups: str) -> None:
-    session.install(*CONSTRAINTS, "-e", ".[megatron,wandb,plot]", *_groups(*groups))
+    session.install(*CONSTRAINTS, "-e", ".[megatron,fsdp,wandb,plot]", *_groups(*groups))
 
 
 def _stubtest(session: nox.Session, package: str) -> None:

@@ -106,16 +106,21 @@ BACKEND_API = {
     "WeightSink",
     "WeightSource",
     "actor_loss",
+    "all_reduce_floats",
     "critic_loss",
     "deliver",
     "entropy_from_logits",
     "forward_groups",
     "gather_response",
     "in_input_order",
+    "init_process_group",
     "load_backend_kind",
     "local_micro_batches",
     "logprob_temperature",
+    "micro_batch_loss",
     "optimizer_step_batches",
+    "score_samples",
+    "send_exported",
     "step_micro_batches",
     "tempered",
     "tensorize",
@@ -155,7 +160,7 @@ def test_import_rlcore_is_light() -> None:
         "rlcore.data, rlcore.rollout.rewards, rlcore.loop.metrics; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'megatron', 'ray', 'sglang', 'transformers', 'tokenizers', 'numpy', "
-        "'rlcore_megatron', 'rlcore_sglang'))))"
+        "'rlcore_megatron', 'rlcore_sglang', 'rlcore_fsdp'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

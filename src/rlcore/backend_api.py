@@ -15,12 +15,14 @@ What you may reuse, so that no backend writes it twice: the weight contract (:cl
 :func:`deliver`), the one place the sampling temperature meets the logits (:func:`tempered`),
 and (with torch) the batch tensors and per-token read-outs (:func:`tensorize`,
 :func:`token_log_probs`, :func:`entropy_from_logits`, :func:`gather_response`, :func:`unpad`),
-the losses (:func:`actor_loss`, :func:`critic_loss`) and what every train step shares
+the losses (:func:`actor_loss`, :func:`critic_loss`, :func:`micro_batch_loss`), scoring samples
+(:func:`score_samples`, by sample count or token budget), what every train step shares
 (:func:`optimizer_step_batches`, :func:`step_micro_batches` by sample count or token budget,
-:func:`local_micro_batches`, :class:`StepMetrics`; the forward-only passes' micro-batches,
-:func:`forward_groups` and :func:`in_input_order`). The torch
-names are imported on first use. A backend proves itself against the conformance suite
-(``tests/conformance``: one line in ``CANDIDATES``).
+:func:`local_micro_batches`, :class:`StepMetrics`; a forward-only pass's micro-batches,
+:func:`forward_groups` and :func:`in_input_order`), sending an export that is a collective
+(:func:`send_exported`) and the process group of a rank (:func:`init_process_group`,
+:func:`all_reduce_floats`). The torch names are imported on first use. A backend proves itself
+against the conformance suite (``tests/conformance``: one line in ``CANDIDATES``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from rlcore.weights import (
     WeightSink,
     WeightSource,
     deliver,
+    send_exported,
 )
 
 if TYPE_CHECKING:
@@ -72,12 +75,15 @@ if TYPE_CHECKING:
         token_log_probs,
         unpad,
     )
+    from rlcore.algorithms.distributed import all_reduce_floats, init_process_group
     from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss
     from rlcore.algorithms.token_budget import forward_groups, in_input_order
     from rlcore.algorithms.train_step import (
         StepMetrics,
         local_micro_batches,
+        micro_batch_loss,
         optimizer_step_batches,
+        score_samples,
         step_micro_batches,
     )
 
@@ -117,16 +123,21 @@ __all__ = [
     "WeightSink",
     "WeightSource",
     "actor_loss",
+    "all_reduce_floats",
     "critic_loss",
     "deliver",
     "entropy_from_logits",
     "forward_groups",
     "gather_response",
     "in_input_order",
+    "init_process_group",
     "load_backend_kind",
     "local_micro_batches",
     "logprob_temperature",
+    "micro_batch_loss",
     "optimizer_step_batches",
+    "score_samples",
+    "send_exported",
     "step_micro_batches",
     "tempered",
     "tensorize",
@@ -148,10 +159,14 @@ _WITH_TORCH = {
     "critic_loss": "losses",
     "StepMetrics": "train_step",
     "local_micro_batches": "train_step",
+    "micro_batch_loss": "train_step",
     "optimizer_step_batches": "train_step",
     "step_micro_batches": "train_step",
     "forward_groups": "token_budget",
     "in_input_order": "token_budget",
+    "score_samples": "train_step",
+    "all_reduce_floats": "distributed",
+    "init_process_group": "distributed",
 }
 """The names that need torch: each imported from ``rlcore.algorithms.<module>`` on first use."""
 

@@ -83,6 +83,7 @@ class BackendKind(Generic[OptionsT]):
 KNOWN_BACKENDS: Registry = {
     # name: (module, attribute holding its BackendKind, pip extra)
     "megatron": ("rlcore_megatron.kind", "MEGATRON", "rlcore[megatron]"),
+    "fsdp": ("rlcore_fsdp.kind", "FSDP", "rlcore[fsdp]"),
 }
 
 

@@ -1,6 +1,7 @@
-"""Checkpoint folders as files: their layout, the core's record in each, and finding the one that
-``--load`` means. The loop writes checkpoints (:mod:`rlcore.loop.checkpoints`); the loop, the
-config (a run's saved settings) and a CLI's checks before start-up read them.
+"""Checkpoint folders as files: their layout, the core's record in each, finding the one that
+``--load`` means, and the record each stack writes in its own folder. The loop writes
+checkpoints (:mod:`rlcore.loop.checkpoints`); the loop, the config (a run's saved settings) and a
+CLI's checks before start-up read them.
 
 Layout under the ``--save`` folder::
 
@@ -35,18 +36,22 @@ __all__ = [
     "LATEST_FILE",
     "MANIFEST_FILE",
     "META_FILE",
+    "STACK_RECORD_FILE",
     "CheckpointMeta",
+    "check_record_matches",
     "complete_checkpoints",
     "find_checkpoint",
     "find_checkpoint_of",
     "newest_intact_checkpoint",
     "recorded_model_folder",
     "read_meta",
+    "read_stack_record",
     "rollout_dir_name",
     "rollout_number",
     "rollout_path",
     "saved_checkpoints",
     "template_problem",
+    "write_stack_record",
 ]
 
 META_FILE = "rlcore.json"
@@ -304,3 +309,52 @@ def newest_intact_checkpoint(save: Path, *, besides: Path) -> Path | None:
             if not verify_checkpoint(folder):
                 return folder
     return None
+
+
+STACK_RECORD_FILE = "rollout.json"
+"""A stack's own record in its folder (``.../actor/rollout.json``): the rollout id, its format and
+what it saved (model, optimizer), written last by every backend's ``save``."""
+
+
+def write_stack_record(path: Path, record: Mapping[str, Any]) -> None:
+    """Write a stack's record (``rollout_id``, ``format``, what the backend compares on load) into
+    the stack folder ``path`` atomically: a folder without it is a half-written save."""
+    tmp = path / (STACK_RECORD_FILE + ".tmp")
+    tmp.write_text(json.dumps(dict(record)))
+    tmp.replace(path / STACK_RECORD_FILE)
+
+
+def read_stack_record(path: Path, format: str) -> dict[str, Any]:
+    """The record a stack of the backend whose checkpoints are ``format`` wrote in ``path``;
+    :class:`CheckpointError` when the folder is missing, half-written or another format."""
+    path = Path(path)
+    record_file = path / STACK_RECORD_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (check --load / the save dir)")
+    try:
+        record: Any = json.loads(record_file.read_text())
+        rollout_id = record["rollout_id"]
+        if record.get("format") != format or not isinstance(rollout_id, int):
+            raise ValueError(f"unexpected content {record!r}")
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {STACK_RECORD_FILE} is missing (a save was "
+            "interrupted); load an earlier checkpoint"
+        ) from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {record_file} is corrupt: {exc}") from exc
+    return dict(record)
+
+
+def check_record_matches(
+    path: Path, saved: Mapping[str, object], here: Mapping[str, object], holds: str, advice: str
+) -> None:
+    """Refuse a checkpoint whose recorded ``saved`` differs from ``here`` in any key of ``here``:
+    ``checkpoint PATH holds HOLDS: KEY is A there, B here (ADVICE)``."""
+    wrong = sorted(k for k in here if saved.get(k) != here[k])
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {path} holds {holds}: "
+            + ", ".join(f"{k} is {saved.get(k)!r} there, {here[k]!r} here" for k in wrong)
+            + f" ({advice})"
+        )

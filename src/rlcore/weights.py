@@ -33,6 +33,7 @@ __all__ = [
     "deliver",
     "on_release",
     "release_sender_resources",
+    "send_exported",
 ]
 
 
@@ -122,3 +123,17 @@ def release_sender_resources() -> None:
     it (a Megatron rank, before it is killed: shared memory outlives a killed process)."""
     for release in _RELEASERS:
         release()
+
+
+def send_exported(weights: NamedTensors, sinks: Sequence[WeightSink]) -> None:
+    """One rank's part of sending weights whose export is a collective (each tensor gathered
+    over the ranks that hold a shard of it): ``sinks`` (those given to this rank, maybe none)
+    receive the export, and the export runs to its end even when there are none or one fails,
+    since every rank must take part in each gather. Called on every rank."""
+    weights = iter(weights)
+    try:
+        if sinks:
+            deliver(weights, sinks)
+    finally:
+        for _ in weights:
+            pass

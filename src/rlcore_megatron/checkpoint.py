@@ -28,19 +28,19 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
+from rlcore.algorithms.distributed import agree_on_rollout_id, barrier, rank
+from rlcore.checkpoint_files import check_record_matches, read_stack_record, write_stack_record
 from rlcore.errors import CheckpointError
 
 __all__ = ["FORMAT", "load_checkpoint", "read_rollout_id", "save_checkpoint"]
 
 FORMAT: Final = "rlcore-megatron/1"
-ROLLOUT_FILE: Final = "rollout.json"
 OPTIMIZER_SHARDING: Final = {"distrib_optim_sharding_type": "dp_reshardable"}
 """How a distributed optimizer saves its state: each data-parallel rank writes its own shard of
 the flat buffers, no gather (Megatron-LM's default). The other optimizers ignore it."""
@@ -55,15 +55,6 @@ def _require_psutil() -> None:
             "saving a Megatron checkpoint needs psutil (without it dist_checkpointing hangs): "
             "pip install psutil"
         )
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def save_checkpoint(
@@ -83,12 +74,12 @@ def save_checkpoint(
     _require_psutil()
     path = Path(path)
     try:
-        if _rank() == 0:
+        if rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
             (path / "model").mkdir(exist_ok=True)
             if optimizer is not None:
                 (path / "optimizer").mkdir(exist_ok=True)
-        _barrier()
+        barrier()
         model_sd = model.sharded_state_dict()
         # The optimizer's sharded state refers to the model's by tensor identity, and saving
         # rewrites a sharded state dict in place: derive it before the model is saved.
@@ -100,8 +91,8 @@ def save_checkpoint(
         dist_checkpointing.save(model_sd, str(path / "model"))
         if optim_sd is not None:
             dist_checkpointing.save(optim_sd, str(path / "optimizer"))
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if rank() == 0:
             if scheduler is not None:
                 (path / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
             meta = {
@@ -112,10 +103,8 @@ def save_checkpoint(
             }
             if optimizer is not None:
                 meta["optimizer"] = dict(optimizer_info)
-            tmp = path / (ROLLOUT_FILE + ".tmp")
-            tmp.write_text(json.dumps(meta))
-            tmp.replace(path / ROLLOUT_FILE)
-        _barrier()
+            write_stack_record(path, meta)
+        barrier()
     except CheckpointError:
         raise
     except (
@@ -131,36 +120,7 @@ def read_rollout_id(path: Path) -> int:
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
-    path = Path(path)
-    meta_file = path / ROLLOUT_FILE
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist (check --load / the save dir)")
-    try:
-        meta: Any = json.loads(meta_file.read_text())
-        rollout_id = meta["rollout_id"]
-        if meta.get("format") != FORMAT or not isinstance(rollout_id, int):
-            raise ValueError(f"unexpected content {meta!r}")
-    except FileNotFoundError as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: {ROLLOUT_FILE} is missing (a save was interrupted); "
-            "load an earlier checkpoint"
-        ) from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {meta_file} is corrupt: {exc}") from exc
-    return dict(meta)
-
-
-def _agree_on_rollout_id(path: Path, rollout_id: int) -> None:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    ids = torch.tensor([rollout_id, -rollout_id], dtype=torch.int64)
-    dist.all_reduce(ids, op=dist.ReduceOp.MAX)
-    if int(ids[0]) != -int(ids[1]):
-        raise CheckpointError(
-            f"ranks disagree on the rollout id loaded from {path}: rank {_rank()} read "
-            f"{rollout_id}, others between {-int(ids[1])} and {int(ids[0])} "
-            "(every rank must load the same checkpoint)"
-        )
+    return read_stack_record(path, FORMAT)
 
 
 def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
@@ -212,20 +172,6 @@ def _restore_torch_adam_steps(optimizer: MegatronOptimizer) -> None:
                     inner.state[param]["step"] = _adam_step(float(group["step"]), param, group)
 
 
-def _check_matches(
-    path: Path, saved: Mapping[str, object], here: Mapping[str, object], holds: str, advice: str
-) -> None:
-    """Refuse a checkpoint whose recorded ``saved`` differs from ``here`` in any key of ``here``:
-    ``checkpoint PATH holds HOLDS: KEY is A there, B here (ADVICE)``."""
-    wrong = sorted(k for k in here if saved.get(k) != here[k])
-    if wrong:
-        raise CheckpointError(
-            f"checkpoint {path} holds {holds}: "
-            + ", ".join(f"{k} is {saved.get(k)!r} there, {here[k]!r} here" for k in wrong)
-            + f" ({advice})"
-        )
-
-
 def load_checkpoint(
     path: Path,
     model: GPTModel,
@@ -243,18 +189,18 @@ def load_checkpoint(
     path = Path(path)
     meta = _read_meta(path)
     rollout_id = int(meta["rollout_id"])
-    _check_matches(
+    check_record_matches(
         path,
         meta.get("model", {}),
         model_info,
         "a different model",
         "load an actor checkpoint into an actor, a critic's into a critic",
     )
-    _agree_on_rollout_id(path, rollout_id)
+    agree_on_rollout_id(path, rollout_id)
     if optimizer is not None and not (path / "optimizer").is_dir():
         raise CheckpointError(f"checkpoint {path} has no optimizer state to resume training from")
     if optimizer is not None:
-        _check_matches(
+        check_record_matches(
             path,
             meta.get("optimizer", LEGACY_OPTIMIZER_INFO),
             optimizer_info,

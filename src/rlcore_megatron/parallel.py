@@ -7,46 +7,16 @@ plain script (a single rank by default), a ``torchrun`` worker or a Ray actor th
 
 from __future__ import annotations
 
-import os
-from typing import Final
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError
 from rlcore_megatron import cpu
 
 __all__ = ["device", "init_megatron", "shutdown_megatron"]
-
-_ENV_VARS: Final = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-
-
-def device() -> torch.device:
-    """Where this rank's model lives: its CUDA device, or the CPU when there is none."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _init_process_group() -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if all(v in os.environ for v in _ENV_VARS):
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://")
-        return
-    missing = [v for v in _ENV_VARS if v not in os.environ]
-    if len(missing) != len(_ENV_VARS):
-        raise BackendUnavailableError(
-            f"torch.distributed environment incomplete: {', '.join(missing)} unset "
-            f"(set all of {', '.join(_ENV_VARS)} for a multi-rank run, or none for one process)"
-        )
-    # One process: an in-memory store, no port to pick.
-    # HashStore is exported at runtime but absent from torch.distributed's __all__.
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
 def init_megatron(tp_size: int = 1, seed: int = 1234, ep_size: int = 1) -> None:
@@ -61,8 +31,7 @@ def init_megatron(tp_size: int = 1, seed: int = 1234, ep_size: int = 1) -> None:
     again with the same sizes only re-seeds; other sizes raise.
     """
     cpu.apply()
-    if not dist.is_initialized():
-        _init_process_group()
+    init_process_group()
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),

@@ -16,11 +16,10 @@ model's precision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
-import attrs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,9 +29,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import NamedTensors, WeightSink, deliver
+from rlcore.weights import NamedTensors, WeightSink, send_exported
 from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch, model_info
@@ -56,18 +56,6 @@ __all__ = [
 
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
-
-
-def send_exported(weights: Iterator[tuple[str, torch.Tensor]], sinks: Sequence[WeightSink]) -> None:
-    """This rank's part of sending weights: ``sinks`` (those given to this rank) receive the
-    export, and the export runs to its end even when there are none or one fails, since it is a
-    collective every tensor-parallel rank takes part in. Called on every rank."""
-    try:
-        if sinks:
-            deliver(weights, sinks)
-    finally:
-        for _ in weights:
-            pass
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -122,7 +110,6 @@ def routed_tokens(arch: ModelArch, attention_mask: torch.Tensor) -> int:
     return int(mask.sum())
 
 
-@torch.no_grad()
 def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
@@ -132,29 +119,18 @@ def score_samples(
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
 ) -> list[tuple[float, ...]]:
     """Per response token: log-probs at ``spec.temperature`` (a policy) or values (a critic),
-    one tuple per sample, in ``samples``' order; in micro-batches of ``micro_batch`` samples, or
-    by ``spec.log_probs_max_tokens_per_gpu`` tokens when set (longest first)."""
-    from rlcore.algorithms.batching import (
-        gather_response,
-        tensorize_samples,
-        token_log_probs,
-        unpad,
-    )
-    from rlcore.algorithms.token_budget import forward_groups, in_input_order
+    one tuple per sample (:func:`rlcore.algorithms.train_step.score_samples`)."""
+    from rlcore.algorithms import train_step
 
     is_critic = spec.role == "critic"
-    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
-    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
-    rows: list[list[tuple[float, ...]]] = []
-    for group in groups:
-        tb = tensorize_samples([samples[i] for i in group], arch.pad_token_id, device)
-        out = model_output(model, tb, arch, is_critic)
-        if is_critic:
-            per_token = gather_response(out, tb)
-        else:
-            per_token = token_log_probs(out, tb, spec.temperature)
-        rows.append(unpad(per_token, tb))
-    return in_input_order(groups, rows)
+    return train_step.score_samples(
+        lambda tb: model_output(model, tb, arch, is_critic),
+        samples,
+        spec,
+        arch.pad_token_id,
+        device,
+        micro_batch,
+    )
 
 
 @final
@@ -323,31 +299,17 @@ class MegatronTrainingStack:
         )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        from rlcore.algorithms.train_step import optimizer_step_batches, step_tokens
+        from rlcore.algorithms.train_step import optimizer_steps
 
-        metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
-        sequence = padded = 0
-        for global_batch in optimizer_step_batches(
-            batch, self.train_spec, self.arch.pad_token_id, self.device
-        ):
-            metrics = self._optimizer_step(global_batch)
-            real, positions = step_tokens(global_batch, self.train_spec)
-            sequence, padded = sequence + real, padded + positions
-        return attrs.evolve(metrics, sequence_tokens=sequence, padded_tokens=padded)
+        return optimizer_steps(
+            batch, self.train_spec, self.arch.pad_token_id, self.device, self._optimizer_step
+        )
 
     def _micro_loss(self, mb: TensorBatch) -> LossOut:
-        from rlcore.algorithms import batching, losses
+        from rlcore.algorithms.train_step import micro_batch_loss
 
         out = model_output(self.model, mb, self.arch, self._is_critic)
-        if self._is_critic:
-            result = losses.critic_loss(batching.gather_response(out, mb), mb, self.train_spec.loss)
-        else:
-            temperature = self.spec.temperature
-            log_probs = batching.token_log_probs(out, mb, temperature)
-            wants_entropy = self.train_spec.loss.entropy_coef > 0
-            entropy = batching.entropy_from_logits(out, mb, temperature) if wants_entropy else None
-            result = losses.actor_loss(log_probs, mb, self.train_spec.loss, entropy)
-        return result
+        return micro_batch_loss(out, mb, self.train_spec)
 
     def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
         from rlcore.algorithms.train_step import StepMetrics, step_micro_batches
@@ -378,7 +340,10 @@ class MegatronTrainingStack:
         self._scheduler.step(increment=1)
         balance = moe.pop_load_balancing_loss(self.arch, len(micro_batches))
         if parallel_state.get_data_parallel_world_size() > 1:
-            means = step.reduce(_all_reduce(dist.ReduceOp.SUM), _all_reduce(dist.ReduceOp.MAX))
+            dp = parallel_state.get_data_parallel_group()
+            means = step.reduce(
+                all_reduce_floats(dist.ReduceOp.SUM, dp), all_reduce_floats(dist.ReduceOp.MAX, dp)
+            )
         else:
             means = step.reduce()
         loss_value = means.pop("loss", 0.0)
@@ -393,15 +358,3 @@ class MegatronTrainingStack:
             tokens=step.tokens,
             extra=means,
         )
-
-
-def _all_reduce(op: dist.ReduceOp.RedOpType) -> Callable[[list[float]], list[float]]:
-    """An all-reduce of a list of floats over this rank's data-parallel group (float64)."""
-
-    def reduce(values: list[float]) -> list[float]:
-        reduced = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(reduced, op=op, group=parallel_state.get_data_parallel_group())
-        out: list[float] = reduced.tolist()
-        return out
-
-    return reduce

@@ -53,6 +53,12 @@ def _megatron() -> Backend:
     return MegatronBackend()
 
 
+def _fsdp() -> Backend:
+    from rlcore_fsdp.backend import FSDPBackend
+
+    return FSDPBackend()
+
+
 def own_backend_example() -> ModuleType:
     """``examples/own_backend.py`` as a module."""
     spec = importlib.util.spec_from_file_location("own_backend", ROOT / "examples/own_backend.py")
@@ -70,5 +76,6 @@ def _own_backend() -> Backend:
 CANDIDATES: Final[dict[str, Candidate]] = {
     "fake": Candidate(FakeBackend, _no_model, vocab=32),
     "megatron": Candidate(_megatron, _tiny_llama, vocab=32, marks=(pytest.mark.megatron,)),
+    "fsdp": Candidate(_fsdp, _tiny_llama, vocab=32),
     "own-backend-example": Candidate(_own_backend, _no_model, vocab=20),
 }

@@ -1,5 +1,5 @@
 """What every backend must do for the core, run against each backend of
-:data:`~tests.conformance.candidates.CANDIDATES` (the fake, Megatron, examples/own_backend.py):
+:data:`~tests.conformance.candidates.CANDIDATES` (the fake, Megatron, FSDP, the example):
 an eval stack is a model only, an eval-only run builds nothing else, a training stack trains,
 saves and loads (the weights out after a load are the weights that were saved), and an update
 does not depend on how a global batch is cut into micro-batches."""

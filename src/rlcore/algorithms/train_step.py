@@ -24,25 +24,41 @@ here, and each backend's conformance run checks it holds for its stacks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 import attrs
 import torch
 
-from rlcore.algorithms.batching import TensorBatch, tensorize
-from rlcore.algorithms.losses import LossOut, loss_normalizer
-from rlcore.algorithms.token_budget import padded_size, rank_micro_batches
+from rlcore.algorithms.batching import (
+    TensorBatch,
+    entropy_from_logits,
+    gather_response,
+    tensorize,
+    tensorize_samples,
+    token_log_probs,
+    unpad,
+)
+from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss, loss_normalizer
+from rlcore.algorithms.token_budget import (
+    forward_groups,
+    in_input_order,
+    padded_size,
+    rank_micro_batches,
+)
 from rlcore.errors import PlanError
-from rlcore.samples import TrainBatch
-from rlcore.specs import LossAggMode, TrainSpec
+from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.specs import LossAggMode, ModelSpec, TrainSpec
 
 __all__ = [
     "Reduce",
     "StepMetrics",
     "budget_micro_batches",
     "local_micro_batches",
+    "micro_batch_loss",
     "optimizer_step_batches",
+    "optimizer_steps",
+    "score_samples",
     "step_micro_batches",
     "step_tokens",
     "trimmed",
@@ -70,6 +86,26 @@ def optimizer_step_batches(
     whole = tensorize(batch, pad_id, device)
     size = spec.global_batch_size
     return [whole.select(slice(start, start + size)) for start in range(0, n, size)]
+
+
+def optimizer_steps(
+    batch: TrainBatch,
+    spec: TrainSpec,
+    pad_id: int,
+    device: torch.device | str,
+    optimizer_step: Callable[[TensorBatch], TrainMetrics],
+) -> TrainMetrics:
+    """A backend's whole ``train_step``: ``optimizer_step`` (the backend's one update over a
+    global batch, cutting it with :func:`step_micro_batches`) on each of
+    :func:`optimizer_step_batches`; the last step's metrics, with the tokens and padded positions
+    of every step (:func:`step_tokens`) for the throughput and padding metrics."""
+    metrics = TrainMetrics(loss=0.0, grad_norm=0.0, lr=0.0, tokens=0)
+    sequence = padded = 0
+    for global_batch in optimizer_step_batches(batch, spec, pad_id, device):
+        metrics = optimizer_step(global_batch)
+        real, positions = step_tokens(global_batch, spec)
+        sequence, padded = sequence + real, padded + positions
+    return attrs.evolve(metrics, sequence_tokens=sequence, padded_tokens=padded)
 
 
 def local_micro_batches(
@@ -230,3 +266,45 @@ class StepMetrics:
         }
         means.update(zip(max_keys, peaks, strict=True))
         return means
+
+
+def score_samples(
+    output: Callable[[TensorBatch], torch.Tensor],
+    samples: Sequence[Sample],
+    spec: ModelSpec,
+    pad_id: int,
+    device: torch.device | str,
+    micro_batch: int,
+) -> list[tuple[float, ...]]:
+    """Per response token of each sample: log-probs at ``spec.temperature`` (a policy) or values
+    (a critic), one tuple per sample in ``samples``' order, without gradients; in micro-batches
+    of ``micro_batch`` samples, or by ``spec.log_probs_max_tokens_per_gpu`` tokens when set
+    (:func:`~rlcore.algorithms.token_budget.forward_groups`, longest first). ``output`` is the
+    backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
+    micro-batch's tokens."""
+    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
+    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
+    rows: list[list[tuple[float, ...]]] = []
+    with torch.no_grad():
+        for group in groups:
+            tb = tensorize_samples([samples[i] for i in group], pad_id, device)
+            out = output(tb)
+            if spec.role == "critic":
+                per_token = gather_response(out, tb)
+            else:
+                per_token = token_log_probs(out, tb, spec.temperature)
+            rows.append(unpad(per_token, tb))
+    return in_input_order(groups, rows)
+
+
+def micro_batch_loss(out: torch.Tensor, mb: TensorBatch, spec: TrainSpec) -> LossOut:
+    """A micro-batch's loss from the model's fp32 output ``out`` for it (logits ``[B, S, V]``, or
+    a critic's values ``[B, S]``): the critic's value loss, or the actor's policy loss on the
+    log-probs at the spec's temperature, with the entropy only when a coefficient asks for it."""
+    if spec.model.role == "critic":
+        return critic_loss(gather_response(out, mb), mb, spec.loss)
+    temperature = spec.model.temperature
+    log_probs = token_log_probs(out, mb, temperature)
+    wants_entropy = spec.loss.entropy_coef > 0
+    entropy = entropy_from_logits(out, mb, temperature) if wants_entropy else None
+    return actor_loss(log_probs, mb, spec.loss, entropy)

@@ -1,0 +1,204 @@
+"""``FSDPBackend``: builds FSDP2 stacks of any Hugging Face causal LM from the planner's specs
+(``rlcore.backend_api.Backend``).
+
+Per rank: call it on every data-parallel rank with the same spec (the launcher's Ray ranks do).
+The model is ``AutoModelForCausalLM`` (a critic: ``AutoModelForTokenClassification`` with one
+label, a value head over the same backbone, as verl builds it) from the spec's model folder, used
+as it is, with fp32 weights, and sharded with ``torch.distributed.fsdp.fully_shard``: one unit
+per decoder layer (the classes the model lists in ``_no_split_modules``) and the root. In
+``bfloat16`` (``--bf16``) FSDP2's mixed-precision policy computes in bf16 (each unit's weights
+cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
+``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass.
+Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
+sharding, so no rank broadcasts. Dropout is off (the model stays in eval mode): the loss is of
+the policy that sampled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, final
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from rlcore.algorithms.distributed import device, init_process_group
+from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
+from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
+from rlcore_fsdp.options import FSDPOptions, parallel_problem
+from rlcore_fsdp.stacks import FSDPEvalStack, FSDPTrainingStack, HFModel
+
+__all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
+
+
+def init_rank(parallel: ParallelSpec, seed: int) -> None:
+    """Join the data-parallel process group (gloo on the CPU, nccl on GPUs; one process of its
+    own without a launcher) and seed torch, so that every rank builds the same weights. Refuses
+    a split that FSDP does not make, and a process group of another size than ``parallel``."""
+    problem = parallel_problem(parallel)
+    if problem is not None:
+        raise BackendUnavailableError(problem)
+    init_process_group()
+    world = dist.get_world_size()
+    if world != parallel.world_size:
+        # The spec's split (TrainSpec's batch rule included) holds only for its own layout.
+        raise BackendUnavailableError(
+            f"ParallelSpec.world_size={parallel.world_size} but this process is one of {world} "
+            "torch.distributed ranks: build the stack with the ParallelSpec of the ranks it "
+            "runs on"
+        )
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def shard(
+    model: torch.nn.Module, precision: Precision = "float32", checkpointing: bool = False
+) -> None:
+    """FSDP2 over the default process group: each decoder layer (the module classes the model
+    names in ``_no_split_modules``) a unit of its own, the rest (embeddings, final norm, head,
+    tied or not) in the root's; in ``bfloat16``, computing in bf16 over fp32 weights and
+    reducing gradients in fp32. ``checkpointing``: each decoder layer recomputes its activations
+    in the backward pass (torch's non-reentrant checkpoint wrapper, which keeps the parameter
+    names as they were)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bfloat16" else None,
+        reduce_dtype=torch.float32,
+    )
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+
+    def is_layer(module: torch.nn.Module) -> bool:
+        return module is not model and type(module).__name__ in layer_classes
+
+    units: list[torch.nn.Module]
+    if checkpointing:
+        apply_activation_checkpointing(model, check_fn=is_layer)
+        units = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    else:
+        units = [m for m in model.modules() if is_layer(m)]
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def _config(folder: Path, options: FSDPOptions) -> Any:
+    """The folder's config as transformers reads it; a :class:`ConfigError` naming the folder."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=options.trust_remote_code)
+    except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError)
+        hint = "point --hf-checkpoint at a Hugging Face model folder (config.json and weights)"
+        if "trust_remote_code" in str(exc):
+            hint = "the folder ships its own model code: pass --trust-remote-code if you trust it"
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint",
+                    f"transformers cannot read the model folder {folder}: {exc}",
+                    hint,
+                )
+            ]
+        ) from exc
+
+
+def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
+    if spec.hf_checkpoint is None:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "model.hf_checkpoint",
+                    "the fsdp backend builds its models from a Hugging Face folder; none is set",
+                    "set --hf-checkpoint (ModelSpec.hf_checkpoint)",
+                )
+            ]
+        )
+    init_rank(spec.parallel, spec.seed)
+    folder = Path(spec.hf_checkpoint)
+    config = _config(folder, options)
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    # a progress bar per rank per stack says nothing; transformers leaves it unannotated
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    remote = options.trust_remote_code
+    if spec.role == "critic":
+        config.num_labels = 1  # one value per token
+        model = AutoModelForTokenClassification.from_pretrained(
+            folder, config=config, dtype=torch.float32, trust_remote_code=remote
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=torch.float32, trust_remote_code=remote
+        )
+    model.eval()
+    model.to(device())
+    shard(model, spec.precision, options.gradient_checkpointing)
+    return model, config
+
+
+def adamw(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
+    """AdamW as Megatron builds it from the same spec: weight decay on the matrices only (not on
+    biases and norm weights, the one-dimensional parameters), the spec's betas and eps, the
+    learning rate the schedule gives (set by :func:`lr_scheduler`)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")]
+    groups = [
+        {"params": decay, "weight_decay": spec.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=spec.schedule.lr,
+        betas=(spec.adam_beta1, spec.adam_beta2),
+        eps=spec.adam_eps,
+    )
+
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, spec: OptimizerSpec
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of :meth:`rlcore.specs.LRSchedule.lr_at` at each step (warmup from 0,
+    then the decay style down to ``min_lr``), as Megatron's scheduler follows it."""
+    schedule = spec.schedule
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: schedule.lr_at(step) / schedule.lr
+    )
+
+
+@final
+class FSDPBackend:
+    """Builds :class:`FSDPTrainingStack` and :class:`FSDPEvalStack` on this rank."""
+
+    def __init__(self, options: FSDPOptions | None = None) -> None:
+        self.options = options if options is not None else FSDPOptions()
+
+    def build_eval_stack(self, spec: EvalSpec) -> FSDPEvalStack:
+        try:
+            model, config = _load(spec.model, self.options)
+        except RLCoreError:
+            raise
+        except Exception as exc:  # transformers and torch internals: translated at the edge
+            raise RLCoreError(
+                f"building the fsdp eval stack for {spec.model.role} failed: {exc}"
+            ) from exc
+        model.requires_grad_(False)
+        return FSDPEvalStack(spec, model, config, device())
+
+    def build_training_stack(self, spec: TrainSpec) -> FSDPTrainingStack:
+        try:
+            model, config = _load(spec.model, self.options)
+            optimizer = adamw(model, spec.optimizer)
+            scheduler = lr_scheduler(optimizer, spec.optimizer)
+        except RLCoreError:
+            raise
+        except Exception as exc:  # transformers and torch internals: translated at the edge
+            raise RLCoreError(
+                f"building the fsdp training stack for {spec.model.role} failed: {exc}"
+            ) from exc
+        return FSDPTrainingStack(spec, model, config, optimizer, scheduler, device())

@@ -1,0 +1,68 @@
+"""The FSDP backend's settings (:class:`FSDPOptions`) and the light rules that both the checks
+before start (:mod:`rlcore_fsdp.kind`) and the ranks apply: which parallel layouts it makes, and
+what a checkpoint records of its model. attrs only: ``--help`` lists the flags without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, final
+
+import attrs
+
+from rlcore.config import option
+from rlcore.specs import ParallelSpec
+
+__all__ = ["RECORDED", "FSDPOptions", "model_record", "parallel_problem"]
+
+
+@final
+@attrs.frozen
+class FSDPOptions:
+    """``--train-backend fsdp``: the flags below, or the ``[fsdp]`` section of ``--config``."""
+
+    trust_remote_code: bool = option(
+        False,
+        "--trust-remote-code",
+        "let transformers run the Python code a model folder ships (its auto_map): only for "
+        "folders you trust",
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        "--gradient-checkpointing",
+        "recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(activation checkpointing: less memory, about one more forward of compute)",
+    )
+
+
+RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+"""The ``config.json`` fields a checkpoint records of its model, compared when it is loaded."""
+
+
+def model_record(hf_config: Mapping[str, Any], role: str) -> dict[str, object]:
+    """What a checkpoint records about the model it holds: its head (a critic's value head or a
+    policy's LM head) and the ``config.json`` numbers that shape its weights (:data:`RECORDED`;
+    GPT-2's ``n_embd``/``n_layer`` are read as ``hidden_size``/``num_hidden_layers``)."""
+    aliases = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
+    record: dict[str, object] = {"head": "value" if role == "critic" else "lm"}
+    for key in RECORDED:
+        record[key] = hf_config.get(key, hf_config.get(aliases.get(key, key)))
+    return record
+
+
+def parallel_problem(parallel: ParallelSpec) -> str | None:
+    """FSDP shards every layer over the data-parallel ranks; it splits no layer (tensor or
+    expert parallel) and cuts no pipeline stages."""
+    asked = {
+        "tensor": parallel.tensor,
+        "expert": parallel.expert,
+        "pipeline": parallel.pipeline,
+    }
+    over = [f"{name} parallel {size}" for name, size in asked.items() if size > 1]
+    if over:
+        return (
+            f"the fsdp backend shards models over data-parallel ranks only (asked for "
+            f"{', '.join(over)}): use --train-backend megatron for tensor, expert or pipeline "
+            "parallelism"
+        )
+    return None

@@ -1,0 +1,281 @@
+"""The FSDP stacks: :class:`FSDPEvalStack` (a sharded Hugging Face model) and
+:class:`FSDPTrainingStack` (that model, AdamW and the LR schedule, and the loss).
+
+Both score samples through :func:`rlcore.algorithms.train_step.score_samples` and train through
+the core's train-step arithmetic (:mod:`rlcore.algorithms.train_step`): every data-parallel rank
+receives the whole rollout batch, trains on its own slice of each global batch with each
+micro-batch's loss divided by the global batch's normaliser, and FSDP2's reduce-scatter sums
+the gradients over the ranks (its default divides them by the world size; :func:`_sum_gradients`
+asks for the sum), so the update is the global batch's aggregate whatever the split. The metrics
+are all-reduced over the same ranks.
+
+Weights leave as full tensors, gathered one at a time from their shards (``DTensor.full_tensor``,
+a collective every rank takes part in), under the model's own Hugging Face names; a tied output
+embedding is sent once, under the input embedding's name, as ``save_pretrained`` writes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from rlcore.algorithms.distributed import all_reduce_floats
+from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
+from rlcore.weights import NamedTensors, WeightSink, send_exported
+from rlcore_fsdp import checkpoint
+from rlcore_fsdp.options import model_record
+
+if TYPE_CHECKING:
+    from rlcore.algorithms.batching import TensorBatch
+
+__all__ = ["FSDPEvalStack", "FSDPTrainingStack", "HFModel", "export_weights", "model_output"]
+
+HFModel = torch.nn.Module
+"""A transformers ``PreTrainedModel`` (a causal LM, or a critic's token classifier), sharded."""
+
+VIEW_WARNING: Final = "FSDP2-wrapped module .* returned a view tensor"
+DEFAULT_FORWARD_MICRO_BATCH = 16
+"""Sequences per forward pass when scoring without gradients."""
+
+
+def pad_id(config: Any) -> int:
+    """The token that fills a batch's padding: the model's pad token, else 0 (padding is never
+    attended to by a real token and never scored, so any id in the vocabulary does)."""
+    found = getattr(config, "pad_token_id", None)
+    return found if isinstance(found, int) else 0
+
+
+def model_output(model: HFModel, tb: TensorBatch, is_critic: bool) -> torch.Tensor:
+    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, in fp32, from the
+    model's own forward on the right-padded batch (with its attention mask)."""
+    with warnings.catch_warnings():
+        # FSDP2 warns when a wrapped model returns a view (transformers' token classifiers do)
+        # that an in-place op could break; nothing here changes the output in place.
+        warnings.filterwarnings("ignore", VIEW_WARNING, UserWarning)
+        out = model(input_ids=tb.tokens, attention_mask=tb.attention_mask, use_cache=False)
+    logits: torch.Tensor = out.logits.float()
+    return logits.squeeze(-1) if is_critic else logits
+
+
+def export_weights(model: HFModel, precision: Precision) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full weights under the model's Hugging Face names, gathered one tensor at a time
+    (every rank must iterate them to the end), in the dtype the model computes in (bf16 copies
+    of the fp32 weights under ``bfloat16``); a tensor shared under two names (tied embeddings)
+    once, under its first."""
+    dtype = torch.bfloat16 if precision == "bfloat16" else None
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        yield name, full.detach()
+
+
+def _sum_gradients(model: HFModel) -> None:
+    """Have FSDP2 sum the gradients over the data-parallel ranks instead of averaging them: each
+    rank's loss is already divided by the global batch's normaliser. With plain ``SUM``
+    collectives (a multiplication by the factor 1 after them): FSDP2 otherwise reduces with
+    ``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor, and gloo implements neither."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@final
+class FSDPEvalStack:
+    """A sharded model without gradients: no optimizer, no scheduler."""
+
+    kind: Final = "eval"
+
+    def __init__(self, spec: EvalSpec, model: HFModel, config: Any, device: torch.device) -> None:
+        self._spec = spec
+        self.model = model
+        self.config = config
+        self.device = device
+        self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec.model
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        from rlcore.algorithms.train_step import score_samples
+
+        is_critic = self.spec.role == "critic"
+        return score_samples(
+            lambda tb: model_output(self.model, tb, is_critic),
+            samples,
+            self.spec,
+            pad_id(self.config),
+            self.device,
+            self.forward_micro_batch,
+        )
+
+    def load(self, path: Path) -> int:
+        record = model_record(self.config.to_dict(), self.spec.role)
+        return checkpoint.load_checkpoint(path, self.model, record)
+
+    def export_weights(self) -> NamedTensors:
+        """The full weights under Hugging Face names (every rank must iterate them)."""
+        return export_weights(self.model, self.spec.precision)
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_exported(export_weights(self.model, self.spec.precision), sinks)
+
+
+@final
+class FSDPTrainingStack:
+    """A sharded model with AdamW, its LR schedule and a loss (actor or critic)."""
+
+    kind: Final = "train"
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        model: HFModel,
+        config: Any,
+        optimizer: torch.optim.AdamW,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        device: torch.device,
+    ) -> None:
+        self.train_spec = spec
+        self.model = model
+        self.config = config
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self.device = device
+        self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+        self._is_critic = spec.model.role == "critic"
+        _sum_gradients(model)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.train_spec.model
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self._scheduler
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        from rlcore.algorithms.train_step import score_samples
+
+        return score_samples(
+            lambda tb: model_output(self.model, tb, self._is_critic),
+            samples,
+            self.spec,
+            pad_id(self.config),
+            self.device,
+            self.forward_micro_batch,
+        )
+
+    def export_weights(self) -> NamedTensors:
+        """The full weights under Hugging Face names (every rank must iterate them)."""
+        return export_weights(self.model, self.spec.precision)
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_exported(export_weights(self.model, self.spec.precision), sinks)
+
+    def _record(self) -> dict[str, object]:
+        return model_record(self.config.to_dict(), self.spec.role)
+
+    def save(self, path: Path, rollout_id: int) -> None:
+        checkpoint.save_checkpoint(
+            path, rollout_id, self.model, self._record(), self._optimizer, self._scheduler
+        )
+
+    def load(self, path: Path) -> int:
+        """Restore ``path`` as the spec's :class:`~rlcore.specs.LoadSpec` says: the weights, and
+        the optimizer state and the schedule's step unless told to start them afresh (with
+        ``scheduler="flags"`` the spec's settings replace the restored ones)."""
+        load = self.train_spec.load
+        rollout_id = checkpoint.load_checkpoint(
+            path,
+            self.model,
+            self._record(),
+            self._optimizer if load.optimizer else None,
+            self._scheduler if load.scheduler != "fresh" else None,
+        )
+        if load.scheduler == "flags":
+            o = self.train_spec.optimizer
+            self._scheduler.base_lrs = [o.schedule.lr for _ in self._optimizer.param_groups]
+            for group in self._optimizer.param_groups:
+                group["betas"] = (o.adam_beta1, o.adam_beta2)
+                group["eps"] = o.adam_eps
+                group["lr"] = o.schedule.lr_at(self._scheduler.last_epoch)
+        return rollout_id
+
+    def save_hf(self, folder: Path) -> None:
+        """The model as a Hugging Face folder (:class:`~rlcore.protocols.stacks.HFExporter`):
+        ``config.json`` as transformers writes it (its ``dtype`` the one the model computes in)
+        and ``model.safetensors`` with the full weights in that dtype (a tied output embedding
+        once, as ``save_pretrained`` writes it). Every rank calls it
+        (the export gathers); rank 0 writes."""
+        from safetensors.torch import save_file
+
+        tensors = {
+            name: t.to("cpu").contiguous()
+            for name, t in export_weights(self.model, self.spec.precision)
+        }
+        if dist.get_rank() != 0:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = copy.deepcopy(self.config)
+        config.dtype = "bfloat16" if self.spec.precision == "bfloat16" else "float32"
+        config.save_pretrained(folder)
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        from rlcore.algorithms.train_step import optimizer_steps
+
+        return optimizer_steps(
+            batch, self.train_spec, pad_id(self.config), self.device, self._optimizer_step
+        )
+
+    def _optimizer_step(self, global_batch: TensorBatch) -> TrainMetrics:
+        from rlcore.algorithms.train_step import StepMetrics, micro_batch_loss, step_micro_batches
+
+        step = StepMetrics(global_batch, self.train_spec.loss.agg_mode)
+        self._optimizer.zero_grad()
+        ranks, rank = dist.get_world_size(), dist.get_rank()
+        micro_batches = step_micro_batches(global_batch, self.train_spec, rank, ranks)
+        for mb in micro_batches:
+            out = micro_batch_loss(
+                model_output(self.model, mb, self._is_critic), mb, self.train_spec
+            )
+            torch.autograd.backward(out.loss / step.normalizer)
+            step.add(out)
+        clip = self.train_spec.optimizer.clip_grad
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        self._optimizer.step()
+        self._scheduler.step()
+        if ranks > 1:
+            means = step.reduce(
+                all_reduce_floats(dist.ReduceOp.SUM), all_reduce_floats(dist.ReduceOp.MAX)
+            )
+        else:
+            means = step.reduce()
+        loss_value = means.pop("loss", 0.0)
+        return TrainMetrics(
+            loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=step.tokens, extra=means
+        )

@@ -1,0 +1,52 @@
+"""What each rank of the two-process FSDP test runs (spawned: must be importable).
+
+Rank r of 2 (gloo): one training step of a global batch of 4 (two samples per rank), the weights
+sent to a sink that only rank 0 has, a checkpoint of both ranks' shards, and the log-probs after
+the step. Results go to ``out/rank<r>.pt`` for the parent test to compare with one process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    import attrs
+
+    from rlcore.specs import ParallelSpec
+    from rlcore_fsdp.backend import FSDPBackend
+    from tests.fsdp.test_two_ranks import batch_and_spec
+    from tests.megatron.helpers import _Keep
+
+    batch, spec = batch_and_spec(Path(hf))
+    spec = attrs.evolve(
+        spec, model=attrs.evolve(spec.model, parallel=ParallelSpec(world_size=world))
+    )
+    stack = FSDPBackend().build_training_stack(spec)
+    metrics = stack.train_step(batch)
+    sink = _Keep()
+    stack.send_weights([sink] if rank == 0 else [])
+    stack.save(Path(out) / "ckpt", rollout_id=3)
+    torch.save(
+        {
+            "loss": metrics.loss,
+            "grad_norm": metrics.grad_norm,
+            "extra": metrics.extra,
+            "tokens": metrics.tokens,
+            "sent": sink.tensors,
+            "log_probs": stack.forward(list(batch.samples)),
+        },
+        Path(out) / f"rank{rank}.pt",
+    )
+    torch.distributed.destroy_process_group()

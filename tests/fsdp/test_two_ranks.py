@@ -1,0 +1,91 @@
+"""Two gloo ranks on the CPU train as one process does with the same global batch (FSDP2 shards
+every layer over both, each takes half the batch), send the full weights from the rank that has
+the sink, and their checkpoint loads into one process (DCP reshards it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from rlcore.samples import TrainBatch
+from rlcore.specs import TrainSpec
+from rlcore_fsdp.backend import FSDPBackend
+from tests.fsdp import multirank_worker
+from tests.megatron.helpers import (
+    TOKEN_MEAN_TIS,
+    assert_same_step,
+    gradient_step_spec,
+    make_batch,
+    make_samples,
+    run_two_ranks,
+    weights,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def batch_and_spec(folder: Path) -> tuple[TrainBatch, TrainSpec]:
+    """A global batch of 4 in micro-batches of 1, with the token-mean loss (its normaliser is the
+    global batch's token count) and an importance correction; a gradient-sized Adam step."""
+    batch = make_batch(make_samples(4, seed=21, vocab=40), seed=22, rollout=True)
+    spec = gradient_step_spec(folder, global_batch_size=4, micro_batch_size=1, loss=TOKEN_MEAN_TIS)
+    return batch, spec
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2: tied embeddings, absolute positions, biases everywhere."""
+    from rlcore.new_model import write_model
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    config = transformers.GPT2Config(
+        vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    write_model(folder, config.to_dict(), seed=5)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_ranks(gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_two_ranks(multirank_worker.run, str(gpt2), str(out), timeout=300)
+    return out
+
+
+def _rank(out: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = torch.load(out / f"rank{rank}.pt")
+    return result
+
+
+def test_two_ranks_take_the_step_and_report_the_metrics_of_one(two_ranks: Path, gpt2: Path) -> None:
+    batch, spec = batch_and_spec(gpt2)
+    one = FSDPBackend().build_training_stack(spec)
+    before = weights(one.export_weights())
+    metrics = one.train_step(batch)
+    expected = weights(one.export_weights())
+    sent = _rank(two_ranks, 0)["sent"]
+    assert sent.keys() == expected.keys() and _rank(two_ranks, 1)["sent"] == {}
+    for name, tensor in expected.items():
+        assert_same_step(sent[name], tensor, before[name], name)
+    for rank in range(2):
+        result = _rank(two_ranks, rank)
+        assert result["tokens"] == metrics.tokens
+        assert result["loss"] == pytest.approx(metrics.loss, rel=1e-5)
+        assert result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
+        for key, value in metrics.extra.items():
+            assert result["extra"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_a_two_rank_checkpoint_loads_into_one_process(two_ranks: Path, gpt2: Path) -> None:
+    batch, spec = batch_and_spec(gpt2)
+    one = FSDPBackend().build_training_stack(spec)
+    assert one.load(two_ranks / "ckpt") == 3
+    loaded = weights(one.export_weights())
+    sent = _rank(two_ranks, 0)["sent"]
+    assert all(torch.equal(loaded[name], sent[name]) for name in sent)
+    assert one.forward(list(batch.samples)) == _rank(two_ranks, 0)["log_probs"]
