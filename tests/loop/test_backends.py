@@ -11,7 +11,9 @@ from rlcore.errors import BackendUnavailableError
 
 def test_unknown_backend_lists_the_known_ones() -> None:
     for load in (load_backend, load_backend_kind):
-        with pytest.raises(BackendUnavailableError, match="unknown backend 'jax'; known: megatron"):
+        with pytest.raises(
+            BackendUnavailableError, match="unknown backend 'jax'; known: fsdp, megatron"
+        ):
             load("jax")
 
 
