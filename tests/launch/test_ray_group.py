@@ -495,6 +495,16 @@ def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_pat
     _assert_gone(stack.group)
     assert [_shared_memory_files(pid) for pid in pids] == [[], []]
     assert not any(f"/torch_{pid}_" in line for pid in pids for line in _own_maps())
+    # The driver mapped the ranks' files without joining their shared-memory managers (gone
+    # with them): its own shared memory still works.
+    import torch.multiprocessing
+
+    strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    try:
+        assert torch.zeros(4).share_memory_().is_shared()  # type: ignore[no-untyped-call]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.megatron
@@ -544,7 +554,7 @@ class _Mapped:
     def __init__(self) -> None:
         self.copies: dict[str, torch.Tensor] = {}
         self.addresses: dict[str, int] = {}
-        self.shared: dict[str, bool] = {}
+        self.in_ranks_files: dict[str, bool] = {}
 
     @property
     def placement(self) -> InProcess:
@@ -554,11 +564,25 @@ class _Mapped:
         pairs = list(weights)
         self.copies = {name: t.clone() for name, t in pairs}
         self.addresses = {name: t.data_ptr() for name, t in pairs}
-        self.shared = {name: t.is_shared() for name, t in pairs}  # type: ignore[no-untyped-call]
+        self.in_ranks_files = {name: _in_shared_memory_file(t) for name, t in pairs}
 
 
 def _own_maps() -> list[str]:
     return Path("/proc/self/maps").read_text().splitlines()
+
+
+def _in_shared_memory_file(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data lies in a mapping of torch's shared-memory files (not ours)."""
+    address = tensor.data_ptr()
+    for line in _own_maps():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/torch_"):
+            if f"/torch_{os.getpid()}_" in fields[5]:
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
 
 
 @pytest.mark.megatron
@@ -579,7 +603,7 @@ def test_an_in_process_sink_gets_the_weights_through_shared_memory(
     assert first.copies.keys() == hf.keys()
     for name, tensor in hf.items():
         assert torch.equal(first.copies[name], tensor), name
-    assert all(first.shared.values())
+    assert all(first.in_ranks_files.values())
     assert second.addresses == first.addresses
 
 

@@ -1,14 +1,21 @@
 """Weights handed to another process on this machine through shared memory, without a copy.
 
 Two weight paths use it: SGLang's tensor mode (a rank hands a server on its machine handles to its
-tensors) and the embedded engine's (a rank hands the driver, where that engine lives, handles to
-the same tensors; the engine's one copy is into its model). Tensors already in shared memory (a
-CPU rank's parameters, views of them, a stack's export buffers) go as they are; the others are
-copied into one of a process's reusable shared buffers (:class:`SharedBuffers`), made once and
-grown when needed, so that no sync faults in fresh pages. :func:`dumps` pickles such tensors as
-handles (torch's ``file_system`` strategy: a file under ``/dev/shm`` and an offset), which the
-receiver opens with :func:`pickle.loads`; pickling takes a reference on the memory and loading
-releases it, so a payload must be loaded once.
+tensors, pickled by :func:`dumps`) and the embedded engine's (a rank hands the driver, where that
+engine lives, :class:`SharedTensor` s that name the files its tensors are in, and the driver maps
+them with :class:`Mappings`; the engine's one copy is into its model). Tensors already in shared
+memory (a CPU rank's parameters, views of them, a stack's export buffers) go as they are; the
+others are copied into one of a process's reusable shared buffers (:class:`SharedBuffers`), made
+once and grown when needed, so that no sync faults in fresh pages.
+
+Shared memory here is torch's ``file_system`` strategy (:func:`use_file_system`): a file under
+``/dev/shm`` per storage, its data after a 64-byte header (the reference count that lets the last
+process that maps it through torch remove it). A handle pickled by :func:`dumps` takes a reference
+on the memory and loading it releases one, so such a payload must be loaded once; it also ties
+the loading process to the sender's ``torch_shm_manager``, which later shared memory of the
+loading process may then be registered with. :class:`Mappings` does neither: it maps the files
+with plain ``mmap`` (the sender's storages stay the sender's to free; a mapping keeps its memory
+until it is dropped), which is what a long-lived driver that outlives its ranks needs.
 
 This module imports torch; ``import rlcore`` does not import it.
 """
@@ -16,23 +23,40 @@ This module imports torch; ``import rlcore`` does not import it.
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import pickle
 import threading
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Final, final
 
+import attrs
 import torch
 import torch.multiprocessing  # registers torch's pickling reductions with ForkingPickler
 
+from rlcore.engines._shm import SHM_DIR
+from rlcore.errors import RolloutError
 from rlcore.weights import on_release
 
-__all__ = ["Named", "SharedBuffers", "dumps", "in_shared_memory", "tensor_bytes", "use_file_system"]
+__all__ = [
+    "Mappings",
+    "Named",
+    "SharedBuffers",
+    "SharedTensor",
+    "describe",
+    "dumps",
+    "in_shared_memory",
+    "tensor_bytes",
+    "use_file_system",
+]
 
 Named = tuple[str, torch.Tensor]
 """A weight: its Hugging Face name and the tensor."""
 
 _ALIGN: Final = 64
+_HEADER: Final = 64
+"""Bytes before a ``file_system`` storage's data in its file (torch's ``map_alloc_alignment``)."""
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -111,7 +135,7 @@ class SharedBuffers:
 
     @staticmethod
     def _kept(tensor: torch.Tensor, keep_cuda: bool) -> bool:
-        return keep_cuda if tensor.is_cuda else in_shared_memory(tensor)
+        return keep_cuda if tensor.is_cuda else file_of(tensor) is not None
 
     def release(self) -> None:
         """Drop the buffers (they are made again when needed)."""
@@ -126,3 +150,101 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-tensor_bytes(tensor) // _ALIGN) * _ALIGN
     return offsets, max(total, _ALIGN)
+
+
+@final
+@attrs.frozen
+class SharedTensor:
+    """Where a tensor of another process lies in shared memory: a picklable description."""
+
+    name: str
+    """Its Hugging Face name."""
+    file: str
+    """The shared-memory name of its storage's file (``/torch_<pid>_...``)."""
+    offset: int
+    """Bytes from the file's start to the tensor's storage offset."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def file_of(tensor: torch.Tensor) -> str | None:
+    """The shared-memory name of a CPU tensor's storage, if it is shared by file name."""
+    if not in_shared_memory(tensor):
+        return None
+    try:
+        _, handle, _ = tensor.untyped_storage()._share_filename_cpu_()
+    except RuntimeError:  # shared by file descriptor: nothing another process can open by name
+        return None
+    return handle.decode() if isinstance(handle, bytes) else str(handle)
+
+
+def describe(weights: Sequence[Named]) -> list[SharedTensor]:
+    """Each tensor of ``weights`` (all shared by file name: :meth:`SharedBuffers.share` with
+    :func:`use_file_system` first) as a :class:`SharedTensor`."""
+    out = []
+    for name, tensor in weights:
+        file = file_of(tensor)
+        if file is None:
+            raise ValueError(f"{name} is not in shared memory by file name")
+        out.append(
+            SharedTensor(
+                name,
+                file,
+                _HEADER + int(tensor.storage_offset()) * tensor.element_size(),
+                tensor.dtype,
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+            )
+        )
+    return out
+
+
+@final
+class Mappings:
+    """This process's mappings of another process's shared-memory files, kept from one
+    :meth:`open` to the next (a fresh mapping would fault every page in again)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, torch.Tensor] = {}
+
+    def open(self, described: Sequence[SharedTensor]) -> list[Named]:
+        """The described tensors, as views of the mapped files (valid while the sender leaves
+        them as they are). Files this call does not use are no longer mapped here.
+
+        Raises :class:`~rlcore.errors.RolloutError` when a file is gone (its process freed it).
+        """
+        files: dict[str, torch.Tensor] = {}
+        out: list[Named] = []
+        for d in described:
+            whole = files.get(d.file)
+            if whole is None:
+                whole = self._files.get(d.file)
+                if whole is None:
+                    whole = _map(d.file)
+                files[d.file] = whole
+            size = torch.empty((), dtype=d.dtype).element_size()
+            typed = whole[: whole.numel() - whole.numel() % size].view(d.dtype)
+            out.append((d.name, typed.as_strided(d.shape, d.stride, d.offset // size)))
+        self._files = files
+        return out
+
+    def close(self) -> None:
+        """Drop every mapping (their memory is freed once nothing else maps it)."""
+        self._files = {}
+
+
+def _map(file: str) -> torch.Tensor:
+    path = SHM_DIR + file
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RolloutError(
+            f"cannot map {path}, where a rank's weights were ({exc}): the rank freed or lost it "
+            "before the engine copied them; is the rank still running?"
+        ) from exc
+    try:
+        mapping = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -33,7 +33,6 @@ reserved per group when it has none), and closes them all in :meth:`RayBackend.c
 from __future__ import annotations
 
 import os
-import pickle
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,7 +53,7 @@ from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSi
 if TYPE_CHECKING:
     import torch
 
-    from rlcore.engines.shared_tensors import SharedBuffers
+    from rlcore.engines.shared_tensors import Mappings, SharedBuffers, SharedTensor
 
 __all__ = [
     "RayEvalStack",
@@ -78,10 +77,10 @@ S = TypeVar("S", bound=ModelStack)
 Pairs: TypeAlias = "list[tuple[str, torch.Tensor]]"
 _Keep = Literal["", "copy", "share"]
 """What a rank returns to the driver besides sending: nothing, copies of the weights (through the
-object store) or a pickle of shared-memory handles to them."""
+object store) or where they lie in shared memory."""
 
 # The driver's mappings of each group's shared weights, kept from one sync to the next.
-_MAPPED: weakref.WeakKeyDictionary[RankGroup[ModelStack], Pairs] = weakref.WeakKeyDictionary()
+_MAPPED: weakref.WeakKeyDictionary[RankGroup[ModelStack], Mappings] = weakref.WeakKeyDictionary()
 
 
 # -- what the calls do on a group ----------------------------------------------------------------
@@ -179,10 +178,13 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
     if not here:
         return
     if keep == "share":
-        # Mapped now, or found mapped by the previous sync's pairs (torch caches mappings by
-        # handle while a tensor on them lives), which the new pairs then replace.
-        pairs: Pairs = pickle.loads(cast(bytes, results[relay]))
-        _MAPPED[cast(RankGroup[ModelStack], group)] = pairs
+        from rlcore.engines.shared_tensors import Mappings
+
+        key = cast(RankGroup[ModelStack], group)
+        mappings = _MAPPED.get(key)
+        if mappings is None:
+            mappings = _MAPPED[key] = Mappings()
+        pairs = mappings.open(cast("list[SharedTensor]", results[relay]))
     else:
         pairs = cast(Pairs, results[relay])
     deliver(pairs, here)
@@ -190,7 +192,9 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
 
 def forget_mappings(group: RankGroup[S]) -> None:
     """Drop the driver's mappings of ``group``'s shared weights (when it closes)."""
-    _MAPPED.pop(cast(RankGroup[ModelStack], group), None)
+    mappings = _MAPPED.pop(cast(RankGroup[ModelStack], group), None)
+    if mappings is not None:
+        mappings.close()
 
 
 def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
@@ -263,17 +267,17 @@ def _state_dict(
 
 def _send_weights(
     context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep
-) -> Pairs | bytes:
+) -> Pairs | list[SharedTensor]:
     """Every rank sends (the export is collective); ``sinks`` receive here, and the weights also
     go back to the driver as ``keep`` says."""
     collected = _Collect()
     context.stack.send_weights([*sinks, collected] if keep else list(sinks))
     if keep != "share":
         return [(name, t.detach().to("cpu").contiguous()) for name, t in collected.pairs]
-    from rlcore.engines.shared_tensors import dumps, use_file_system
+    from rlcore.engines.shared_tensors import describe, use_file_system
 
     use_file_system()
-    return dumps(_handoff_buffer().share(collected.pairs, 0, keep_cuda=False))
+    return describe(_handoff_buffer().share(collected.pairs, 0, keep_cuda=False))
 
 
 _HANDOFF: list[SharedBuffers] = []
