@@ -17,13 +17,13 @@ tensor parallel, so every rank ends up with the full tensors), and each engine s
 rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` sink on rank 0, an
 :class:`~rlcore.weights.OnHost` sink on the first rank on that machine. Only an
 :class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) brings
-the weights to the driver: the first rank on the driver's machine returns shared-memory handles
-to them (:mod:`rlcore.engines.shared_tensors`: a CPU rank's parameters and export buffers as they
-are, anything else, CUDA tensors included, copied into one reusable shared buffer of the rank),
-the driver maps them, and the sink's copy into its model is the one copy on the way; the driver
-keeps the mappings from one sync to the next (a fresh mapping would fault every page in again)
-and drops them when the stack closes. With no rank on the driver's machine, rank 0 returns copies
-through Ray's object store.
+the weights to the driver: the first rank on the driver's machine says which shared-memory files
+they lie in (:mod:`rlcore.engines.shared_tensors`: a CPU rank's parameters and export buffers as
+they are, anything else, CUDA tensors included, copied into one reusable shared buffer of the
+rank), the driver maps those files, and the sink's copy into its model is the one copy on the
+way; the driver keeps the mappings from one sync to the next (a fresh mapping would fault every
+page in again) and drops them when the stack closes. With no rank on the driver's machine, rank 0
+returns copies through Ray's object store.
 
 :class:`RayBackend` builds one group per stack, in the slots the run's
 :class:`~rlcore.launch.ray.cluster.ClusterPlacement` reserved for the stack's role (or in slots
