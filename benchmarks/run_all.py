@@ -43,6 +43,11 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         [],
         ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
     ),
+    # The embedded engine's row needs no SGLang: a ~100M-parameter model (issue #38).
+    "weight_sync:embedded": (
+        ["--modes", "embedded", "--hidden-size", "768", "--layers", "10"],
+        ["--modes", "embedded", "--repeats", "1", "--vocab-size", "256", "--hidden-size", "128"],
+    ),
     "rollout_scaling": (
         [],
         ["--lengths", "8", "16", "--rounds", "1", "--variable-max-tokens", "16", "--prompts", "2"],

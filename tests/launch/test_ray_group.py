@@ -57,7 +57,7 @@ from rlcore.specs import (
     TrainSpec,
 )
 from rlcore.testing import RecordingWeightSink
-from rlcore.weights import AnyProcess, NamedTensors, OnHost, WeightSink, deliver
+from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, deliver
 from rlcore_megatron.kind import MegatronRuntime
 
 if TYPE_CHECKING:
@@ -477,6 +477,12 @@ def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_pat
     for (name, a), (_, b) in zip(rank0, rank1, strict=True):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, before[name]) for name, a in rank0)
+    # The driver's in-process sink (the embedded engine's place) maps the trained weights, bit
+    # for bit, and keeps them mapped: once the stack closes, it maps none of the ranks' files.
+    here = _Mapped()
+    stack.send_weights([here])
+    assert list(here.copies) == list(before)
+    assert all(torch.equal(here.copies[name], a) for name, a in rank0)
     # save and load through the group: both ranks read the same rollout id back
     (tmp_path / "ckpt").mkdir()
     stack.save(tmp_path / "ckpt", 3)
@@ -488,6 +494,17 @@ def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_pat
     stack.close()
     _assert_gone(stack.group)
     assert [_shared_memory_files(pid) for pid in pids] == [[], []]
+    assert not any(f"/torch_{pid}_" in line for pid in pids for line in _own_maps())
+    # The driver mapped the ranks' files without joining their shared-memory managers (gone
+    # with them): its own shared memory still works.
+    import torch.multiprocessing
+
+    strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    try:
+        assert torch.zeros(4).share_memory_().is_shared()  # type: ignore[no-untyped-call]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.megatron
@@ -528,6 +545,66 @@ class FileSink:
         sums = {name: float(t.double().sum()) for name, t in weights}
         record = {"rank": os.environ["RANK"], "pid": os.getpid(), "sums": sums}
         (self.folder / f"{type(self.where).__name__}.json").write_text(json.dumps(record))
+
+
+@final
+class _Mapped:
+    """An in-process sink that keeps copies of what it receives and where those tensors were."""
+
+    def __init__(self) -> None:
+        self.copies: dict[str, torch.Tensor] = {}
+        self.addresses: dict[str, int] = {}
+        self.in_ranks_files: dict[str, bool] = {}
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        pairs = list(weights)
+        self.copies = {name: t.clone() for name, t in pairs}
+        self.addresses = {name: t.data_ptr() for name, t in pairs}
+        self.in_ranks_files = {name: _in_shared_memory_file(t) for name, t in pairs}
+
+
+def _own_maps() -> list[str]:
+    return Path("/proc/self/maps").read_text().splitlines()
+
+
+def _in_shared_memory_file(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data lies in a mapping of torch's shared-memory files (not ours)."""
+    address = tensor.data_ptr()
+    for line in _own_maps():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/torch_"):
+            if f"/torch_{os.getpid()}_" in fields[5]:
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+@pytest.mark.megatron
+def test_an_in_process_sink_gets_the_weights_through_shared_memory(
+    megatron: MegatronStacks, tiny_llama: Path
+) -> None:
+    """The ranks hand the driver shared-memory handles (no copy through the object store): the
+    sink receives the checkpoint's weights bit for bit, from the tensor-parallel gather, and the
+    next sync finds them where the first left them (the driver keeps its mappings)."""
+    import torch
+    from safetensors.torch import load_file
+
+    stack = megatron.tensor_parallel
+    first, second = _Mapped(), _Mapped()
+    stack.send_weights([first])
+    stack.send_weights([second])
+    hf = load_file(str(tiny_llama / "model.safetensors"))
+    assert first.copies.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(first.copies[name], tensor), name
+    assert all(first.in_ranks_files.values())
+    assert second.addresses == first.addresses
 
 
 @pytest.mark.megatron

@@ -53,7 +53,7 @@ def test_a_rank_sends_its_weights_to_the_servers(
         assert engine.weight_version == 51
         assert_serves(engine, tiny_model, weights_b, version=51)
         # The transfer ran in the rank: no shared-memory buffer, no broadcast group here.
-        assert tensor._SHARED.buffers == [None, None]
+        assert tensor._SHARED.buffers == (None, None)
         assert distributed._SENDERS == {}
         push_weights(rank_stack, engine, version=52)  # again: the rank reuses its buffers/group
         assert_serves(engine, tiny_model, weights_b, version=52)

@@ -330,7 +330,9 @@ class EmbeddedWeightSink:
     anything is written, so a bad update leaves the model as it was: an unknown name or a shape
     mismatch raises :class:`~rlcore.errors.RolloutError` listing each offender. It runs in the
     engine's process (:class:`~rlcore.weights.InProcess`): a source whose weights are elsewhere
-    brings them here, which is the one weight path that passes through the driver.
+    brings them here, which is the one weight path that passes through the driver (Ray's rank
+    groups hand over shared memory on the driver's machine, so that this copy is the only one:
+    :mod:`rlcore.launch.ray.stacks`).
     """
 
     def __init__(self, engine: EmbeddedEngine, version: int) -> None:

@@ -15,14 +15,12 @@ from typing import final
 import attrs
 import torch
 
+from rlcore.engines.shared_tensors import Named, tensor_bytes
 from rlcore.weights import NamedTensors
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import CallPolicy, SGLangServer, post_ok
 
 __all__ = ["Named", "ServerRef", "iter_buckets", "post_ok_to", "tensor_bytes", "version_fields"]
-
-Named = tuple[str, torch.Tensor]
-"""A weight: its Hugging Face name and the tensor."""
 
 
 @final
@@ -50,11 +48,6 @@ def post_ok_to(
     connection errors as the engine's options say; a :class:`~rlcore.errors.RolloutError` unless
     it answers with success."""
     post_ok(ref.server(), path, payload, options.weight_sync_timeout_s, _policy(options))
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """The bytes of ``tensor``'s elements."""
-    return tensor.numel() * tensor.element_size()
 
 
 def iter_buckets(

@@ -15,20 +15,15 @@ dies), process-wide. The two buffers are this module's per-process state
 from __future__ import annotations
 
 import base64
-import io
-import pickle
-import threading
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from multiprocessing.reduction import ForkingPickler
-from typing import Final, final
+from typing import final
 
 import attrs
 import torch
-import torch.multiprocessing  # registers torch's pickling reductions with ForkingPickler
 
-from rlcore.weights import NamedTensors, OnHost, on_release
+from rlcore.engines.shared_tensors import SharedBuffers, dumps, in_shared_memory, use_file_system
+from rlcore.weights import NamedTensors, OnHost
 from rlcore_sglang.options import EngineOptions
 from rlcore_sglang.server import run_all
 from rlcore_sglang.weight_sync.base import (
@@ -41,8 +36,6 @@ from rlcore_sglang.weight_sync.base import (
 )
 
 __all__ = ["TensorSink", "pickle_b64", "release_shared_buffers"]
-
-_ALIGN: Final = 64
 
 
 @final
@@ -63,8 +56,7 @@ class TensorSink:
         # With the default file_descriptor strategy the handles need a live connection to this
         # process, which SGLang's scheduler cannot make over HTTP: it dies. (torch leaves
         # set_sharing_strategy unannotated.)
-        set_strategy = torch.multiprocessing.set_sharing_strategy
-        set_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
+        use_file_system()
         with ThreadPoolExecutor(1, thread_name_prefix="rlcore-weights") as sender:
             in_flight: Future[None] | None = None
             buckets = iter_buckets(weights, self.options.bucket_bytes, _held_in_flight)
@@ -91,16 +83,7 @@ class TensorSink:
         run_all([partial(one, ref) for ref in self.servers], len(self.servers))
 
 
-class _SharedBuffers:
-    """Two growable shared-memory byte buffers of this process, reused sync after sync (one
-    segment each for the servers to map, no fresh pages to fault in every time)."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.lock = threading.Lock()
-
-
-_SHARED = _SharedBuffers()
+_SHARED = SharedBuffers(2)
 
 
 def _share(bucket: list[Named], slot: int) -> list[Named]:
@@ -111,31 +94,7 @@ def _share(bucket: list[Named], slot: int) -> list[Named]:
     CPU tensors (those the export made, e.g. q/k/v split out of a fused QKV) are copied, into
     shared buffer ``slot``: one such tensor must not cost a copy of the whole bucket.
     """
-    copied = [t for _, t in bucket if not (t.is_cuda or _in_shared_memory(t))]
-    offsets, total = _layout(copied)
-    buffer: torch.Tensor | None = None
-    if copied:
-        with _SHARED.lock:
-            buffer = _SHARED.buffers[slot]
-            if buffer is None or buffer.numel() < total:
-                # torch leaves share_memory_ unannotated
-                buffer = torch.empty(total, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]  # see above
-                _SHARED.buffers[slot] = buffer
-                on_release(release_shared_buffers)
-    places = iter(offsets)
-    out: list[Named] = []
-    for name, tensor in bucket:
-        if tensor.is_cuda:
-            out.append((name, tensor.contiguous()))
-        elif _in_shared_memory(tensor):
-            out.append((name, tensor))
-        else:
-            assert buffer is not None  # allocated above: ``copied`` holds this tensor
-            offset, nbytes = next(places), tensor_bytes(tensor)
-            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
-            out.append((name, view))
-    return out
+    return _SHARED.share(bucket, slot, keep_cuda=True)
 
 
 def _held_in_flight(tensor: torch.Tensor) -> int:
@@ -143,32 +102,15 @@ def _held_in_flight(tensor: torch.Tensor) -> int:
     shared memory (the servers map it where it is), else its size (the shared buffer's copy, or
     a CUDA tensor the servers map, which may be a temporary of the export). So a CPU rank whose
     weights are all shared (its parameters, its export buffers) sends them in one request."""
-    return 0 if not tensor.is_cuda and _in_shared_memory(tensor) else tensor_bytes(tensor)
-
-
-def _in_shared_memory(tensor: torch.Tensor) -> bool:
-    shared: bool = tensor.is_shared()  # type: ignore[no-untyped-call]  # unannotated in torch
-    return shared
+    return 0 if in_shared_memory(tensor) else tensor_bytes(tensor)
 
 
 def release_shared_buffers() -> None:
     """Drop this process's shared-memory buffers (they are made again when needed)."""
-    with _SHARED.lock:
-        _SHARED.buffers = [None, None]
-
-
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offsets: list[int] = []
-    total = 0
-    for tensor in tensors:
-        offsets.append(total)
-        total += -(-tensor_bytes(tensor) // _ALIGN) * _ALIGN
-    return offsets, max(total, _ALIGN)
+    _SHARED.release()
 
 
 def pickle_b64(obj: object) -> str:
     """Pickle with torch's multiprocessing reductions (tensors as shared-memory handles), base64
     for JSON: SGLang's ``MultiprocessingSerializer`` format."""
-    buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(dumps(obj)).decode("ascii")

@@ -16,8 +16,14 @@ Weights (:meth:`RayEvalStack.send_weights`): every rank takes part in the export
 tensor parallel, so every rank ends up with the full tensors), and each engine sink runs on one
 rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` sink on rank 0, an
 :class:`~rlcore.weights.OnHost` sink on the first rank on that machine. Only an
-:class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) makes
-rank 0 return the weights to the driver.
+:class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) brings
+the weights to the driver: the first rank on the driver's machine says which shared-memory files
+they lie in (:mod:`rlcore.engines.shared_tensors`: a CPU rank's parameters and export buffers as
+they are, anything else, CUDA tensors included, copied into one reusable shared buffer of the
+rank), the driver maps those files, and the sink's copy into its model is the one copy on the
+way; the driver keeps the mappings from one sync to the next (a fresh mapping would fault every
+page in again) and drops them when the stack closes. With no rank on the driver's machine, rank 0
+returns copies through Ray's object store.
 
 :class:`RayBackend` builds one group per stack, in the slots the run's
 :class:`~rlcore.launch.ray.cluster.ClusterPlacement` reserved for the stack's role (or in slots
@@ -27,9 +33,10 @@ reserved per group when it has none), and closes them all in :meth:`RayBackend.c
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, cast, final
 
 import ray
 
@@ -45,6 +52,8 @@ from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSi
 
 if TYPE_CHECKING:
     import torch
+
+    from rlcore.engines.shared_tensors import Mappings, SharedBuffers, SharedTensor
 
 __all__ = [
     "RayEvalStack",
@@ -65,6 +74,13 @@ __all__ = [
 _DEFAULT_OPTIONS: Final = GroupOptions()
 _LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
 S = TypeVar("S", bound=ModelStack)
+Pairs: TypeAlias = "list[tuple[str, torch.Tensor]]"
+_Keep = Literal["", "copy", "share"]
+"""What a rank returns to the driver besides sending: nothing, copies of the weights (through the
+object store) or where they lie in shared memory."""
+
+# The driver's mappings of each group's shared weights, kept from one sync to the next.
+_MAPPED: weakref.WeakKeyDictionary[RankGroup[ModelStack], Mappings] = weakref.WeakKeyDictionary()
 
 
 # -- what the calls do on a group ----------------------------------------------------------------
@@ -152,17 +168,47 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
             per_rank[0].append(sink)
         elif isinstance(placement, OnHost):
             per_rank[_rank_on(group, placement.address, sink)].append(sink)
-    args = {rank: (tuple(chosen), rank == 0 and bool(here)) for rank, chosen in per_rank.items()}
+    beside = _rank_beside_driver(group) if here else None
+    relay = 0 if beside is None else beside
+    keep: _Keep = "" if not here else "copy" if beside is None else "share"
+    args = {
+        rank: (tuple(chosen), keep if rank == relay else "") for rank, chosen in per_rank.items()
+    }
     results = group.call_ranks(_send_weights, args, "send_weights")
-    if here:
-        deliver(results[0], here)
+    if not here:
+        return
+    if keep == "share":
+        from rlcore.engines.shared_tensors import Mappings
+
+        key = cast(RankGroup[ModelStack], group)
+        mappings = _MAPPED.get(key)
+        if mappings is None:
+            mappings = _MAPPED[key] = Mappings()
+        pairs = mappings.open(cast("list[SharedTensor]", results[relay]))
+    else:
+        pairs = cast(Pairs, results[relay])
+    deliver(pairs, here)
+
+
+def forget_mappings(group: RankGroup[S]) -> None:
+    """Drop the driver's mappings of ``group``'s shared weights (when it closes)."""
+    mappings = _MAPPED.pop(cast(RankGroup[ModelStack], group), None)
+    if mappings is not None:
+        mappings.close()
 
 
 def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
-    """The full weights under Hugging Face names, in the driver (rank 0's copy; every rank takes
-    part in the gather). For tests and tools: the loop sends weights with :func:`send_weights`."""
-    args = {rank: ((), rank == 0) for rank in range(group.world_size)}
-    return group.call_ranks(_send_weights, args, "export_weights")[0]
+    """The full weights under Hugging Face names, in the driver (copies of rank 0's, through the
+    object store; every rank takes part in the gather). For tests and tools: the loop sends
+    weights with :func:`send_weights`."""
+    args = {rank: ((), "copy" if rank == 0 else "") for rank in range(group.world_size)}
+    return cast(Pairs, group.call_ranks(_send_weights, args, "export_weights")[0])
+
+
+def _rank_beside_driver(group: RankGroup[S]) -> int | None:
+    """The first rank on the driver's machine, if any."""
+    here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated
+    return next((r for r, node in enumerate(group.nodes) if node.address == here), None)
 
 
 def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
@@ -220,28 +266,46 @@ def _state_dict(
 
 
 def _send_weights(
-    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: bool
-) -> list[tuple[str, torch.Tensor]]:
-    """Every rank sends (the export is collective); ``sinks`` receive here, and with ``keep``
-    the weights also go back to the driver."""
+    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep
+) -> Pairs | list[SharedTensor]:
+    """Every rank sends (the export is collective); ``sinks`` receive here, and the weights also
+    go back to the driver as ``keep`` says."""
     collected = _Collect()
     context.stack.send_weights([*sinks, collected] if keep else list(sinks))
-    return collected.pairs
+    if keep != "share":
+        return [(name, t.detach().to("cpu").contiguous()) for name, t in collected.pairs]
+    from rlcore.engines.shared_tensors import describe, use_file_system
+
+    use_file_system()
+    return describe(_handoff_buffer().share(collected.pairs, 0, keep_cuda=False))
+
+
+_HANDOFF: list[SharedBuffers] = []
+
+
+def _handoff_buffer() -> SharedBuffers:
+    """This rank's shared buffer for weights handed to the driver (made on first use)."""
+    if not _HANDOFF:
+        from rlcore.engines.shared_tensors import SharedBuffers
+
+        _HANDOFF.append(SharedBuffers(1))
+    return _HANDOFF[0]
 
 
 @final
 class _Collect:
-    """A sink that keeps CPU copies of the weights, to return them to the driver."""
+    """A sink that keeps the weights it is given (valid until the stack's next export), to
+    return them to the driver."""
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[str, torch.Tensor]] = []
+        self.pairs: Pairs = []
 
     @property
     def placement(self) -> AnyProcess:
         return AnyProcess()
 
     def receive(self, weights: NamedTensors) -> None:
-        self.pairs = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        self.pairs = [(name, t.detach()) for name, t in weights]
 
 
 # -- the stacks ----------------------------------------------------------------------------------
@@ -301,6 +365,7 @@ class RayEvalStack:
 
     def close(self) -> None:
         """Kill the actors. Safe to call twice."""
+        forget_mappings(self._group)
         self._group.close()
 
 
@@ -361,6 +426,7 @@ class RayTrainingStack:
 
     def close(self) -> None:
         """Kill the actors. Safe to call twice."""
+        forget_mappings(self._group)
         self._group.close()
 
 
