@@ -7,7 +7,8 @@ every one of them, below). Each RL phase starts from a warm-start checkpoint wit
 as a user continues a supervised model with RL:
 
 - reverse-digits (the no-flag demo's task and model): a warm start of 60 rollouts, then GRPO,
-  PPO with a critic, and REINFORCE++;
+  PPO with a critic, and REINFORCE++, and GRPO again with micro-batches cut by a token budget
+  (``--use-dynamic-batch-size``);
 - the tool demo (multi-turn, a calculator): its shipped warm start, then a shortened GRPO phase;
 - on-policy distillation (``--opd-only``) of the fresh reverse-digits model from the GRPO run's
   checkpoint, with no warm start.
@@ -23,7 +24,7 @@ advantages flipped (the warm start untouched) every test fails: GRPO, PPO and RE
 the task within 2-3 rollouts (no group left with differing rewards: the run stops with a
 RolloutError), the tool demo falls to 0.00 (measured from a warm start of 0.51, before the
 figures above were refreshed). The margin is well inside what the runs reach and well outside
-what a run that does not learn reaches. About 3 min for the five
+what a run that does not learn reaches. About 4 min for the six
 (``pytest -m learning tests/e2e/test_learning.py``).
 """
 
@@ -99,38 +100,51 @@ def reverse_warm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[s
     return folder, [*rl, "--load", str(folder / "warm"), "--finetune"]
 
 
+BUDGET = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "512"]
+"""A token budget (#37) that cuts the demo's global batch of 128 sequences into several
+micro-batches: the RL phase must learn as it does cut by sample count."""
+
+
 @pytest.fixture(scope="module")
-def rl_phase(reverse_warm: tuple[Path, list[str]]) -> Callable[[str], Path]:
-    """Runs the RL phase from the warm start with an estimator, once per module: its output
-    folder (checkpoint in ``ckpt``). GRPO's is also the distillation test's teacher."""
+def rl_phase(reverse_warm: tuple[Path, list[str]]) -> Callable[..., Path]:
+    """Runs the RL phase from the warm start with an estimator (and ``extra`` flags), once per
+    module and variant: its output folder (checkpoint in ``ckpt``). GRPO's is also the
+    distillation test's teacher."""
     folder, flags = reverse_warm
     done: dict[str, Path] = {}
 
-    def run(estimator: str) -> Path:
-        if estimator not in done:
-            out = folder / estimator
+    def run(estimator: str, extra: tuple[str, ...] = (), name: str = "") -> Path:
+        key = name or estimator
+        if key not in done:
+            out = folder / key
             rl = _with(flags, save=out / "ckpt", output_dir=out)
-            _run([*rl, "--advantage-estimator", estimator])
-            done[estimator] = out
-        return done[estimator]
+            _run([*rl, "--advantage-estimator", estimator, *extra])
+            done[key] = out
+        return done[key]
 
     return run
 
 
 @pytest.mark.parametrize(
-    "estimator",
-    ["grpo", "ppo", "reinforce_plus_plus"],
+    ("estimator", "extra"),
+    [
+        pytest.param("grpo", (), id="grpo"),
+        pytest.param("ppo", (), id="ppo"),
+        pytest.param("reinforce_plus_plus", (), id="reinforce_plus_plus"),
+        pytest.param("grpo", tuple(BUDGET), id="grpo-token-budget"),
+    ],
 )
 def test_rl_raises_heldout_accuracy_over_the_warm_start(
-    rl_phase: Callable[[str], Path], estimator: str
+    rl_phase: Callable[..., Path], estimator: str, extra: tuple[str, ...]
 ) -> None:
-    curve = _heldout(rl_phase(estimator))
+    name = estimator + ("-budget" if extra else "")
+    curve = _heldout(rl_phase(estimator, extra, name))
     start, end = curve[0], curve[-1]
-    assert end >= start + MARGIN, f"{estimator}: held-out {curve}"
+    assert end >= start + MARGIN, f"{name}: held-out {curve}"
 
 
 def test_distillation_teaches_a_fresh_model_without_labels(
-    reverse_warm: tuple[Path, list[str]], rl_phase: Callable[[str], Path]
+    reverse_warm: tuple[Path, list[str]], rl_phase: Callable[..., Path]
 ) -> None:
     """On-policy distillation (#25) from the GRPO run's checkpoint: the demo's fresh model, with
     no warm start and no reward (``--opd-only``), learns the task from the teacher's log-probs
