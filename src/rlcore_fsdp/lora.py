@@ -43,6 +43,7 @@ ADAPTER: Final = "default"
 """peft's name for the one adapter."""
 PREFIX: Final = "base_model.model."
 """What peft puts before the base model's parameter names."""
+_CHECKPOINT_WRAPPED: Final = "_checkpoint_wrapped_module"
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -99,7 +100,12 @@ def add_adapters(model: torch.nn.Module, options: FSDPOptions) -> PeftModel:
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    # under the names the state dict gives (activation checkpointing's wrapper left out)
+    return {
+        name.replace(f".{_CHECKPOINT_WRAPPED}", ""): m
+        for name, m in model.named_modules()
+        if isinstance(m, LoraLayer)
+    }
 
 
 def merged(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -47,14 +48,16 @@ def _log_probs(model: torch.nn.Module, samples: list, vocab: int) -> list[list[f
     return out
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_only_the_adapters_train_and_the_engine_gets_peft_s_merge(
-    llama: Path, tmp_path: Path
+    llama: Path, tmp_path: Path, checkpointing: bool
 ) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     samples = make_samples(4, seed=7)
-    stack = FSDPBackend(LORA).build_training_stack(train_spec(llama))
+    options = attrs.evolve(LORA, gradient_checkpointing=checkpointing)
+    stack = FSDPBackend(options).build_training_stack(train_spec(llama))
     trained = {n for n, p in stack.model.named_parameters() if p.requires_grad}
     assert trained and all(is_adapter(n) for n in trained)
     in_optimizer = {id(p) for g in stack.optimizer.param_groups for p in g["params"]}
