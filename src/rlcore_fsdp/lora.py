@@ -94,6 +94,8 @@ def add_adapters(model: torch.nn.Module, options: FSDPOptions) -> PeftModel:
     with warnings.catch_warnings():
         # peft asks transformers for a property that this transformers version deprecates
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        # GPT-2's Conv1D holds its weight transposed: peft notices and merges accordingly
+        warnings.filterwarnings("ignore", "fan_in_fan_out is set to False")
         return get_peft_model(model, config)
 
 

@@ -150,8 +150,7 @@ class FSDPEvalStack:
 
     def load(self, path: Path) -> int:
         record = model_record(self.config.to_dict(), self.spec.role)
-        if lora.is_lora(self.model):
-            record["lora"] = lora.lora_record(self.model)
+        record["lora"] = lora.lora_record(self.model) if lora.is_lora(self.model) else None
         return checkpoint.load_checkpoint(path, self.model, record)
 
     def export_weights(self) -> NamedTensors:
@@ -220,8 +219,8 @@ class FSDPTrainingStack:
 
     def _record(self) -> dict[str, object]:
         record = model_record(self.config.to_dict(), self.spec.role)
-        if lora.is_lora(self.model):
-            record["lora"] = lora.lora_record(self.model)
+        # None without LoRA (a checkpoint saved before LoRA existed records none either)
+        record["lora"] = lora.lora_record(self.model) if lora.is_lora(self.model) else None
         return record
 
     def save(self, path: Path, rollout_id: int) -> None:

@@ -16,14 +16,23 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from rlcore.config.flags import load_config
-from rlcore.errors import ConfigError
+from rlcore.errors import CheckpointError, ConfigError
 from rlcore.specs import EvalSpec
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore_fsdp.backend import FSDPBackend
 from rlcore_fsdp.lora import is_adapter
 from rlcore_fsdp.options import FSDPOptions
 from rlcore_fsdp.stacks import ADAPTER_FOLDER, full_tensors
-from tests.megatron.helpers import TINY, make_batch, make_samples, sent_weights, train_spec
+from tests.megatron.helpers import (
+    TINY,
+    assert_same_step,
+    make_batch,
+    make_samples,
+    run_two_ranks,
+    sent_weights,
+    train_spec,
+    weights,
+)
 
 LORA = FSDPOptions(lora_rank=4, lora_alpha=8)
 
@@ -120,13 +129,28 @@ def test_reference_is_the_base_and_a_checkpoint_resumes_exactly(
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert reference.forward(samples) != straight.forward(samples)
 
-    with pytest.raises(Exception, match="lora"):  # a full checkpoint is not LoRA's
+    with pytest.raises(CheckpointError, match="lora is None there"):  # not LoRA's
         FSDPBackend(LORA).build_training_stack(spec).load(_full_checkpoint(llama, tmp_path))
+    with pytest.raises(CheckpointError, match="lora is .'rank': 4.* there, None here"):
+        FSDPBackend().build_training_stack(spec).load(tmp_path / "ckpt")
 
 
 def _full_checkpoint(llama: Path, tmp_path: Path) -> Path:
     FSDPBackend().build_training_stack(train_spec(llama)).save(tmp_path / "full", rollout_id=0)
     return tmp_path / "full"
+
+
+def test_bf16_trains_the_adapters_over_fp32_weights_and_sends_bf16(llama: Path) -> None:
+    stack = FSDPBackend(LORA).build_training_stack(train_spec(llama, precision="bfloat16"))
+    before = {n: t.clone() for n, t in full_tensors(stack.model)}
+    samples = make_samples(4, seed=5)
+    for seed in (1, 2):
+        stack.train_step(make_batch(samples, seed=seed, rollout=True))
+    after = dict(full_tensors(stack.model))
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(is_adapter(n) for n in changed)
+    assert all(t.dtype == torch.float32 for t in after.values())  # master weights
+    assert {t.dtype for t in sent_weights(stack).values()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize(
@@ -153,3 +177,32 @@ def test_lora_flags_reach_the_options() -> None:
     assert config.model.backend_options == FSDPOptions(
         lora_rank=8, target_modules=("q_proj", "v_proj")
     )
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_adapters_as_one_and_their_checkpoint_loads_into_one(
+    tmp_path: Path,
+) -> None:
+    """GPT-2 (its Conv1D layers hold transposed weights, peft's ``fan_in_fan_out``) with LoRA on
+    two gloo ranks: the merged weights sent after the step are one process's, and the adapters'
+    checkpoint loads into one process (DCP reshards it)."""
+    from tests.fsdp import multirank_worker
+    from tests.fsdp.test_two_ranks import batch_and_spec, gpt2_folder
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    run_two_ranks(multirank_worker.run, str(folder), str(tmp_path), 4, timeout=300)
+    sent: dict[str, torch.Tensor] = torch.load(tmp_path / "rank0.pt")["sent"]
+    batch, spec = batch_and_spec(folder)
+    one = FSDPBackend(FSDPOptions(lora_rank=4)).build_training_stack(spec)
+    before = weights(one.export_weights())
+    one.train_step(batch)
+    expected = weights(one.export_weights())
+    assert sent.keys() == expected.keys()
+    assert any(not torch.equal(expected[n], before[n]) for n in expected)
+    for name, tensor in expected.items():
+        assert_same_step(sent[name], tensor, before[name], name)
+
+    loaded = FSDPBackend(FSDPOptions(lora_rank=4)).build_training_stack(spec)
+    assert loaded.load(tmp_path / "ckpt") == 3
+    assert weights(loaded.export_weights()).keys() == sent.keys()
+    assert all(torch.equal(t, sent[n]) for n, t in weights(loaded.export_weights()).items())
