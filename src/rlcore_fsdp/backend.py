@@ -10,8 +10,11 @@ per decoder layer (the classes the model lists in ``_no_split_modules``) and the
 cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
 ``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
-sharding, so no rank broadcasts. Dropout is off (the model stays in eval mode): the loss is of
-the policy that sampled.
+sharding, so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
+is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); the critic, the
+reference and the teacher are built without them (the reference is thus the base model: a second
+copy of its weights, built from the same folder). Dropout is off (the model stays in eval mode):
+the loss is of the policy that sampled.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
+from rlcore_fsdp.lora import add_adapters
 from rlcore_fsdp.options import FSDPOptions, parallel_problem
 from rlcore_fsdp.stacks import FSDPEvalStack, FSDPTrainingStack, HFModel
 
@@ -138,6 +142,11 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
         )
     model.eval()
     model.to(device())
+    if options.lora_rank > 0 and spec.role == "actor":
+        # the base model inside is sharded as it would be alone; the peft wrapper holds no weights
+        adapted = add_adapters(model, options)
+        shard(adapted.get_base_model(), spec.precision, options.gradient_checkpointing)
+        return adapted, config
     shard(model, spec.precision, options.gradient_checkpointing)
     return model, config
 
@@ -146,8 +155,9 @@ def adamw(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
     """AdamW as Megatron builds it from the same spec: weight decay on the matrices only (not on
     biases and norm weights, the one-dimensional parameters), the spec's betas and eps, the
     learning rate the schedule gives (set by :func:`lr_scheduler`)."""
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: adapters
+    decay = [p for n, p in trained if p.ndim > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in trained if p.ndim <= 1 or n.endswith(".bias")]
     groups = [
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -4,7 +4,8 @@ another number of ranks).
 
 Layout of ``path`` (the loop writes it inside a temporary folder and moves ``latest`` last)::
 
-    model/           DCP of the model's state dict
+    model/           DCP of the model's state dict (with LoRA: the adapters only, the base
+                     weights being the model folder's)
     optimizer/       DCP of the optimizer state (training stacks only)
     scheduler.json   the LR scheduler's state dict (training stacks only)
     rollout.json     {"rollout_id": k, "format": ..., "model": {...}}: the core's stack record
@@ -21,11 +22,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -37,10 +39,19 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from rlcore.algorithms.distributed import agree_on_rollout_id, barrier, rank
 from rlcore.checkpoint_files import check_record_matches, read_stack_record, write_stack_record
 from rlcore.errors import CheckpointError
+from rlcore_fsdp.lora import is_adapter, is_lora
 
 __all__ = ["FORMAT", "load_checkpoint", "save_checkpoint"]
 
 FORMAT: Final = "rlcore-fsdp/1"
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state dict as DCP saves it; with LoRA, the adapters' entries only."""
+    state = get_model_state_dict(model)
+    if is_lora(model):
+        state = {k: v for k, v in state.items() if is_adapter(k)}
+    return state
 
 
 def save_checkpoint(
@@ -55,7 +66,7 @@ def save_checkpoint(
     Collective: every rank calls it with the same ``path`` (a shared file system)."""
     path = Path(path)
     try:
-        dcp_save(get_model_state_dict(model), checkpoint_id=path / "model")
+        dcp_save(_model_state(model), checkpoint_id=path / "model")
         if optimizer is not None:
             optim_sd = get_optimizer_state_dict(model, optimizer)
             dcp_save(optim_sd, checkpoint_id=path / "optimizer")
@@ -100,9 +111,11 @@ def load_checkpoint(
     if optimizer is not None and not (path / "optimizer").is_dir():
         raise CheckpointError(f"checkpoint {path} has no optimizer state to resume training from")
     try:
-        model_sd = get_model_state_dict(model)
+        model_sd = _model_state(model)
         dcp_load(model_sd, checkpoint_id=path / "model")
-        set_model_state_dict(model, model_sd)
+        # with LoRA the base weights stay the folder's (dcp_load has filled every adapter entry)
+        lenient = StateDictOptions(strict=not is_lora(model))
+        set_model_state_dict(model, model_sd, options=lenient)
         if optimizer is not None:
             optim_sd = get_optimizer_state_dict(model, optimizer)
             dcp_load(optim_sd, checkpoint_id=path / "optimizer")

@@ -13,7 +13,27 @@ import attrs
 from rlcore.config import option
 from rlcore.specs import ParallelSpec
 
-__all__ = ["RECORDED", "FSDPOptions", "model_record", "parallel_problem"]
+__all__ = ["RECORDED", "FSDPOptions", "lora_problem", "model_record", "parallel_problem"]
+
+
+def lora_problem(rank: int, alpha: int, dropout: float, modules: tuple[str, ...]) -> str | None:
+    """What is wrong with the LoRA flags, naming the flag; None when they hold."""
+    if rank < 0:
+        return f"--lora-rank must be >= 0 (0 turns LoRA off), got {rank}"
+    if not alpha > 0:
+        return f"--lora-alpha must be > 0, got {alpha}"
+    if dropout != 0.0:
+        # The stacks keep the model in eval mode so that the loss is of the policy that sampled
+        # (the engine's, and the old log-probs'): a dropout on the adapters would train another.
+        return (
+            f"--lora-dropout must be 0, got {dropout}: the fsdp backend trains the policy that "
+            "sampled (no dropout anywhere, so the loss's log-probs are the engine's); drop it"
+        )
+    if isinstance(modules, str) or not modules or not all(modules):
+        return f"--target-modules needs module names (or all-linear), got {modules!r}"
+    if "all-linear" in modules and len(modules) > 1:
+        return f"--target-modules all-linear stands alone, got {list(modules)}"
+    return None
 
 
 @final
@@ -33,6 +53,36 @@ class FSDPOptions:
         "recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(activation checkpointing: less memory, about one more forward of compute)",
     )
+    lora_rank: int = option(
+        0,
+        "--lora-rank",
+        "train LoRA adapters of this rank (peft) on the actor instead of all its weights; "
+        "0: off, full fine-tuning",
+    )
+    lora_alpha: int = option(
+        16,
+        "--lora-alpha",
+        "LoRA's scale numerator: the adapters add (alpha / rank) B A",
+    )
+    lora_dropout: float = option(
+        0.0,
+        "--lora-dropout",
+        "only 0: the model stays in eval mode so the loss is of the policy that sampled",
+    )
+    target_modules: tuple[str, ...] = option(
+        ("all-linear",),
+        "--target-modules",
+        "the modules LoRA adapts, by name (repeatable: --target-modules q_proj --target-modules "
+        "v_proj); all-linear: every linear layer but the output head",
+        repeat=True,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        problem = lora_problem(
+            self.lora_rank, self.lora_alpha, self.lora_dropout, self.target_modules
+        )
+        if problem is not None:
+            raise ValueError(problem)
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")

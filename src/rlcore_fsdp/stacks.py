@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -31,18 +31,27 @@ from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
-from rlcore_fsdp import checkpoint
+from rlcore_fsdp import checkpoint, lora
 from rlcore_fsdp.options import model_record
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
 
-__all__ = ["FSDPEvalStack", "FSDPTrainingStack", "HFModel", "export_weights", "model_output"]
+__all__ = [
+    "FSDPEvalStack",
+    "FSDPTrainingStack",
+    "HFModel",
+    "export_weights",
+    "full_tensors",
+    "model_output",
+]
 
 HFModel = torch.nn.Module
 """A transformers ``PreTrainedModel`` (a causal LM, or a critic's token classifier), sharded."""
 
 VIEW_WARNING: Final = "FSDP2-wrapped module .* returned a view tensor"
+ADAPTER_FOLDER: Final = "adapter"
+"""With LoRA, ``--save-hf`` writes the adapter folder (peft's) under this name in the export."""
 DEFAULT_FORWARD_MICRO_BATCH = 16
 """Sequences per forward pass when scoring without gradients."""
 
@@ -66,21 +75,36 @@ def model_output(model: HFModel, tb: TensorBatch, is_critic: bool) -> torch.Tens
     return logits.squeeze(-1) if is_critic else logits
 
 
-def export_weights(model: HFModel, precision: Precision) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full weights under the model's Hugging Face names, gathered one tensor at a time
-    (every rank must iterate them to the end), in the dtype the model computes in (bf16 copies
-    of the fp32 weights under ``bfloat16``); a tensor shared under two names (tied embeddings)
-    once, under its first."""
-    dtype = torch.bfloat16 if precision == "bfloat16" else None
+def full_tensors(model: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict as full tensors, gathered one at a time (every rank must iterate
+    them to the end); a tensor shared under two names (tied embeddings) once, under its first."""
     seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
+    # the parameters themselves (keep_vars): a tied weight is one object under both names
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach()
+
+
+def export_weights(
+    model: HFModel,
+    precision: Precision,
+    gathered: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full weights under the model's Hugging Face names (:func:`full_tensors`), in the
+    dtype the model computes in (bf16 copies of the fp32 weights under ``bfloat16``); with LoRA,
+    the base model's weights with the adapters merged in (:func:`rlcore_fsdp.lora.merged`).
+    ``gathered``: the model's :func:`full_tensors` when the caller has them already."""
+    dtype = torch.bfloat16 if precision == "bfloat16" else None
+    named = full_tensors(model) if gathered is None else gathered
+    if lora.is_lora(model):
+        named = lora.merged(model, named)
+    for name, full in named:
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
-        yield name, full.detach()
+        yield name, full
 
 
 def _sum_gradients(model: HFModel) -> None:
@@ -126,6 +150,7 @@ class FSDPEvalStack:
 
     def load(self, path: Path) -> int:
         record = model_record(self.config.to_dict(), self.spec.role)
+        record["lora"] = lora.lora_record(self.model) if lora.is_lora(self.model) else None
         return checkpoint.load_checkpoint(path, self.model, record)
 
     def export_weights(self) -> NamedTensors:
@@ -193,7 +218,10 @@ class FSDPTrainingStack:
         send_exported(export_weights(self.model, self.spec.precision), sinks)
 
     def _record(self) -> dict[str, object]:
-        return model_record(self.config.to_dict(), self.spec.role)
+        record = model_record(self.config.to_dict(), self.spec.role)
+        # None without LoRA (a checkpoint saved before LoRA existed records none either)
+        record["lora"] = lora.lora_record(self.model) if lora.is_lora(self.model) else None
+        return record
 
     def save(self, path: Path, rollout_id: int) -> None:
         checkpoint.save_checkpoint(
@@ -229,10 +257,12 @@ class FSDPTrainingStack:
         (the export gathers); rank 0 writes."""
         from safetensors.torch import save_file
 
+        full = list(full_tensors(self.model))
         tensors = {
             name: t.to("cpu").contiguous()
-            for name, t in export_weights(self.model, self.spec.precision)
+            for name, t in export_weights(self.model, self.spec.precision, full)
         }
+        adapter = lora.adapter_tensors(full) if lora.is_lora(self.model) else None
         if dist.get_rank() != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
@@ -240,6 +270,10 @@ class FSDPTrainingStack:
         config = copy.deepcopy(self.config)
         config.dtype = "bfloat16" if self.spec.precision == "bfloat16" else "float32"
         config.save_pretrained(folder)
+        if adapter is not None:
+            lora.write_adapter(
+                folder / ADAPTER_FOLDER, self.model, adapter, self.spec.hf_checkpoint
+            )
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         from rlcore.algorithms.train_step import optimizer_steps

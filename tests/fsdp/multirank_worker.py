@@ -2,7 +2,8 @@
 
 Rank r of 2 (gloo): one training step of a global batch of 4 (two samples per rank), the weights
 sent to a sink that only rank 0 has, a checkpoint of both ranks' shards, and the log-probs after
-the step. Results go to ``out/rank<r>.pt`` for the parent test to compare with one process.
+the step; with ``lora_rank``, of LoRA adapters. Results go to ``out/rank<r>.pt`` for the parent
+test to compare with one process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 
-def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
+def run(rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -26,6 +27,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
 
     from rlcore.specs import ParallelSpec
     from rlcore_fsdp.backend import FSDPBackend
+    from rlcore_fsdp.options import FSDPOptions
     from tests.fsdp.test_two_ranks import batch_and_spec
     from tests.megatron.helpers import _Keep
 
@@ -33,7 +35,7 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     spec = attrs.evolve(
         spec, model=attrs.evolve(spec.model, parallel=ParallelSpec(world_size=world))
     )
-    stack = FSDPBackend().build_training_stack(spec)
+    stack = FSDPBackend(FSDPOptions(lora_rank=lora_rank)).build_training_stack(spec)
     metrics = stack.train_step(batch)
     sink = _Keep()
     stack.send_weights([sink] if rank == 0 else [])

@@ -38,10 +38,13 @@ def batch_and_spec(folder: Path) -> tuple[TrainBatch, TrainSpec]:
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gpt2_folder(tmp_path_factory.mktemp("gpt2"))
+
+
+def gpt2_folder(folder: Path) -> Path:
     """A tiny GPT-2: tied embeddings, absolute positions, biases everywhere."""
     from rlcore.new_model import write_model
 
-    folder = tmp_path_factory.mktemp("gpt2")
     config = transformers.GPT2Config(
         vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
         eos_token_id=2,
