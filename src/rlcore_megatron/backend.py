@@ -23,6 +23,7 @@ from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precisi
 from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config, read_hf_config
 from rlcore_megatron.model.gpt import build_gpt
 from rlcore_megatron.model.hf_weights import load_hf_weights
+from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
@@ -163,11 +164,15 @@ class MegatronBackend:
 
     Weights come from ``ModelSpec.hf_checkpoint`` (an HF folder of a family that
     :mod:`rlcore_megatron.model.arch` supports). A spec without one gets a model built from
-    ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
+    ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights. ``options``: the
+    backend's settings (activation recompute), its defaults for ``None``.
     """
 
-    def __init__(self, hf_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, hf_config: Mapping[str, Any] | None = None, options: MegatronOptions | None = None
+    ) -> None:
         self._hf_config = dict(hf_config) if hf_config is not None else None
+        self._options = options if options is not None else MegatronOptions()
 
     def _arch(self, spec: ModelSpec) -> ModelArch:
         if spec.hf_checkpoint is not None:
@@ -197,7 +202,12 @@ class MegatronBackend:
                 "ranks it runs on"
             )
         arch = self._arch(spec)
-        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision)
+        layers_problem = self._options.num_layers_problem(arch.num_layers)
+        if layers_problem is not None:
+            raise ConfigError([layers_problem])
+        model = build_gpt(
+            arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision, self._options
+        )
         if device().type == "cpu":
             share_cpu_parameters(model)
         if spec.hf_checkpoint is not None:
