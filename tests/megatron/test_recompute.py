@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.options import MegatronOptions
+from tests.families import FamilyModels
 from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
 
 pytestmark = pytest.mark.megatron
@@ -111,3 +113,32 @@ def test_recompute_flags_and_config_section_reach_the_backend_options(tmp_path: 
         "needs a number of layers (add --recompute-num-layers N: 1 recomputes each layer from "
         "its input)"
     ]
+
+
+def test_a_stack_refuses_more_recomputed_layers_than_the_model_has(tiny_hf: Path) -> None:
+    backend = MegatronBackend(options=MegatronOptions("full", "block", 3))
+    with pytest.raises(ConfigError, match=r"--recompute-num-layers.*2 layers, fewer than 3"):
+        backend.build_training_stack(train_spec(tiny_hf))
+
+
+def test_recompute_leaves_a_mixture_of_experts_step_and_its_aux_loss_alone(
+    family_models: FamilyModels,
+) -> None:
+    """Qwen3-MoE with the router's load-balancing loss: a recomputed layer runs its router twice,
+    and the loss Megatron tracks (``extra``) must still count once."""
+    spec = train_spec(family_models.folder("qwen3_moe"))
+    spec = attrs.evolve(spec, model=attrs.evolve(spec.model, moe_aux_loss_coeff=1.0))
+    batch = make_batch(make_samples(4, seed=3), seed=4)
+    results = []
+    for options in (MegatronOptions(), MegatronOptions("full", "uniform", 1)):
+        stack = MegatronBackend(options=options).build_training_stack(spec)
+        results.append((stack.train_step(batch), weights(stack.export_weights())))
+    (kept, w_kept), (recomputed, w_recomputed) = results
+    assert kept.extra["load_balancing_loss"] > 0
+    assert recomputed.loss == pytest.approx(kept.loss, rel=1e-6)
+    assert recomputed.grad_norm == pytest.approx(kept.grad_norm, rel=1e-5)
+    assert recomputed.extra.keys() == kept.extra.keys()
+    for key, value in kept.extra.items():
+        assert recomputed.extra[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for name in w_kept:
+        torch.testing.assert_close(w_recomputed[name], w_kept[name], rtol=1e-5, atol=1e-7)
