@@ -190,7 +190,9 @@ class MegatronBackend:
             )
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
-    def _model(self, spec: ModelSpec) -> tuple[GPTModel, ModelArch]:
+    def _model(self, spec: ModelSpec, train: bool) -> tuple[GPTModel, ModelArch]:
+        """The model; with the options' activation recompute when it is for ``train``ing (an
+        eval stack runs no backward, so a teacher of fewer layers is not refused)."""
         parallel = spec.parallel
         init_megatron(parallel.tensor, spec.seed, parallel.expert)
         world = torch.distributed.get_world_size()
@@ -202,11 +204,12 @@ class MegatronBackend:
                 "ranks it runs on"
             )
         arch = self._arch(spec)
-        layers_problem = self._options.num_layers_problem(arch.num_layers)
+        options = self._options if train else MegatronOptions()
+        layers_problem = options.num_layers_problem(arch.num_layers)
         if layers_problem is not None:
             raise ConfigError([layers_problem])
         model = build_gpt(
-            arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision, self._options
+            arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision, options
         )
         if device().type == "cpu":
             share_cpu_parameters(model)
@@ -216,7 +219,7 @@ class MegatronBackend:
 
     def build_eval_stack(self, spec: EvalSpec) -> MegatronEvalStack:
         try:
-            model, arch = self._model(spec.model)
+            model, arch = self._model(spec.model, train=False)
         except RLCoreError:
             raise
         except Exception as exc:  # Megatron internals: translated at the edge
@@ -229,7 +232,7 @@ class MegatronBackend:
 
     def build_training_stack(self, spec: TrainSpec) -> MegatronTrainingStack:
         try:
-            gpt, arch = self._model(spec.model)
+            gpt, arch = self._model(spec.model, train=True)
             ddp = DistributedDataParallel(
                 config=gpt.config,
                 ddp_config=DistributedDataParallelConfig(

@@ -81,6 +81,16 @@ def parallel_problem(parallel: ParallelSpec) -> str | None:
     return None
 
 
+def options_model_problems(
+    options: MegatronOptions, hf_config: Mapping[str, Any]
+) -> list[ConfigProblem]:
+    """``--recompute-num-layers`` against the model's layers
+    (:meth:`~rlcore_megatron.options.MegatronOptions.num_layers_problem`)."""
+    arch = arch_from_hf_config(dict(hf_config))
+    problem = options.num_layers_problem(arch.num_layers)
+    return [] if problem is None else [problem]
+
+
 MEGATRON: Final[BackendKind[MegatronOptions]] = BackendKind(
     name="megatron",
     options_type=MegatronOptions,
@@ -89,5 +99,6 @@ MEGATRON: Final[BackendKind[MegatronOptions]] = BackendKind(
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
     install="rlcore[megatron]",
+    options_model_problems=options_model_problems,
 )
 """Megatron-core over Ray ranks: Llama 3, Qwen2.5, Qwen3 and Qwen3-MoE from their HF folders."""

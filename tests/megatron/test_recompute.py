@@ -13,6 +13,7 @@ import torch
 
 from rlcore.config.flags import load_config
 from rlcore.errors import ConfigError
+from rlcore.specs import EvalSpec, ModelSpec
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.options import MegatronOptions
 from tests.families import FamilyModels
@@ -119,6 +120,8 @@ def test_a_stack_refuses_more_recomputed_layers_than_the_model_has(tiny_hf: Path
     backend = MegatronBackend(options=MegatronOptions("full", "block", 3))
     with pytest.raises(ConfigError, match=r"--recompute-num-layers.*2 layers, fewer than 3"):
         backend.build_training_stack(train_spec(tiny_hf))
+    # An eval stack (a reference model, a smaller OPD teacher) runs no backward: not refused.
+    assert backend.build_eval_stack(EvalSpec(ModelSpec("actor", tiny_hf))).forward([]) == []
 
 
 def test_recompute_leaves_a_mixture_of_experts_step_and_its_aux_loss_alone(
