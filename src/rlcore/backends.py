@@ -70,6 +70,12 @@ class BackendKind(Generic[OptionsT]):
     implement), or ``None``."""
     install: str = "rlcore"
     """What to ``pip install`` when its packages are missing."""
+    options_model_problems: Callable[[OptionsT, Mapping[str, Any]], list[ConfigProblem]] | None = (
+        None
+    )
+    """What in its options the model a ``config.json`` (a mapping) describes cannot take (say
+    more recomputed layers than it has), each named with its flag; called before anything
+    starts, only for a ``config.json`` that :attr:`model_problems` accepts. ``None``: nothing."""
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this backend's options type (its defaults for ``None``)."""

@@ -23,6 +23,7 @@ from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precisi
 from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config, read_hf_config
 from rlcore_megatron.model.gpt import build_gpt
 from rlcore_megatron.model.hf_weights import load_hf_weights
+from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.parallel import device, init_megatron
 from rlcore_megatron.stacks import MegatronEvalStack, MegatronTrainingStack
 
@@ -163,11 +164,15 @@ class MegatronBackend:
 
     Weights come from ``ModelSpec.hf_checkpoint`` (an HF folder of a family that
     :mod:`rlcore_megatron.model.arch` supports). A spec without one gets a model built from
-    ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights.
+    ``hf_config`` (an HF ``config.json`` mapping) with seeded random weights. ``options``: the
+    backend's settings (activation recompute), its defaults for ``None``.
     """
 
-    def __init__(self, hf_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, hf_config: Mapping[str, Any] | None = None, options: MegatronOptions | None = None
+    ) -> None:
         self._hf_config = dict(hf_config) if hf_config is not None else None
+        self._options = options if options is not None else MegatronOptions()
 
     def _arch(self, spec: ModelSpec) -> ModelArch:
         if spec.hf_checkpoint is not None:
@@ -185,7 +190,9 @@ class MegatronBackend:
             )
         return arch_from_hf_config(self._hf_config, "MegatronBackend(hf_config=...)")
 
-    def _model(self, spec: ModelSpec) -> tuple[GPTModel, ModelArch]:
+    def _model(self, spec: ModelSpec, train: bool) -> tuple[GPTModel, ModelArch]:
+        """The model; with the options' activation recompute when it is for ``train``ing (an
+        eval stack runs no backward, so a teacher of fewer layers is not refused)."""
         parallel = spec.parallel
         init_megatron(parallel.tensor, spec.seed, parallel.expert)
         world = torch.distributed.get_world_size()
@@ -197,7 +204,13 @@ class MegatronBackend:
                 "ranks it runs on"
             )
         arch = self._arch(spec)
-        model = build_gpt(arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision)
+        options = self._options if train else MegatronOptions()
+        layers_problem = options.num_layers_problem(arch.num_layers)
+        if layers_problem is not None:
+            raise ConfigError([layers_problem])
+        model = build_gpt(
+            arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision, options
+        )
         if device().type == "cpu":
             share_cpu_parameters(model)
         if spec.hf_checkpoint is not None:
@@ -206,7 +219,7 @@ class MegatronBackend:
 
     def build_eval_stack(self, spec: EvalSpec) -> MegatronEvalStack:
         try:
-            model, arch = self._model(spec.model)
+            model, arch = self._model(spec.model, train=False)
         except RLCoreError:
             raise
         except Exception as exc:  # Megatron internals: translated at the edge
@@ -219,7 +232,7 @@ class MegatronBackend:
 
     def build_training_stack(self, spec: TrainSpec) -> MegatronTrainingStack:
         try:
-            gpt, arch = self._model(spec.model)
+            gpt, arch = self._model(spec.model, train=True)
             ddp = DistributedDataParallel(
                 config=gpt.config,
                 ddp_config=DistributedDataParallelConfig(

@@ -26,6 +26,12 @@ megatron-core 0.16.1:
 - ``torch.cuda.synchronize()`` while saving a checkpoint;
 - the CUDA RNG tracker (avoided in :func:`rlcore_megatron.parallel.init_megatron` with
   ``inference_rng_tracker=True``, which needs no CUDA generator);
+- activation recompute (``tensor_parallel.random.CheckpointFunction``, behind
+  ``--recompute-granularity``) saving and restoring the CUDA generator's state around the
+  recomputed forward (``_get_cuda_rng_state``, ``_set_cuda_rng_state``): with no CUDA
+  generator there is no state to keep, so they return an empty state and restore nothing (the
+  CPU generator's state, which the CPU layers draw from, is still saved and restored by
+  Megatron's code);
 - CUDA streams and events in MoE's all-to-all token dispatcher (avoided: the model uses the
   all-gather dispatcher, Megatron's default, which has none).
 
@@ -174,6 +180,16 @@ def _clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``_get_cuda_rng_state`` without CUDA: an empty state (there is no CUDA generator)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """``_set_cuda_rng_state`` without CUDA: nothing to restore."""
+    del new_state
+
+
 def _cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """``Tensor.type()`` as a GPU would answer it: ``torch.BFloat16Tensor`` on the CPU reads
     ``torch.cuda.BFloat16Tensor``. With arguments (a cast) it is the real ``Tensor.type``."""
@@ -218,6 +234,9 @@ def apply() -> None:
     # The stubs declare neither module attribute: we set them on purpose.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = _no_cuda_rng_state  # type: ignore[attr-defined]  # private, on purpose
+    random._set_cuda_rng_state = _set_no_cuda_rng_state  # type: ignore[attr-defined]  # private, on purpose
     for module_name, class_name in CUDA_TYPE_NAME_CONSTRUCTORS:
         cls = getattr(importlib.import_module(module_name), class_name)
         cls.__init__ = _with_cuda_type_names(cls.__init__)

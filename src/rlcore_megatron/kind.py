@@ -13,10 +13,10 @@ import attrs
 
 from rlcore.backends import BackendKind
 from rlcore.errors import ConfigError, ConfigProblem
-from rlcore.imports import NoOptions
 from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
 from rlcore_megatron.model.arch import arch_from_hf_config, model_info
+from rlcore_megatron.options import MegatronOptions
 
 __all__ = ["MEGATRON", "MegatronRuntime"]
 
@@ -25,7 +25,10 @@ __all__ = ["MEGATRON", "MegatronRuntime"]
 @attrs.frozen
 class MegatronRuntime:
     """:func:`~rlcore_megatron.parallel.init_megatron`, then a
-    :class:`~rlcore_megatron.backend.MegatronBackend`; both imported inside the rank."""
+    :class:`~rlcore_megatron.backend.MegatronBackend` with ``options``; both imported inside
+    the rank."""
+
+    options: MegatronOptions = MegatronOptions()
 
     def init(self, parallel: ParallelSpec, seed: int) -> None:
         from rlcore_megatron.parallel import init_megatron
@@ -35,7 +38,7 @@ class MegatronRuntime:
     def backend(self) -> Backend:
         from rlcore_megatron.backend import MegatronBackend
 
-        return MegatronBackend()
+        return MegatronBackend(options=self.options)
 
 
 def model_problems(hf_config: Mapping[str, Any], source: str) -> list[ConfigProblem]:
@@ -78,18 +81,24 @@ def parallel_problem(parallel: ParallelSpec) -> str | None:
     return None
 
 
-def _runtime(options: NoOptions) -> MegatronRuntime:
-    del options
-    return MegatronRuntime()
+def options_model_problems(
+    options: MegatronOptions, hf_config: Mapping[str, Any]
+) -> list[ConfigProblem]:
+    """``--recompute-num-layers`` against the model's layers
+    (:meth:`~rlcore_megatron.options.MegatronOptions.num_layers_problem`)."""
+    arch = arch_from_hf_config(dict(hf_config))
+    problem = options.num_layers_problem(arch.num_layers)
+    return [] if problem is None else [problem]
 
 
-MEGATRON: Final[BackendKind[NoOptions]] = BackendKind(
+MEGATRON: Final[BackendKind[MegatronOptions]] = BackendKind(
     name="megatron",
-    options_type=NoOptions,
-    runtime=_runtime,
+    options_type=MegatronOptions,
+    runtime=MegatronRuntime,
     model_problems=model_problems,
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
     install="rlcore[megatron]",
+    options_model_problems=options_model_problems,
 )
 """Megatron-core over Ray ranks: Llama 3, Qwen2.5, Qwen3 and Qwen3-MoE from their HF folders."""

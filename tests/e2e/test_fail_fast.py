@@ -460,3 +460,22 @@ def test_a_group_filter_is_checked_before_anything_starts(demo: Path, tmp_path: 
     with pytest.raises(PlanError, match=r"so it would keep none; drop it"):
         prepare(load_config([*flags, *only, *reward_filter]))
     assert not (tmp_path / "out").exists()  # prepare removes what it made
+
+
+@pytest.mark.megatron  # the layer count is read by the Megatron backend's own check
+def test_more_recomputed_layers_than_the_model_has_are_refused_before_start(
+    demo: Path, tmp_path: Path
+) -> None:
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "block"]
+    config = load_config(
+        _flags(demo, tmp_path / "out", *recompute, "--recompute-num-layers", "99")
+        + ["--hf-checkpoint", str(demo / "model")]
+    )
+    with pytest.raises(ConfigError) as info:
+        prepare_module.preflight(config)
+    layers = json.loads((demo / "model" / "config.json").read_text())["num_hidden_layers"]
+    assert [str(p) for p in info.value.problems] == [
+        f"megatron.recompute_num_layers (--recompute-num-layers): the model has {layers} layers, "
+        f"fewer than 99 (set it to at most {layers})"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -226,7 +226,11 @@ def preflight(config: RunConfig) -> list[Path]:
         found, hf_config = check_model_folder(folder, where)
         problems += found
         if hf_config:
-            problems += _model_problems(kind, hf_config, folder / "config.json", where)
+            found = _model_problems(kind, hf_config, folder / "config.json", where)
+            problems += found
+            if not found and kind.options_model_problems is not None:
+                options = kind.options(config.model.backend_options)
+                problems += kind.options_model_problems(options, hf_config)
         o = config.opd
         if o.use_opd and not config.is_eval_only and not config.debug.debug_rollout_only:
             if o.opd_teacher_hf_checkpoint is not None:

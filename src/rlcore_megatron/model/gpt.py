@@ -28,6 +28,7 @@ from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import Precision, Role
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch
+from rlcore_megatron.options import MegatronOptions
 
 __all__ = [
     "RMSNorm",
@@ -117,6 +118,7 @@ def transformer_config(
     ep_size: int = 1,
     moe_aux_loss_coeff: float = 0.0,
     precision: Precision = "float32",
+    options: MegatronOptions | None = None,
 ) -> TransformerConfig:
     """No fusions, no dropout, CPU initialisation (deterministic across TP ranks); parameters in
     ``precision`` (``bfloat16`` also makes Megatron keep the attention softmax in fp32).
@@ -126,8 +128,11 @@ def transformer_config(
     whole experts on TP ranks that each see their own sequence shard, megatron-core 0.16 reduces
     no expert gradient over the TP ranks when ``ep_size`` is 1).
     ``moe_aux_loss_coeff > 0`` adds Megatron's load-balancing loss (Switch Transformer, Fedus et
-    al. 2021) to the training loss.
+    al. 2021) to the training loss. ``options``' activation recompute goes to Megatron's own
+    (``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``; selective
+    recomputes Megatron's default module, the core attention).
     """
+    recompute = options if options is not None else MegatronOptions()
     bf16 = precision == "bfloat16"
     experts = arch.moe
     moe_fields: _MoEFields = {}
@@ -178,6 +183,9 @@ def transformer_config(
         # DDP sums gradients: the loss is already divided by the global batch size.
         calculate_per_token_loss=True,
         init_method_std=float(arch.hf_config.get("initializer_range", 0.02)),
+        recompute_granularity=recompute.recompute_granularity,
+        recompute_method=recompute.recompute_method,
+        recompute_num_layers=recompute.recompute_num_layers,
         **moe_fields,
     )
 
@@ -278,13 +286,14 @@ def build_gpt(
     device: torch.device,
     moe_aux_loss_coeff: float = 0.0,
     precision: Precision = "float32",
+    options: MegatronOptions | None = None,
 ) -> GPTModel:
     """The Megatron model for ``role`` on this rank (initialised from the CPU generator), every
-    parameter in ``precision``."""
+    parameter in ``precision``; ``options``: activation recompute (:func:`transformer_config`)."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     check_parallel(arch, tp_size, ep_size)
-    config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff, precision)
+    config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff, precision, options)
     is_critic = role == "critic"
     model = GPTModel(
         config=config,

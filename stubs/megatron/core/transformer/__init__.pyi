@@ -18,6 +18,7 @@ class TransformerConfig:
     params_dtype: torch.dtype
     sequence_parallel: bool
     num_moe_experts: int | None
+    recompute_granularity: Literal["full", "selective"] | None
     def __init__(
         self,
         *,
@@ -61,4 +62,7 @@ class TransformerConfig:
         moe_permute_fusion: bool = False,
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: int | None = None,
+        recompute_granularity: Literal["full", "selective"] | None = None,
+        recompute_method: Literal["uniform", "block"] | None = None,
+        recompute_num_layers: int | None = None,
     ) -> None: ...
