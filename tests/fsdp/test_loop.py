@@ -6,7 +6,7 @@ on-policy distillation teacher built as an eval stack."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, final
+from typing import Any
 
 import pytest
 import torch
@@ -14,13 +14,11 @@ import torch
 from rlcore.config import structure_config
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import plan
-from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
-from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore_fsdp.backend import FSDPBackend
-from tests.megatron.helpers import TINY, sent_weights
+from tests.megatron.helpers import TINY, RecordingBackend, sent_weights
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +26,6 @@ PROMPTS = tuple(
     Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(6)
 )
 DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("heldout", PROMPTS[:2]),), seed=3)
-
-
-@final
-class RecordingBackend:
-    """FSDPBackend that keeps the training stacks it built, so the test can read their weights."""
-
-    def __init__(self) -> None:
-        self.inner = FSDPBackend()
-        self.training: dict[str, TrainingStack] = {}
-        self.eval_stacks: list[EvalStack] = []
-
-    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
-        stack = self.inner.build_training_stack(spec)
-        self.training[spec.model.role] = stack
-        return stack
-
-    def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
-        self.eval_stacks.append(self.inner.build_eval_stack(spec))
-        return self.eval_stacks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +59,7 @@ def _plan(hf: Path, save: Path, num_rollout: int, load: Path | None = None) -> A
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
     char_llama: Path, tmp_path: Path
 ) -> None:
-    straight = RecordingBackend()
+    straight = RecordingBackend(FSDPBackend())
     result = run(
         _plan(char_llama, tmp_path / "a", 4), straight, ScriptedEngine(), label_reward, DATA
     )
@@ -89,11 +68,14 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
     assert {"train/actor/kl_loss", "train/critic/value_loss"} <= set(result.last_train)
 
     first = run(
-        _plan(char_llama, tmp_path / "b", 2), RecordingBackend(), ScriptedEngine(), label_reward,
+        _plan(char_llama, tmp_path / "b", 2),
+        RecordingBackend(FSDPBackend()),
+        ScriptedEngine(),
+        label_reward,
         DATA,
-    )  # fmt: skip
+    )
     assert first.saved == (1,)
-    resumed = RecordingBackend()
+    resumed = RecordingBackend(FSDPBackend())
     second = run(
         _plan(char_llama, tmp_path / "b", 4, load=tmp_path / "b"), resumed, ScriptedEngine(),
         label_reward, DATA,
@@ -119,7 +101,7 @@ def test_a_teacher_is_an_eval_stack_whose_reverse_kl_reaches_the_advantages(
         "train": {"global_batch_size": 4, "micro_batch_size": 2},
         "opd": {"use_opd": True, "opd_teacher_hf_checkpoint": str(char_llama)},
     }
-    backend, sink = RecordingBackend(), RecordingSink()
+    backend, sink = RecordingBackend(FSDPBackend()), RecordingSink()
     result = run(plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA, sink)
     assert result.built == ("train:actor", "eval:teacher")
     (teacher,) = backend.eval_stacks

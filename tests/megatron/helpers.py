@@ -12,9 +12,10 @@ from typing import Any, Final
 import attrs
 import torch
 
-from rlcore.protocols.stacks import ModelStack
+from rlcore.protocols.stacks import Backend, EvalStack, ModelStack, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
+    EvalSpec,
     ISCorrection,
     LossSpec,
     LRSchedule,
@@ -198,3 +199,22 @@ def sent_weights(stack: ModelStack) -> dict[str, torch.Tensor]:
     keep = _Keep()
     stack.send_weights([keep])
     return keep.tensors
+
+
+class RecordingBackend:
+    """``inner`` (any backend) keeping the stacks it built, so a test can read their weights:
+    the training stacks by role, the eval stacks in the order they were built."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.training: dict[str, TrainingStack] = {}
+        self.eval_stacks: list[EvalStack] = []
+
+    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
+        stack = self.inner.build_training_stack(spec)
+        self.training[spec.model.role] = stack
+        return stack
+
+    def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
+        self.eval_stacks.append(self.inner.build_eval_stack(spec))
+        return self.eval_stacks[-1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, final
+from typing import Any
 
 import pytest
 import torch
@@ -18,14 +18,12 @@ from safetensors.torch import load_file
 from rlcore.config import structure_config
 from rlcore.loop import RunData, run
 from rlcore.loop.plan import plan
-from rlcore.protocols.stacks import EvalStack, TrainingStack
 from rlcore.samples import EvalSet, Prompt
-from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore.testing.tiny import build_char_tokenizer, build_tiny_llama
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.stacks import MegatronTrainingStack
-from tests.megatron.helpers import TINY, sent_weights
+from tests.megatron.helpers import TINY, RecordingBackend, sent_weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -33,25 +31,6 @@ PROMPTS = tuple(
     Prompt(index=i, text=f"{i}+1=", token_ids=(1, i + 3), label=str(i + 1)) for i in range(6)
 )
 DATA = RunData(train_prompts=PROMPTS, eval_sets=(EvalSet("heldout", PROMPTS[:2]),), seed=3)
-
-
-@final
-class RecordingBackend:
-    """MegatronBackend that keeps the stacks it built, so the test can read their weights."""
-
-    def __init__(self) -> None:
-        self.inner = MegatronBackend()
-        self.training: dict[str, TrainingStack] = {}
-        self.eval_stacks: list[EvalStack] = []
-
-    def build_training_stack(self, spec: TrainSpec) -> TrainingStack:
-        stack = self.inner.build_training_stack(spec)
-        self.training[spec.model.role] = stack
-        return stack
-
-    def build_eval_stack(self, spec: EvalSpec) -> EvalStack:
-        self.eval_stacks.append(self.inner.build_eval_stack(spec))
-        return self.eval_stacks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +64,7 @@ def _config(hf: Path, save: Path, num_rollout: int, load: Path | None = None) ->
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
     char_llama: Path, tmp_path: Path
 ) -> None:
-    straight = RecordingBackend()
+    straight = RecordingBackend(MegatronBackend())
     result = run(
         _config(char_llama, tmp_path / "a", 4), straight, ScriptedEngine(), label_reward, DATA
     )
@@ -95,13 +74,13 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
 
     first = run(
         _config(char_llama, tmp_path / "b", 2),
-        RecordingBackend(),
+        RecordingBackend(MegatronBackend()),
         ScriptedEngine(),
         label_reward,
         DATA,
     )
     assert first.saved == (1,)
-    resumed = RecordingBackend()
+    resumed = RecordingBackend(MegatronBackend())
     second = run(
         _config(char_llama, tmp_path / "b", 4, load=tmp_path / "b"),
         resumed,
@@ -138,7 +117,7 @@ def test_hf_exports_hold_the_actor_at_each_interval(
             "save_hf_interval": 2,
         },
     }
-    backend = RecordingBackend()
+    backend = RecordingBackend(MegatronBackend())
     run(plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA)
     # Rollouts are counted from 1: exports after rollout 2 (the interval) and 3 (the last).
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_2", "iter_3"]
@@ -183,7 +162,7 @@ def test_a_teacher_is_a_megatron_eval_stack_whose_reverse_kl_reaches_the_advanta
             "train": {"global_batch_size": 4, "micro_batch_size": 2},
             "opd": {"use_opd": True, "opd_teacher_hf_checkpoint": str(teacher)},
         }
-        backend, sink = RecordingBackend(), RecordingSink()
+        backend, sink = RecordingBackend(MegatronBackend()), RecordingSink()
         result = run(
             plan(structure_config(data)), backend, ScriptedEngine(), label_reward, DATA, sink
         )
