@@ -344,14 +344,17 @@ def _rank_processes(cli: WatchedCLI) -> list[psutil.Process]:
     return [p for p in named.values() if p.ppid() not in named]
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_finishes(
-    demo: Path, tmp_path: Path
+    demo: Path, tmp_path: Path, backend: str
 ) -> None:
     """``--max-restarts 1``: kill -9 of a rank's actor after the first checkpoint. The run closes
     everything, resumes from the latest checkpoint and finishes with exit 0; every rollout is in
-    metrics.jsonl once, nothing is left running."""
+    metrics.jsonl once, nothing is left running. For every backend: the launcher restarts ranks,
+    the backend's checkpoint brings them back."""
     out, save = tmp_path / "out", tmp_path / "ckpt"
     flags = [*_flags(demo, out, save), "--num-rollout", "6", "--save-interval", "2"]
+    flags += ["--train-backend", backend]
     cli = WatchedCLI([*flags, "--max-restarts", "1"], tmp_path / "cli")
     try:
         cli.wait_for(save / "latest", timeout_s=600)
