@@ -6,7 +6,9 @@ lists them under the backend's name and a config file sets them in a section of 
 the rank runtime that sets up one rank's process group and parallel state and then builds that
 rank's stacks; the checks the launcher asks before anything starts (whether the backend can
 build a model folder's ``config.json``, whether a checkpoint's saved weights fit a model folder,
-whether it supports a parallel layout); and the pip extra that installs it.
+whether it supports a parallel layout); which eval stacks are views of a training stack's model
+rather than models of their own (:attr:`BackendKind.model_owner`); and the pip extra that
+installs it.
 :data:`KNOWN_BACKENDS` says where each kind lives; the module it names stays light (no torch, no
 framework), so that ``--help`` and the checks before start need only rlcore, and a missing
 package is a clear error with an install hint (:func:`rlcore.imports.load_registered`, which the
@@ -26,7 +28,7 @@ import attrs
 from rlcore.errors import ConfigProblem
 from rlcore.imports import Registry, kind_options, load_registered
 from rlcore.protocols.stacks import Backend
-from rlcore.specs import ParallelSpec
+from rlcore.specs import EvalSpec, ParallelSpec, Role
 
 __all__ = ["KNOWN_BACKENDS", "BackendKind", "RankRuntime", "load_backend", "load_backend_kind"]
 
@@ -76,6 +78,20 @@ class BackendKind(Generic[OptionsT]):
     """What in its options the model a ``config.json`` (a mapping) describes cannot take (say
     more recomputed layers than it has), each named with its flag; called before anything
     starts, only for a ``config.json`` that :attr:`model_problems` accepts. ``None``: nothing."""
+    model_owner: Callable[[OptionsT, EvalSpec], Role | None] | None = None
+    """Whether the eval stack of an :class:`~rlcore.specs.EvalSpec` is a view of the model of
+    the training stack of another role rather than a model of its own (with LoRA, the reference
+    is the actor's base with the adapters disabled): that role, or ``None``. The backend builds
+    such a view in the process that holds that training stack, built before it, so a launcher
+    builds the eval stack in that stack's ranks and reserves nothing for it (:meth:`owner_of`).
+    ``None`` (the hook): every stack is a model of its own."""
+
+    def owner_of(self, options: object | None, spec: EvalSpec) -> Role | None:
+        """The role of the training stack whose model the eval stack of ``spec`` views, with
+        ``options`` (the backend's defaults for ``None``); ``None``: a model of its own."""
+        if self.model_owner is None:
+            return None
+        return self.model_owner(self.options(options), spec)
 
     def options(self, options: object | None) -> OptionsT:
         """``options`` as this backend's options type (its defaults for ``None``)."""

@@ -11,14 +11,19 @@ cast as they are gathered) while the weights, their gradient reduction and AdamW
 ``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
 sharding, so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
-is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); the critic, the
-reference and the teacher are built without them (the reference is thus the base model: a second
-copy of its weights, built from the same folder). Dropout is off (the model stays in eval mode):
-the loss is of the policy that sampled.
+is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); the critic and
+the teacher are built without them. The reference is then the actor's base with the adapters
+disabled (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights: the backend
+that built the LoRA actor's training stack returns that view for the reference (of the same model
+folder, precision and layout), and the launcher builds the reference in the actor's ranks
+(:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
+Asked for the reference before or without that actor, it builds the base model of its own.
+Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, final
 
@@ -34,8 +39,8 @@ from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.lora import add_adapters
-from rlcore_fsdp.options import FSDPOptions, parallel_problem
-from rlcore_fsdp.stacks import FSDPEvalStack, FSDPTrainingStack, HFModel
+from rlcore_fsdp.options import FSDPOptions, model_owner, parallel_problem
+from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
 __all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
 
@@ -183,12 +188,20 @@ def lr_scheduler(
 
 @final
 class FSDPBackend:
-    """Builds :class:`FSDPTrainingStack` and :class:`FSDPEvalStack` on this rank."""
+    """Builds :class:`FSDPTrainingStack` and :class:`FSDPEvalStack` on this rank, and with LoRA
+    the reference as :class:`FSDPBaseView` of the actor it built (module docstring)."""
 
     def __init__(self, options: FSDPOptions | None = None) -> None:
         self.options = options if options is not None else FSDPOptions()
+        # the LoRA actor's training stack this backend built last (not kept alive by it)
+        self._actor: weakref.ref[FSDPTrainingStack] | None = None
 
-    def build_eval_stack(self, spec: EvalSpec) -> FSDPEvalStack:
+    def build_eval_stack(self, spec: EvalSpec) -> FSDPEvalStack | FSDPBaseView:
+        actor = self._actor() if self._actor is not None else None
+        if actor is not None and model_owner(self.options, spec) == actor.spec.role:
+            same = ("hf_checkpoint", "parallel", "precision")
+            if all(getattr(spec.model, f) == getattr(actor.spec, f) for f in same):
+                return FSDPBaseView(spec, actor)
         try:
             model, config = _load(spec.model, self.options)
         except RLCoreError:
@@ -211,4 +224,7 @@ class FSDPBackend:
             raise RLCoreError(
                 f"building the fsdp training stack for {spec.model.role} failed: {exc}"
             ) from exc
-        return FSDPTrainingStack(spec, model, config, optimizer, scheduler, device())
+        stack = FSDPTrainingStack(spec, model, config, optimizer, scheduler, device())
+        if self.options.lora_rank > 0 and spec.model.role == "actor":
+            self._actor = weakref.ref(stack)
+        return stack

@@ -41,7 +41,7 @@ from rlcore.checkpoint_files import check_record_matches, read_stack_record, wri
 from rlcore.errors import CheckpointError
 from rlcore_fsdp.lora import is_adapter, is_lora
 
-__all__ = ["FORMAT", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT", "base_rollout_id", "load_checkpoint", "save_checkpoint"]
 
 FORMAT: Final = "rlcore-fsdp/1"
 
@@ -130,4 +130,27 @@ def load_checkpoint(
     # derives from BaseException, not Exception.
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {exc}") from exc
+    return rollout_id
+
+
+def base_rollout_id(path: Path, model_info: Mapping[str, object]) -> int:
+    """The rollout id of the LoRA checkpoint ``path``, for a stack that holds the base model of
+    the adapters (the reference, a view of the actor's base): checked as a load checks it (the
+    record against ``model_info``, the ranks agreeing), and nothing loaded, since the base weights
+    under the adapters never train (they are the model folder's). A checkpoint of full weights
+    is refused: its base moved, and the view cannot hold other weights than the actor's base."""
+    path = Path(path)
+    record = read_stack_record(path, FORMAT)
+    rollout_id = int(record["rollout_id"])
+    saved = record.get("model", {})
+    check_record_matches(
+        path, saved, model_info, "a different model", "load a checkpoint of the same model"
+    )
+    if saved.get("lora") is None:
+        raise CheckpointError(
+            f"checkpoint {path} holds full weights, not LoRA adapters: this stack is the base "
+            "model of the LoRA actor (the model folder's weights, never trained) and takes no "
+            "other weights; build it without LoRA to load them"
+        )
+    agree_on_rollout_id(path, rollout_id)
     return rollout_id

@@ -17,7 +17,7 @@ from rlcore.backends import BackendKind
 from rlcore.errors import ConfigProblem
 from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
-from rlcore_fsdp.options import FSDPOptions, model_record, parallel_problem
+from rlcore_fsdp.options import FSDPOptions, model_owner, model_record, parallel_problem
 
 __all__ = ["FSDP", "FSDPRuntime"]
 
@@ -113,6 +113,7 @@ FSDP: Final[BackendKind[FSDPOptions]] = BackendKind(
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
     install="rlcore[fsdp]",
+    model_owner=model_owner,
 )
 """Any Hugging Face causal LM (``AutoModelForCausalLM``), sharded with FSDP2 over the
 data-parallel ranks."""

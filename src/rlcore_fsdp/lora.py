@@ -7,15 +7,18 @@ optimizer. ``lora_B`` starts at zero, so the model starts as the base exactly.
 Out of the stack the adapters are merged: :func:`merged` turns the peft model's full tensors
 (``base_model.model.<name>.base_layer.weight``, ``...lora_A.default.weight``,
 ``...lora_B.default.weight``) into the base model's own Hugging Face names, each adapted weight
-``W + (B @ A) * alpha / rank`` as peft's ``merge_and_unload`` computes it, and no ``lora_``
-tensor. Checkpoints hold the adapters only (:func:`is_adapter`); :func:`adapter_tensors` and
-:func:`write_adapter` write the folder ``peft.PeftModel.from_pretrained`` loads.
+``W + (B @ A) * alpha / rank`` as peft's ``merge_and_unload`` computes it, and no ``lora_`` tensor;
+:func:`unadapted` gives the base model's weights alone (what the model computes with its adapters
+disabled, :func:`adapters_off`: the reference). Checkpoints hold the adapters only
+(:func:`is_adapter`); :func:`adapter_tensors` and :func:`write_adapter` write the folder
+``peft.PeftModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -30,12 +33,14 @@ __all__ = [
     "ADAPTER",
     "PREFIX",
     "adapter_tensors",
+    "adapters_off",
     "add_adapters",
     "is_adapter",
     "is_lora",
     "lora_config",
     "lora_record",
     "merged",
+    "unadapted",
     "write_adapter",
 ]
 
@@ -137,6 +142,24 @@ def merged(
             del parts[owner]
     if parts:
         raise RuntimeError(f"LoRA layers with missing tensors in the export: {sorted(parts)}")
+
+
+def unadapted(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The peft model's full ``tensors`` as the base model's weights under its own names, the
+    adapters left out."""
+    for name, tensor in tensors:
+        if not is_adapter(name):
+            yield name.removeprefix(PREFIX).replace(".base_layer.", "."), tensor
+
+
+def adapters_off(model: torch.nn.Module) -> AbstractContextManager[None]:
+    """peft's ``disable_adapter``: the peft ``model`` computes as its base model in the block."""
+    from peft import PeftModel
+
+    assert isinstance(model, PeftModel)
+    return model.disable_adapter()
 
 
 def adapter_tensors(

@@ -11,9 +11,16 @@ from typing import Any, Final, final
 import attrs
 
 from rlcore.config import option
-from rlcore.specs import ParallelSpec
+from rlcore.specs import EvalSpec, ParallelSpec, Role
 
-__all__ = ["RECORDED", "FSDPOptions", "lora_problem", "model_record", "parallel_problem"]
+__all__ = [
+    "RECORDED",
+    "FSDPOptions",
+    "lora_problem",
+    "model_owner",
+    "model_record",
+    "parallel_problem",
+]
 
 
 def lora_problem(rank: int, alpha: int, dropout: float, modules: tuple[str, ...]) -> str | None:
@@ -83,6 +90,13 @@ class FSDPOptions:
         )
         if problem is not None:
             raise ValueError(problem)
+
+
+def model_owner(options: FSDPOptions, spec: EvalSpec) -> Role | None:
+    """With LoRA the reference is the actor's base model with the adapters disabled, a view of the
+    actor's model (no second copy of the weights): ``"actor"`` for it, else ``None``
+    (:attr:`rlcore.backends.BackendKind.model_owner`)."""
+    return "actor" if options.lora_rank > 0 and spec.model.role == "reference" else None
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")

@@ -1,5 +1,7 @@
-"""The FSDP stacks: :class:`FSDPEvalStack` (a sharded Hugging Face model) and
-:class:`FSDPTrainingStack` (that model, AdamW and the LR schedule, and the loss).
+"""The FSDP stacks: :class:`FSDPEvalStack` (a sharded Hugging Face model),
+:class:`FSDPTrainingStack` (that model, AdamW and the LR schedule, and the loss), and
+:class:`FSDPBaseView` (a LoRA training stack's base model, its adapters disabled: the reference
+without a second copy of the weights).
 
 Both score samples through :func:`rlcore.algorithms.train_step.score_samples` and train through
 the core's train-step arithmetic (:mod:`rlcore.algorithms.train_step`): every data-parallel rank
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch
 
 __all__ = [
+    "FSDPBaseView",
     "FSDPEvalStack",
     "FSDPTrainingStack",
     "HFModel",
@@ -92,15 +95,18 @@ def export_weights(
     model: HFModel,
     precision: Precision,
     gathered: Iterable[tuple[str, torch.Tensor]] | None = None,
+    *,
+    adapters: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under the model's Hugging Face names (:func:`full_tensors`), in the
     dtype the model computes in (bf16 copies of the fp32 weights under ``bfloat16``); with LoRA,
-    the base model's weights with the adapters merged in (:func:`rlcore_fsdp.lora.merged`).
+    the base model's weights with the adapters merged in (:func:`rlcore_fsdp.lora.merged`), or
+    without them (``adapters=False``, :func:`rlcore_fsdp.lora.unadapted`).
     ``gathered``: the model's :func:`full_tensors` when the caller has them already."""
     dtype = torch.bfloat16 if precision == "bfloat16" else None
     named = full_tensors(model) if gathered is None else gathered
     if lora.is_lora(model):
-        named = lora.merged(model, named)
+        named = lora.merged(model, named) if adapters else lora.unadapted(named)
     for name, full in named:
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
@@ -313,3 +319,56 @@ class FSDPTrainingStack:
         return TrainMetrics(
             loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=step.tokens, extra=means
         )
+
+
+@final
+class FSDPBaseView:
+    """The base model of a LoRA :class:`FSDPTrainingStack` (the actor), its adapters disabled
+    (peft's ``disable_adapter``): an eval stack with no weights of its own, the reference under
+    ``--lora-rank``. The base weights never train, so it is the model folder's model throughout;
+    ``load`` checks a LoRA checkpoint and changes nothing
+    (:func:`rlcore_fsdp.checkpoint.base_rollout_id`), and its weights leave as the base's."""
+
+    kind: Final = "eval"
+
+    def __init__(self, spec: EvalSpec, actor: FSDPTrainingStack) -> None:
+        if not lora.is_lora(actor.model):
+            raise ValueError(f"the {actor.spec.role}'s model carries no LoRA adapters to disable")
+        self._spec = spec
+        self._actor = actor
+        self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec.model
+
+    @property
+    def model(self) -> HFModel:
+        """The actor's (peft) model, whose base this stack computes with."""
+        return self._actor.model
+
+    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+        from rlcore.algorithms.train_step import score_samples
+
+        model = self._actor.model
+        with lora.adapters_off(model):
+            return score_samples(
+                lambda tb: model_output(model, tb, False),
+                samples,
+                self.spec,
+                pad_id(self._actor.config),
+                self._actor.device,
+                self.forward_micro_batch,
+            )
+
+    def load(self, path: Path) -> int:
+        record = model_record(self._actor.config.to_dict(), self.spec.role)
+        return checkpoint.base_rollout_id(path, record)
+
+    def export_weights(self) -> NamedTensors:
+        """The base model's full weights under Hugging Face names (every rank must iterate
+        them)."""
+        return export_weights(self._actor.model, self.spec.precision, adapters=False)
+
+    def send_weights(self, sinks: Sequence[WeightSink]) -> None:
+        send_exported(self.export_weights(), sinks)

@@ -1,7 +1,8 @@
 """``--train-backend fsdp`` through the launcher as a user runs it (``python -m rlcore.launch``,
 its own Ray start-up): two GRPO rollouts of the tiny demo with a checkpoint and an HF export,
 then an eval-only run on the checkpoint that builds the actor's eval stack and nothing else. (The
-entropy bonus makes the update nonzero when no sample of the two rollouts is rewarded.)"""
+entropy bonus makes the update nonzero when no sample of the two rollouts is rewarded.) With LoRA
+and a KL loss, the reference runs in the actor's ranks: the placement reserves no slots for it."""
 
 from __future__ import annotations
 
@@ -63,6 +64,26 @@ def test_fsdp_trains_saves_exports_and_evaluates_the_demo(demo: Path, tmp_path: 
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     summary = _summary(tmp_path / "eval")
     assert summary["built"] == ["eval:actor"] and summary["trained"] == []
+
+
+def test_lora_s_reference_runs_in_the_actor_s_ranks(demo: Path, tmp_path: Path) -> None:
+    # fmt: off
+    run = _launch(
+        "--hf-checkpoint", str(demo / "model"), "--prompt-data", str(demo / "train.jsonl"),
+        "--input-key", "prompt", "--label-key", "answer", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+        "--rollout-max-response-len", "4", "--lr", "1e-3", "--num-rollout", "2",
+        "--lora-rank", "4", "--use-kl-loss", "--kl-loss-coef", "0.1",
+        "--output-dir", str(tmp_path / "out"),
+    )
+    # fmt: on
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = _summary(tmp_path / "out")
+    assert summary["built"] == ["train:actor", "eval:reference"]
+    assert summary["trained"] == [1, 2]
+    log = (tmp_path / "out" / "run.log").read_text()
+    placed = log.split("placement:", 1)[1].split(" INFO ", 1)[0]
+    assert "actor: 1 rank(s)" in placed and "reference" not in placed, placed
 
 
 def test_a_tensor_parallel_split_is_refused_before_anything_starts(

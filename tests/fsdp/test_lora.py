@@ -2,7 +2,9 @@
 folder's, bit for bit), the engine gets the merged weights under the base model's names (what
 peft's ``merge_and_unload`` gives), ``--save-hf`` writes a merged model that transformers loads
 with the stack's log-probs and an adapter folder peft loads, a checkpoint holds the adapters and
-their AdamW state and resumes exactly, and the flags are checked before start."""
+their AdamW state and resumes exactly, the reference is the actor's base with the adapters
+disabled (no second copy of the weights, in process and in the actor's Ray actors), and the flags
+are checked before start."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from rlcore.config.flags import load_config
 from rlcore.errors import CheckpointError, ConfigError
@@ -22,7 +25,7 @@ from rlcore.testing.tiny import build_tiny_llama
 from rlcore_fsdp.backend import FSDPBackend
 from rlcore_fsdp.lora import is_adapter
 from rlcore_fsdp.options import FSDPOptions
-from rlcore_fsdp.stacks import ADAPTER_FOLDER, full_tensors
+from rlcore_fsdp.stacks import ADAPTER_FOLDER, FSDPBaseView, full_tensors
 from tests.megatron.helpers import (
     TINY,
     assert_same_step,
@@ -133,6 +136,55 @@ def test_reference_is_the_base_and_a_checkpoint_resumes_exactly(
         FSDPBackend(LORA).build_training_stack(spec).load(_full_checkpoint(llama, tmp_path))
     with pytest.raises(CheckpointError, match="lora is .'rank': 4.* there, None here"):
         FSDPBackend().build_training_stack(spec).load(tmp_path / "ckpt")
+
+
+def _local_storage(model: torch.nn.Module, base: bool) -> set[int]:
+    """Where this rank's shards of the base weights (or of the adapters) lie."""
+    return {
+        (p.to_local() if isinstance(p, DTensor) else p).data_ptr()
+        for n, p in model.named_parameters()
+        if is_adapter(n) != base
+    }
+
+
+def test_the_reference_is_the_actor_s_base_with_the_adapters_off_not_a_copy(
+    llama: Path, tmp_path: Path
+) -> None:
+    """In process: the backend that built the LoRA actor gives the reference as a view of the
+    actor's model (its base weights' storage, no second copy) whose log-probs are the base
+    model's as transformers computes them, before and after steps that moved the adapters; its
+    ``load`` takes a LoRA checkpoint's rollout id and changes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    samples = make_samples(4, seed=11)
+    backend = FSDPBackend(LORA)
+    actor = backend.build_training_stack(train_spec(llama))
+    reference = backend.build_eval_stack(EvalSpec(train_spec(llama, "reference").model))
+    assert isinstance(reference, FSDPBaseView)
+    assert reference.kind == "eval" and not hasattr(reference, "optimizer")
+    assert _local_storage(reference.model, base=True) == _local_storage(actor.model, base=True)
+    in_optimizer = {p.data_ptr() for g in actor.optimizer.param_groups for p in g["params"]}
+    assert not in_optimizer & _local_storage(reference.model, base=True)
+
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    want = _log_probs(base, samples, TINY["vocab_size"])
+    for seed in (None, 1, 2, 3):
+        if seed is not None:
+            actor.train_step(make_batch(samples, seed=seed, rollout=True))
+        for got, expected in zip(reference.forward(samples), want, strict=True):
+            assert got == pytest.approx(expected, abs=1e-5)
+    moved = actor.forward(samples)
+    assert any(m != pytest.approx(w, abs=1e-3) for m, w in zip(moved, want, strict=True))
+    sent = {n: t.clone() for n, t in reference.export_weights()}
+    assert sent.keys() == set(base.state_dict()) - {"lm_head.weight"}  # tied: sent once
+    assert all(torch.equal(t, base.state_dict()[n]) for n, t in sent.items())
+
+    actor.save(tmp_path / "ckpt", rollout_id=2)
+    assert reference.load(tmp_path / "ckpt") == 2
+    for got, expected in zip(reference.forward(samples), want, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(CheckpointError, match="holds full weights, not LoRA adapters"):
+        reference.load(_full_checkpoint(llama, tmp_path))
 
 
 def _full_checkpoint(llama: Path, tmp_path: Path) -> Path:

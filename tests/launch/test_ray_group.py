@@ -308,6 +308,41 @@ def test_failures_on_a_two_rank_group(ray_cluster: None) -> None:
             group.call_ranks(_rank_of, {0: ()})
 
 
+def test_a_view_runs_in_its_owner_s_actors_and_shares_their_fate(ray_cluster: None) -> None:
+    """An eval stack built as a view (LoRA's reference): its stack lives beside the owner's in
+    the same actors, calls reach the stack of their role, closing the view keeps the actors,
+    closing the owner kills them, and a rank lost under either breaks both."""
+    samples = [_sample(i, (1,), (2,)) for i in range(4)]
+    view_spec = EvalSpec(ModelSpec("reference", None, parallel=ParallelSpec(1, 2)))
+    with _echo_group((4, 4)) as owner:
+        pids = owner.run_on_all_ranks(_pid)
+        view = owner.start_view(view_spec)
+        assert view.actors == owner.actors and view.slots == owner.slots
+        assert view.run_on_all_ranks(_pid) == pids
+        assert forward(view, samples) == [(0.0,), (1.0,), (2.0,), (3.0,)]
+        assert view.run_on_all_ranks(_seen) == [[0, 1], [2, 3]]
+        assert owner.run_on_all_ranks(_seen) == [[], []]  # the owner's stack is another one
+        view.close()
+        assert owner.run_on_all_ranks(_pid) == pids
+        with pytest.raises(RayGroupError, match="closed"):
+            forward(view, samples)
+        again = owner.start_view(view_spec)  # the ranks dropped the view's stack: built anew
+        with pytest.raises(RayGroupError, match="itself a view"):
+            again.start_view(view_spec)
+    _assert_gone(owner)
+    with pytest.raises(RayGroupError, match="closed"):
+        forward(again, samples)
+    again.close()  # nothing left to release
+
+    with _echo_group((4, 4)) as owner:
+        view = owner.start_view(view_spec)
+        with pytest.raises(RankLostError, match="rank 1's actor died"):
+            view.run_on_all_ranks(_crash_on_rank, 1)
+        with pytest.raises(RayGroupError, match="broken"):
+            owner.call_ranks(_rank_of, {0: ()})
+        view.close()
+
+
 def test_a_rank_killed_for_memory_says_so_and_what_to_lower() -> None:
     oom = OutOfMemoryError(  # type: ignore[no-untyped-call]  # Ray does not annotate it
         "Task was killed due to the node running low on memory.\nMemory on the node (IP: "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -202,7 +203,12 @@ def launch(prepared: Prepared, notes: Sequence[str] = (), restarts: int = 0) -> 
         if placement.driver_threads is not None:
             set_engine_threads(placement.driver_threads)
         kind = load_backend_kind(config.model.train_backend)
-        backend = RayBackend(kind.rank_runtime(config.model.backend_options), placement)
+        options = config.model.backend_options
+        backend = RayBackend(
+            kind.rank_runtime(options),
+            placement,
+            model_owner=functools.partial(kind.owner_of, options),
+        )
         # Replaying saved rollouts (--load-debug-rollout-data) needs no engine.
         replays = config.debug.replays
         engine = None if replays else timed_engine(config, tokenizer, placement.start_hosts())

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from rlcore.backends import load_backend_kind
 from rlcore.config import RunConfig, with_flag
 from rlcore.config.algorithm import AlgorithmConfig
 from rlcore.config.cluster import ClusterConfig
@@ -181,15 +182,24 @@ def load_run_data(
 
 
 def placement_request(config: RunConfig, the_plan: Plan) -> PlacementRequest:
-    """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only)
-    and, when the engine runs servers, the rollout GPUs."""
+    """What the run needs placed: the planned stacks' ranks (an eval-only run: the actor's only;
+    not those of an eval stack that views a training stack's model and runs in its ranks,
+    :attr:`~rlcore.backends.BackendKind.model_owner`) and, when the engine runs servers, the
+    rollout GPUs."""
     k = config.cluster
     kind = load_engine(config.rollout.engine)
     servers = kind.runs_servers(kind.options(config.rollout.engine_options))
+    backend = load_backend_kind(config.model.train_backend)
+
+    def own_model(spec: EvalSpec | None) -> bool:
+        options = config.model.backend_options
+        return spec is not None and backend.owner_of(options, spec) is None
+
     critic = isinstance(the_plan, TrainPlan) and the_plan.critic is not None
-    reference = isinstance(the_plan, TrainPlan) and the_plan.reference is not None
+    reference = isinstance(the_plan, TrainPlan) and own_model(the_plan.reference)
     opd = the_plan.opd if isinstance(the_plan, TrainPlan) else None
-    teacher = opd is not None and isinstance(opd.teacher, EvalSpec)  # a served one is not ours
+    # a served teacher is not ours
+    teacher = opd is not None and isinstance(opd.teacher, EvalSpec) and own_model(opd.teacher)
     overlaps = isinstance(the_plan, TrainPlan) and the_plan.max_staleness > 0
     return PlacementRequest(
         actor_ranks=k.actor_ranks,

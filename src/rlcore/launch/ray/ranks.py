@@ -1,14 +1,15 @@
 """One Ray actor per rank of one model, started in reserved slots: :class:`RankGroup`.
 
-The generic part of running a model on Ray ranks: start-up, fanning calls out, diagnosing
-failures. What the calls do (score, train, save, send weights) is in
-:mod:`rlcore.launch.ray.stacks`; where the ranks go is :mod:`rlcore.launch.ray.cluster`'s.
+The generic part of running a model on Ray ranks: start-up, fanning calls out, diagnosing failures.
+What the calls do (score, train, save, send weights) is in :mod:`rlcore.launch.ray.stacks` and
+:mod:`rlcore.launch.ray.sending`; where the ranks go is :mod:`rlcore.launch.ray.cluster`'s.
 
-A group is ``ParallelSpec.world_size`` actors (:class:`~rlcore.launch.ray.worker.RankWorker`).
-Each actor is one ``torch.distributed`` rank (the backend's rank runtime picks gloo on the CPU,
-nccl on GPUs) and holds its shard of one stack, built inside the actor by the backend that
-runtime gives (:class:`~rlcore.backends.RankRuntime`, from the backend's kind). The driver never
-holds model weights; it fans a call out to every rank and gathers the results.
+A group is ``ParallelSpec.world_size`` actors (:class:`~rlcore.launch.ray.worker.RankWorker`). Each
+actor is one ``torch.distributed`` rank (the backend's rank runtime picks gloo on the CPU, nccl on
+GPUs) and holds its shard of one stack (and of the views of its model, below), built inside the
+actor by the backend that runtime gives (:class:`~rlcore.backends.RankRuntime`, from the backend's
+kind). The driver never holds model weights; it fans a call out to every rank and gathers the
+results.
 
 How a group comes up, in order:
 
@@ -29,6 +30,14 @@ starts (so Ray leaves it alone) and ``torch.set_num_threads`` once the rank is i
 
 Layout: tensor parallel is fastest (Megatron's default rank order, and TorchTitan's), so rank
 ``r`` is tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``.
+
+Views: an eval stack that a backend builds as a view of a training stack's model
+(:attr:`rlcore.backends.BackendKind.model_owner`: with LoRA, the reference is the actor's base
+with the adapters disabled) is built in that stack's group, by :meth:`RankGroup.start_view`: a
+second group over the same actors, each actor holding both stacks and each call naming its stack's
+role. The view's :meth:`~RankGroup.close` only asks the ranks to drop its stack; the actors are
+the owner's, whose close kills them (a view then refuses calls). A broken owner breaks its views
+and a broken view its owner: they are the same processes.
 
 Lifetime: each rank's actor starts a watchdog (:func:`~rlcore.launch.watchdog.watch_group`)
 that kills the processes the rank started when the rank dies, however it dies.
@@ -63,7 +72,7 @@ from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot
 from rlcore.launch.ray.worker import ACTOR_CLASS, RankContext
 from rlcore.launch.watchdog import remove_shared_memory
 from rlcore.protocols.stacks import EvalStack, ModelStack, TrainingStack
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 
 __all__ = [
     "GroupOptions",
@@ -115,6 +124,17 @@ class GroupOptions:
 
 
 @final
+@attrs.define
+class _Actors:
+    """What a group and its views (:meth:`RankGroup.start_view`) share of their actors."""
+
+    broken: str = ""
+    """Why the actors cannot take calls any more (see the module's notes), or ``""``."""
+    gone: bool = False
+    """The owning group closed: the actors are killed."""
+
+
+@final
 @attrs.frozen
 class RankNode:
     """Where Ray put one rank: node, its IP, the CUDA ordinal of its GPU (``None``: CPU), and
@@ -142,24 +162,32 @@ class RankGroup(Generic[S]):
         runtime: RankRuntime,
         options: GroupOptions = GroupOptions(),
         slots: Sequence[RankSlot] | None = None,
+        *,
+        owner: RankGroup[Any] | None = None,
     ) -> None:
-        """Prefer :meth:`start_training` / :meth:`start_eval`, which also type the stack."""
+        """Prefer :meth:`start_training` / :meth:`start_eval` / :meth:`start_view`, which also
+        type the stack."""
         if not ray.is_initialized():
             raise RayGroupError(
                 "Ray is not running: call ray.init(...) first "
                 "(ray.init(address='auto') joins an existing cluster)"
             )
         self._spec = spec
+        self._role: Role = spec.model.role
+        self._runtime = runtime
         self._options = options
         self._handles: tuple[Any, ...] = ()
         self._nodes: tuple[RankNode, ...] = ()
         self._driver_node = ray.get_runtime_context().get_node_id()
-        self._broken = ""
+        self._shared: _Actors = _Actors() if owner is None else owner._shared
+        self._viewing = owner is not None
         self._closed = False
         parallel = spec.model.parallel
         self._world_size = parallel.world_size
         self._tp = parallel.tensor
         self._own: ClusterPlacement | None = None
+        if owner is not None:
+            self._handles, self._nodes, slots = owner._handles, owner._nodes, owner._slots
         if slots is None:
             request = PlacementRequest(actor_ranks=self._world_size)
             self._own = ClusterPlacement.reserve(request, timeout_s=options.setup_timeout_s)
@@ -169,9 +197,14 @@ class RankGroup(Generic[S]):
             raise RayGroupError(
                 f"{spec.model.role}: {self._world_size} ranks but {len(slots)} slots were given"
             )
-        self._slots = tuple(slots)
+        self._slots: tuple[RankSlot, ...] = tuple(slots)
         try:
-            self._start(runtime)
+            if owner is None:
+                self._start(runtime)
+            else:
+                deadline = time.monotonic() + options.setup_timeout_s
+                builds = [h.build.remote(spec) for h in self._handles]
+                self._gather(builds, f"building the {self._role} stacks", deadline)
         except BaseException:
             self.close()
             raise
@@ -195,6 +228,14 @@ class RankGroup(Generic[S]):
     ) -> RankGroup[EvalStack]:
         """Start the ranks and build an eval stack (no optimizer state) on each."""
         return RankGroup[EvalStack](spec, runtime, options, slots)
+
+    def start_view(self, spec: EvalSpec) -> RankGroup[EvalStack]:
+        """Build the eval stack of ``spec`` on this group's ranks, beside the stack they hold (a
+        view of its model, :attr:`rlcore.backends.BackendKind.model_owner`), and return the group
+        that calls it (see the module's notes on views)."""
+        if self._viewing:
+            raise RayGroupError(f"the {self._role} is itself a view; build views on its owner")
+        return RankGroup[EvalStack](spec, self._runtime, self._options, owner=self)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -227,11 +268,15 @@ class RankGroup(Generic[S]):
         )
 
     def close(self) -> None:
-        """Kill the rank actors (and give back the slots the group reserved). Safe to call
-        twice."""
+        """Kill the rank actors (and give back the slots the group reserved); a view's only
+        drops its stack. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        if self._viewing:
+            self._close_view()
+            return
+        self._shared.gone = True
         # The ranks on this machine: what they could not free (a storage something else kept
         # alive, a stuck rank) and their watchdogs, killed with them, did not remove.
         local = [n.pid for n in self._nodes if n.node_id == self._driver_node]
@@ -240,7 +285,7 @@ class RankGroup(Generic[S]):
             return
         # Each rank frees its stack first. Not in a broken group, whose stuck ranks would not
         # answer.
-        if not self._broken:
+        if not self._shared.broken:
             try:
                 ray.wait(
                     [h.release.remote() for h in self._handles],
@@ -257,6 +302,19 @@ class RankGroup(Generic[S]):
         remove_shared_memory(local, _RELEASE_TIMEOUT_S)
         if self._own is not None:
             self._own.close()
+
+    def _close_view(self) -> None:
+        """A view's close: its ranks drop its stack (not in broken or killed actors)."""
+        if self._shared.gone or self._shared.broken or not ray.is_initialized():
+            return
+        try:
+            ray.wait(
+                [h.release.remote(self._role) for h in self._handles],
+                num_returns=len(self._handles),
+                timeout=_RELEASE_TIMEOUT_S,
+            )
+        except RayError:
+            pass  # a dead rank: nothing to release
 
     def __enter__(self) -> RankGroup[S]:
         return self
@@ -327,15 +385,16 @@ class RankGroup(Generic[S]):
     # -- internals -------------------------------------------------------------------------------
 
     def _call_ranks(self, calls: Mapping[int, _Call], what: str) -> list[Any]:
-        if self._closed:
+        if self._closed or self._shared.gone:
             raise RayGroupError(f"{what}: the group is closed")
-        if self._broken:
+        if self._shared.broken:
             raise RayGroupError(
-                f"{what}: the group is broken ({self._broken}); close it and start a new one"
+                f"{what}: the group is broken ({self._shared.broken}); close it and start a new one"
             )
         ranks = sorted(calls)
         refs = [
-            self._handles[r].call.remote(calls[r][0], *calls[r][1], **calls[r][2]) for r in ranks
+            self._handles[r].call.remote(self._role, calls[r][0], *calls[r][1], **calls[r][2])
+            for r in ranks
         ]
         timeout = self._options.call_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -352,8 +411,8 @@ class RankGroup(Generic[S]):
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
-                self._broken = f"{what}: ranks {late} did not finish in time"
-                raise RankLostError(self._broken + self._stacks_of(late))
+                self._shared.broken = f"{what}: ranks {late} did not finish in time"
+                raise RankLostError(self._shared.broken + self._stacks_of(late))
             rank = rank_of[ready[0]]
             try:
                 ray.get(ready[0])
@@ -363,8 +422,8 @@ class RankGroup(Generic[S]):
                     raise exc.cause from exc
                 raise RayGroupError(f"{what} failed on rank {rank}: {exc.cause!r}") from exc
             except (RayActorError, OutOfMemoryError) as exc:
-                self._broken = f"{what}: rank {rank}'s actor died"
-                raise RankLostError(f"{self._broken}: {_death(exc)}") from exc
+                self._shared.broken = f"{what}: rank {rank}'s actor died"
+                raise RankLostError(f"{self._shared.broken}: {_death(exc)}") from exc
         return list(ray.get(list(refs)))
 
     def _stacks_of(self, ranks: Sequence[int]) -> str:
@@ -386,7 +445,8 @@ class RankGroup(Generic[S]):
             return
         _, busy = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
         if busy:
-            self._broken = f"{failure} while ranks {sorted(rank_of[r] for r in busy)} kept waiting"
+            late = sorted(rank_of[r] for r in busy)
+            self._shared.broken = f"{failure} while ranks {late} kept waiting"
 
 
 def _death(exc: RayError) -> str:

@@ -12,31 +12,22 @@ slice of each global batch (:meth:`rlcore.protocols.TrainingStack.train_step`'s 
 ``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
 driver-side, each data-parallel rank scores a contiguous part of the samples.
 
-Weights (:meth:`RayEvalStack.send_weights`): every rank takes part in the export (it gathers over
-tensor parallel, so every rank ends up with the full tensors), and each engine sink runs on one
-rank, chosen by where the sink may run: an :class:`~rlcore.weights.AnyProcess` sink on rank 0, an
-:class:`~rlcore.weights.OnHost` sink on the first rank on that machine. Only an
-:class:`~rlcore.weights.InProcess` sink (the embedded engine, which lives in the driver) brings
-the weights to the driver: the first rank on the driver's machine says which shared-memory files
-they lie in (:mod:`rlcore.engines.shared_tensors`: a CPU rank's parameters and export buffers as
-they are, anything else, CUDA tensors included, copied into one reusable shared buffer of the
-rank), the driver maps those files, and the sink's copy into its model is the one copy on the
-way; the driver keeps the mappings from one sync to the next (a fresh mapping would fault every
-page in again) and drops them when the stack closes. With no rank on the driver's machine, rank 0
-returns copies through Ray's object store.
+Weights: :mod:`rlcore.launch.ray.sending`.
 
 :class:`RayBackend` builds one group per stack, in the slots the run's
 :class:`~rlcore.launch.ray.cluster.ClusterPlacement` reserved for the stack's role (or in slots
-reserved per group when it has none), and closes them all in :meth:`RayBackend.close`.
+reserved per group when it has none), but an eval stack that views a training stack's model
+(:attr:`rlcore.backends.BackendKind.model_owner`), which it builds in that stack's actors
+(:meth:`~rlcore.launch.ray.ranks.RankGroup.start_view`), and closes them all in
+:meth:`RayBackend.close`.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, cast, final
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, final
 
 import ray
 
@@ -44,16 +35,15 @@ from rlcore.backends import RankRuntime
 from rlcore.errors import CheckpointError
 from rlcore.launch.ray.cluster import ClusterPlacement
 from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError, split_evenly
+from rlcore.launch.ray.sending import export_weights, forget_mappings, send_weights
 from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, deliver
+from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
+from rlcore.weights import WeightSink
 
 if TYPE_CHECKING:
     import torch
-
-    from rlcore.engines.shared_tensors import Mappings, SharedBuffers, SharedTensor
 
 __all__ = [
     "RayEvalStack",
@@ -72,15 +62,10 @@ __all__ = [
 
 # RayBackend's default (frozen, so one shared instance is safe).
 _DEFAULT_OPTIONS: Final = GroupOptions()
-_LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
 S = TypeVar("S", bound=ModelStack)
-Pairs: TypeAlias = "list[tuple[str, torch.Tensor]]"
-_Keep = Literal["", "copy", "share"]
-"""What a rank returns to the driver besides sending: nothing, copies of the weights (through the
-object store) or where they lie in shared memory."""
-
-# The driver's mappings of each group's shared weights, kept from one sync to the next.
-_MAPPED: weakref.WeakKeyDictionary[RankGroup[ModelStack], Mappings] = weakref.WeakKeyDictionary()
+ModelOwner: TypeAlias = Callable[[EvalSpec], Role | None]
+"""Which training stack's model an eval stack views, by role (``None``: a model of its own):
+:meth:`rlcore.backends.BackendKind.owner_of` with the run's backend options."""
 
 
 # -- what the calls do on a group ----------------------------------------------------------------
@@ -157,76 +142,6 @@ def state_dict_of(
     return state
 
 
-def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
-    """Every sink gets the full weights from a rank its placement allows (see the module's
-    notes); the driver sees them only for :class:`~rlcore.weights.InProcess` sinks."""
-    here = [sink for sink in sinks if isinstance(sink.placement, InProcess)]
-    per_rank: dict[int, list[WeightSink]] = {rank: [] for rank in range(group.world_size)}
-    for sink in sinks:
-        placement = sink.placement
-        if isinstance(placement, AnyProcess):
-            per_rank[0].append(sink)
-        elif isinstance(placement, OnHost):
-            per_rank[_rank_on(group, placement.address, sink)].append(sink)
-    beside = _rank_beside_driver(group) if here else None
-    relay = 0 if beside is None else beside
-    keep: _Keep = "" if not here else "copy" if beside is None else "share"
-    args = {
-        rank: (tuple(chosen), keep if rank == relay else "") for rank, chosen in per_rank.items()
-    }
-    results = group.call_ranks(_send_weights, args, "send_weights")
-    if not here:
-        return
-    if keep == "share":
-        from rlcore.engines.shared_tensors import Mappings
-
-        key = cast(RankGroup[ModelStack], group)
-        mappings = _MAPPED.get(key)
-        if mappings is None:
-            mappings = _MAPPED[key] = Mappings()
-        pairs = mappings.open(cast("list[SharedTensor]", results[relay]))
-    else:
-        pairs = cast(Pairs, results[relay])
-    deliver(pairs, here)
-
-
-def forget_mappings(group: RankGroup[S]) -> None:
-    """Drop the driver's mappings of ``group``'s shared weights (when it closes)."""
-    mappings = _MAPPED.pop(cast(RankGroup[ModelStack], group), None)
-    if mappings is not None:
-        mappings.close()
-
-
-def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
-    """The full weights under Hugging Face names, in the driver (copies of rank 0's, through the
-    object store; every rank takes part in the gather). For tests and tools: the loop sends
-    weights with :func:`send_weights`."""
-    args = {rank: ((), "copy" if rank == 0 else "") for rank in range(group.world_size)}
-    return cast(Pairs, group.call_ranks(_send_weights, args, "export_weights")[0])
-
-
-def _rank_beside_driver(group: RankGroup[S]) -> int | None:
-    """The first rank on the driver's machine, if any."""
-    here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated
-    return next((r for r, node in enumerate(group.nodes) if node.address == here), None)
-
-
-def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
-    """The first rank on the machine ``address`` (loopback: the driver's machine)."""
-    if address in _LOOPBACK:
-        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated
-    for rank, node in enumerate(group.nodes):
-        if node.address == address:
-            return rank
-    where = sorted({node.address for node in group.nodes})
-    raise RayGroupError(
-        f"{type(sink).__name__} must run on {address}, where no rank of the "
-        f"{group.model_spec.role} runs (its ranks are on {where}): shared-memory weight sync "
-        "needs a training rank on each server's machine; use --weight-sync distributed, or "
-        "place the servers beside the actor (--colocate)"
-    )
-
-
 # Functions run inside the rank actors (module level, so they pickle by reference).
 
 
@@ -263,49 +178,6 @@ def _state_dict(
 ) -> Mapping[str, object]:
     holder = context.stack.optimizer if part == "optimizer" else context.stack.scheduler
     return holder.state_dict()
-
-
-def _send_weights(
-    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep
-) -> Pairs | list[SharedTensor]:
-    """Every rank sends (the export is collective); ``sinks`` receive here, and the weights also
-    go back to the driver as ``keep`` says."""
-    collected = _Collect()
-    context.stack.send_weights([*sinks, collected] if keep else list(sinks))
-    if keep != "share":
-        return [(name, t.detach().to("cpu").contiguous()) for name, t in collected.pairs]
-    from rlcore.engines.shared_tensors import describe, use_file_system
-
-    use_file_system()
-    return describe(_handoff_buffer().share(collected.pairs, 0, keep_cuda=False))
-
-
-_HANDOFF: list[SharedBuffers] = []
-
-
-def _handoff_buffer() -> SharedBuffers:
-    """This rank's shared buffer for weights handed to the driver (made on first use)."""
-    if not _HANDOFF:
-        from rlcore.engines.shared_tensors import SharedBuffers
-
-        _HANDOFF.append(SharedBuffers(1))
-    return _HANDOFF[0]
-
-
-@final
-class _Collect:
-    """A sink that keeps the weights it is given (valid until the stack's next export), to
-    return them to the driver."""
-
-    def __init__(self) -> None:
-        self.pairs: Pairs = []
-
-    @property
-    def placement(self) -> AnyProcess:
-        return AnyProcess()
-
-    def receive(self, weights: NamedTensors) -> None:
-        self.pairs = [(name, t.detach()) for name, t in weights]
 
 
 # -- the stacks ----------------------------------------------------------------------------------
@@ -439,7 +311,9 @@ class RayBackend:
     Ray must already be initialised (``ray.init(...)``). With a ``placement``, each ``build_*``
     call starts the stack's ranks in the slots reserved for its role (the reference model in the
     actor's); without one, each group reserves ``spec.model.parallel.world_size`` slots of its
-    own. :meth:`close` (or leaving a ``with`` block) closes every group this backend started.
+    own. An eval stack that ``model_owner`` says views a training stack's model is built in the
+    actors of that stack (built by this backend before it), in no slots of its own.
+    :meth:`close` (or leaving a ``with`` block) closes every group this backend started.
     """
 
     def __init__(
@@ -447,10 +321,12 @@ class RayBackend:
         runtime: RankRuntime,
         placement: ClusterPlacement | None = None,
         options: GroupOptions = _DEFAULT_OPTIONS,
+        model_owner: ModelOwner | None = None,
     ) -> None:
         self._placement = placement
         self._options = options
         self._runtime = runtime
+        self._model_owner = model_owner
         self._stacks: list[RayTrainingStack | RayEvalStack] = []
 
     def build_training_stack(self, spec: TrainSpec) -> RayTrainingStack:
@@ -461,10 +337,25 @@ class RayBackend:
         return stack
 
     def build_eval_stack(self, spec: EvalSpec) -> RayEvalStack:
-        slots = self._placement.slots(spec.model.role) if self._placement is not None else None
-        stack = RayEvalStack(RankGroup.start_eval(spec, self._runtime, self._options, slots))
+        owner = self._model_owner(spec) if self._model_owner is not None else None
+        if owner is not None:
+            group = self._training_group(owner, spec).start_view(spec)
+        else:
+            slots = self._placement.slots(spec.model.role) if self._placement is not None else None
+            group = RankGroup.start_eval(spec, self._runtime, self._options, slots)
+        stack = RayEvalStack(group)
         self._stacks.append(stack)
         return stack
+
+    def _training_group(self, role: Role, viewer: EvalSpec) -> RankGroup[TrainingStack]:
+        """The group of the training stack of ``role`` whose model ``viewer``'s stack views."""
+        for stack in self._stacks:
+            if isinstance(stack, RayTrainingStack) and stack.spec.role == role:
+                return stack.group
+        raise RayGroupError(
+            f"the {viewer.model.role} is a view of the {role}'s model, built in its rank actors: "
+            f"build the {role}'s training stack first"
+        )
 
     def close(self) -> None:
         """Close every group this backend started. Safe to call twice."""

@@ -1,8 +1,13 @@
 """One rank of a :class:`~rlcore.launch.ray.ranks.RankGroup`, as the Ray actor that runs it:
 where it is, its share of the process group (the environment ``torch.distributed`` reads, then
-the backend kind's :class:`~rlcore.backends.RankRuntime`), its stack, the calls fanned out to it
+the backend kind's :class:`~rlcore.backends.RankRuntime`), its stacks, the calls fanned out to it
 (each given a :class:`RankContext`), and its threads' stacks when a call is stuck (answered from
-a second concurrency group). Its watchdog kills what the rank started when it dies."""
+a second concurrency group). Its watchdog kills what the rank started when it dies.
+
+A rank holds one stack, or beside it the eval stacks that view its model
+(:attr:`rlcore.backends.BackendKind.model_owner`): each stack under its role, all built by one
+backend (the runtime's, made on the first build), which is how a view finds the model it views.
+Calls name the role of the stack they go to."""
 
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ import ray
 from rlcore.backends import RankRuntime
 from rlcore.launch.ray.cluster import cuda_ordinal
 from rlcore.launch.watchdog import watch_group
-from rlcore.protocols.stacks import ModelStack
-from rlcore.specs import EvalSpec, ParallelSpec, TrainSpec
+from rlcore.protocols.stacks import Backend, ModelStack
+from rlcore.specs import EvalSpec, ParallelSpec, Role, TrainSpec
 from rlcore.weights import release_sender_resources
 
 __all__ = ["ACTOR_CLASS", "DIAGNOSTICS", "RankContext", "RankWorker"]
@@ -62,7 +67,8 @@ class RankWorker:
         self._runtime = runtime
         self._local_rank = 0
         self._tp = 1
-        self._context: RankContext[ModelStack] | None = None
+        self._backend: Backend | None = None
+        self._contexts: dict[Role, RankContext[ModelStack]] = {}
 
     def node(self) -> tuple[str, str, int | None, int]:
         """(node id, node IP, the CUDA ordinal of the GPU Ray gave this actor if any, pid)."""
@@ -99,13 +105,19 @@ class RankWorker:
             torch.set_num_threads(self._threads)
 
     def build(self, spec: TrainSpec | EvalSpec) -> None:
-        backend = self._runtime.backend()
+        """Build the stack of ``spec`` with this rank's backend (one for all its stacks)."""
+        role = spec.model.role
+        if role in self._contexts:
+            # An invariant of RankGroup (one group per role); it reports this as the rank's failure.
+            raise RuntimeError(f"rank {self._rank} holds a {role} stack already")
+        if self._backend is None:
+            self._backend = self._runtime.backend()
         stack: ModelStack
         if isinstance(spec, TrainSpec):
-            stack = backend.build_training_stack(spec)
+            stack = self._backend.build_training_stack(spec)
         else:
-            stack = backend.build_eval_stack(spec)
-        self._context = RankContext(
+            stack = self._backend.build_eval_stack(spec)
+        self._contexts[role] = RankContext(
             rank=self._rank,
             world_size=self._world_size,
             local_rank=self._local_rank,
@@ -114,20 +126,28 @@ class RankWorker:
             stack=stack,
         )
 
-    def call(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> object:
+    def call(
+        self, role: Role, fn: Callable[..., object], /, *args: object, **kwargs: object
+    ) -> object:
         # Arguments arrive unpacked so that Ray resolves ObjectRefs among them to their values.
-        if self._context is None:
+        context = self._contexts.get(role)
+        if context is None:
             # An invariant of RankGroup (it builds before it calls); it reports this as the
             # rank's failure.
-            raise RuntimeError(f"rank {self._rank} has no stack yet: build() did not run")
-        return fn(self._context, *args, **kwargs)
+            raise RuntimeError(f"rank {self._rank} has no {role} stack: build() did not run")
+        return fn(context, *args, **kwargs)
 
-    def release(self) -> None:
-        """Drop the stack and what weight sinks kept here, so that their storages are freed now:
-        on the CPU, torch then removes their shared-memory files, which outlive a process killed
-        with its ``torch_shm_manager`` (as Ray kills an actor's children with it)."""
-        self._context = None
-        release_sender_resources()  # what weight sinks kept here between updates
+    def release(self, role: Role | None = None) -> None:
+        """Drop the stack of ``role`` (``None``: every stack, the backend, and what weight sinks
+        kept here), so that their storages are freed now: on the CPU, torch then removes their
+        shared-memory files, which outlive a process killed with its ``torch_shm_manager`` (as
+        Ray kills an actor's children with it)."""
+        if role is not None:
+            self._contexts.pop(role, None)
+        else:
+            self._contexts.clear()
+            self._backend = None
+            release_sender_resources()  # what weight sinks kept here between updates
         gc.collect()
 
     @ray.method(concurrency_group=DIAGNOSTICS)
