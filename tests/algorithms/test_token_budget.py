@@ -18,6 +18,7 @@ from rlcore.algorithms.batching import tensorize_samples
 from rlcore.algorithms.token_budget import (
     budget_groups,
     forward_groups,
+    forward_shares,
     in_input_order,
     padded_size,
     rank_micro_batches,
@@ -107,6 +108,42 @@ def test_forward_groups_come_back_in_input_order(
     if budget is None:  # as before the budget existed: in order, ``micro`` at a time
         assert [i for g in groups for i in g] == list(range(len(lengths)))
         assert all(len(g) == micro for g in groups[:-1])
+
+
+@given(long_tailed, st.integers(1, 5), st.one_of(st.none(), st.integers(1, 700)))
+def test_forward_shares_cover_every_sequence_once(
+    lengths: list[int], ranks: int, budget: int | None
+) -> None:
+    """A forward-only pass over data-parallel ranks: any number of sequences; contiguous parts
+    without a budget, with one the train step's balance by tokens (its very shares when the
+    count splits evenly)."""
+    shares = forward_shares(lengths, ranks, budget)
+    n = len(lengths)
+    assert len(shares) == ranks
+    assert sorted(i for share in shares for i in share) == list(range(n))
+    assert all(share == sorted(share) for share in shares)
+    assert max(len(share) for share in shares) <= -(-n // ranks)
+    if budget is None:  # as before the budget existed: in order, sizes within one, longer first
+        assert [i for share in shares for i in share] == list(range(n))
+        sizes = [len(share) for share in shares]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1
+        return
+    loads = [sum(lengths[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(lengths)
+    if n % ranks == 0:
+        assert shares == rank_shares(lengths, ranks)
+
+
+def test_forward_shares_by_count_and_by_tokens() -> None:
+    assert forward_shares([1] * 5, 2, None) == [[0, 1, 2], [3, 4]]
+    assert forward_shares([1], 3, None) == forward_shares([1], 3, 8) == [[0], [], []]
+    assert forward_shares([], 2, None) == forward_shares([], 2, 8) == [[], []]
+    # one long answer: contiguous parts carry 545 and 64 tokens, balanced ones 513 and 96
+    lengths = [512, 32, 1, 32, 32]
+    assert forward_shares(lengths, 2, None) == [[0, 1, 2], [3, 4]]
+    assert forward_shares(lengths, 2, 8) == [[0, 2], [1, 3, 4]]
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        forward_shares(lengths, 0, None)
 
 
 def _with_loss_masks(data: st.DataObject, batch: list[Sample]) -> list[Sample]:

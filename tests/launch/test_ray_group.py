@@ -35,7 +35,6 @@ from rlcore.launch.ray.ranks import (
     RayGroupError,
     _death,
     _local_ranks,
-    split_evenly,
 )
 from rlcore.launch.ray.stacks import (
     RayBackend,
@@ -211,12 +210,6 @@ def _assert_gone(group: RankGroup[Any]) -> None:
 
 
 # -- group mechanics -----------------------------------------------------------------------------
-
-
-def test_split_evenly_keeps_order_and_sizes() -> None:
-    assert split_evenly((1, 2, 3, 4, 5), 2) == [(1, 2, 3), (4, 5)]
-    assert split_evenly((1,), 3) == [(1,), (), ()]
-    assert split_evenly((), 2) == [(), ()]
 
 
 def test_local_ranks_count_per_node_or_follow_the_gpu() -> None:

@@ -116,13 +116,14 @@ def train_spec(
     )
 
 
-def gradient_step_spec(hf: Path, **kwargs: Any) -> TrainSpec:
+def gradient_step_spec(hf: Path | None, **kwargs: Any) -> TrainSpec:
     """:func:`train_spec` with Adam at ``eps = 1`` and ``lr = 1``, which moves each weight by
     ``g / (|g| + 1)``: nearly the (clipped) gradient ``g`` itself for these small gradients, so
     the weights after one step compare gradients to the precision of the weights' change. Adam's
     usual first step, ``lr * sign(g)``, turns a gradient that is zero up to rounding into a whole
     step one way or the other, and a small ``lr`` hides gradient errors below the weights'
-    rounding."""
+    rounding. Every backend's tests use it (``tests/conformance`` too); ``hf`` is ``None`` for a
+    backend that builds its model from the spec alone."""
     schedule = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=0, decay_steps=10)
     spec = train_spec(hf, schedule=schedule, **kwargs)
     return attrs.evolve(spec, optimizer=attrs.evolve(spec.optimizer, adam_eps=1.0))

@@ -20,23 +20,38 @@ all-to-all, FSDP's gathers) need: a rank with fewer splits its largest micro-bat
 ``n / D`` sequences and no rank needs more micro-batches than that, so no micro-batch is ever
 empty. Every rank receives the whole global batch and computes every rank's plan itself: no
 collective is needed.
+
+A forward-only pass (old and reference log-probs, a critic's values, a teacher) over several
+data-parallel ranks is shared out the same way (:func:`forward_shares`, by the launcher, which
+sends each rank its share and puts the results back in the samples' order with
+:func:`in_input_order`): any number of sequences, at most ``ceil(n / D)`` to a rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from rlcore.samples import Sample
 
 __all__ = [
     "budget_groups",
     "forward_groups",
+    "forward_shares",
     "in_input_order",
     "padded_size",
     "rank_micro_batches",
     "rank_shares",
+    "sequence_lengths",
 ]
 
 _T = TypeVar("_T")
+
+
+def sequence_lengths(samples: Sequence[Sample]) -> list[int]:
+    """Each sample's tokens, prompt and response: what a micro-batch pads and a budget counts."""
+    return [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
 
 
 def padded_size(lengths: Sequence[int], group: Sequence[int]) -> int:
@@ -72,10 +87,31 @@ def rank_shares(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     n = len(lengths)
     if ranks < 1 or n % ranks:
         raise ValueError(f"{n} sequences do not split evenly over {ranks} data-parallel ranks")
-    room = n // ranks
+    return _balanced(lengths, ranks, n // ranks)
+
+
+def forward_shares(lengths: Sequence[int], ranks: int, max_tokens: int | None) -> list[list[int]]:
+    """Each data-parallel rank's share of a forward-only pass's sequences (index lists, ascending):
+    without a budget (``max_tokens`` ``None``) contiguous parts whose sizes differ by at most one,
+    longer first; with one, :func:`rank_shares`' balance by tokens for any number of sequences,
+    at most ``ceil(len(lengths) / ranks)`` to a rank. With fewer sequences than ranks, the last
+    ranks get none."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    n = len(lengths)
+    if max_tokens is not None:
+        return _balanced(lengths, ranks, -(-n // ranks))
+    size, extra = divmod(n, ranks)
+    starts = [r * size + min(r, extra) for r in range(ranks + 1)]
+    return [list(range(starts[r], starts[r + 1])) for r in range(ranks)]
+
+
+def _balanced(lengths: Sequence[int], ranks: int, room: int) -> list[list[int]]:
+    """Longest first to the rank with the fewest tokens among those holding fewer than ``room``
+    (ties: the lower rank); each share in ascending index order."""
     shares: list[list[int]] = [[] for _ in range(ranks)]
     loads = [0] * ranks
-    for i in sorted(range(n), key=lambda i: -lengths[i]):
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         r = min((r for r in range(ranks) if len(shares[r]) < room), key=lambda r: loads[r])
         shares[r].append(i)
         loads[r] += lengths[i]

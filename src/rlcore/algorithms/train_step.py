@@ -45,6 +45,7 @@ from rlcore.algorithms.token_budget import (
     in_input_order,
     padded_size,
     rank_micro_batches,
+    sequence_lengths,
 )
 from rlcore.errors import PlanError
 from rlcore.samples import Sample, TrainBatch, TrainMetrics
@@ -282,8 +283,9 @@ def score_samples(
     (:func:`~rlcore.algorithms.token_budget.forward_groups`, longest first). ``output`` is the
     backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
     micro-batch's tokens."""
-    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
-    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
+    groups = forward_groups(
+        sequence_lengths(samples), spec.log_probs_max_tokens_per_gpu, micro_batch
+    )
     rows: list[list[tuple[float, ...]]] = []
     with torch.no_grad():
         for group in groups:

@@ -79,13 +79,11 @@ __all__ = [
     "RankGroup",
     "RankLostError",
     "RayGroupError",
-    "split_evenly",
 ]
 
 S = TypeVar("S", bound=ModelStack)
 S_co = TypeVar("S_co", bound=ModelStack, covariant=True)
 R = TypeVar("R")
-T = TypeVar("T")
 _Call = tuple[Callable[..., Any], tuple[object, ...], dict[str, Any]]
 P = ParamSpec("P")
 
@@ -477,16 +475,4 @@ def _local_ranks(nodes: Sequence[RankNode], *, gpu: bool) -> list[int]:
     for node in nodes:
         out.append(seen.get(node.node_id, 0))
         seen[node.node_id] = out[-1] + 1
-    return out
-
-
-def split_evenly(items: tuple[T, ...], parts: int) -> list[tuple[T, ...]]:
-    """``parts`` contiguous slices of ``items``, lengths differing by at most one, longer first."""
-    size, extra = divmod(len(items), parts)
-    out = []
-    start = 0
-    for i in range(parts):
-        stop = start + size + (i < extra)
-        out.append(items[start:stop])
-        start = stop
     return out

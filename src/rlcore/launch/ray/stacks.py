@@ -6,11 +6,12 @@ out to a :class:`~rlcore.launch.ray.ranks.RankGroup`; the loop cannot tell them 
 stacks.
 
 Data parallelism, training: split worker-side. Every rank receives the whole rollout batch (put
-once in Ray's object store) and each data-parallel rank's stack trains on its own contiguous
-slice of each global batch (:meth:`rlcore.protocols.TrainingStack.train_step`'s contract;
+once in Ray's object store) and each data-parallel rank's stack trains on its own share of each
+global batch (:meth:`rlcore.protocols.TrainingStack.train_step`'s contract;
 :mod:`rlcore.algorithms.train_step`), so ``global_batch_size`` must be divisible by
 ``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
-driver-side, each data-parallel rank scores a contiguous part of the samples.
+driver-side, each data-parallel rank scores its share of the samples
+(:func:`rlcore.algorithms.token_budget.forward_shares`: contiguous, or by tokens with a budget).
 
 Weights: :mod:`rlcore.launch.ray.sending`.
 
@@ -31,10 +32,11 @@ from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, final
 
 import ray
 
+from rlcore.algorithms.token_budget import forward_shares, in_input_order, sequence_lengths
 from rlcore.backends import RankRuntime
 from rlcore.errors import CheckpointError
 from rlcore.launch.ray.cluster import ClusterPlacement
-from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError, split_evenly
+from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError
 from rlcore.launch.ray.sending import export_weights, forget_mappings, send_weights
 from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
@@ -74,20 +76,22 @@ ModelOwner: TypeAlias = Callable[[EvalSpec], Role | None]
 def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float, ...]]:
     """Log-probs (or values) per response token, in sample order.
 
-    The samples are split into contiguous, near-equal parts, one per data-parallel rank; the
-    tensor-parallel ranks of a data-parallel rank all get its part, and rank ``dp * tp`` (its
-    tensor-parallel rank 0) returns the answer. A data-parallel rank with no part is not called.
+    Each data-parallel rank gets its share (contiguous, or by tokens with a token budget:
+    :func:`~rlcore.algorithms.token_budget.forward_shares`); the tensor-parallel ranks of a
+    data-parallel rank all get it, and rank ``dp * tp`` (its tensor-parallel rank 0) returns the
+    answer. A data-parallel rank with no share is not called.
     """
-    tp = group.tensor_parallel_size
-    parts = split_evenly(tuple(samples), group.data_parallel_size)
+    tp, budget = group.tensor_parallel_size, group.model_spec.log_probs_max_tokens_per_gpu
+    parts = forward_shares(sequence_lengths(samples), group.data_parallel_size, budget)
     per_rank: dict[int, tuple[object, ...]] = {}
     for dp, part in enumerate(parts):
         if part:
-            ref = ray.put(part)
+            ref = ray.put(tuple(samples[i] for i in part))
             for t in range(tp):
                 per_rank[dp * tp + t] = (ref, t == 0)
     results = group.call_ranks(_forward, per_rank, "forward")
-    return [row for rows in results for row in rows]
+    kept = [rows for rank, rows in zip(sorted(per_rank), results, strict=True) if rank % tp == 0]
+    return in_input_order([part for part in parts if part], kept)
 
 
 def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetrics:
