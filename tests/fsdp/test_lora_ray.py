@@ -27,7 +27,7 @@ from rlcore.specs import EvalSpec
 from rlcore.testing import RecordingSink, ScriptedEngine, label_reward
 from rlcore_fsdp.kind import FSDP, FSDPRuntime
 from rlcore_fsdp.options import FSDPOptions
-from tests.fsdp.test_loop import DATA, char_llama  # noqa: F401  # char_llama: a fixture
+from tests.conformance.test_loop_contract import DATA, char_llama  # noqa: F401  # a fixture
 from tests.fsdp.test_lora import _log_probs, llama  # noqa: F401  # llama: a fixture
 from tests.megatron.helpers import (
     TINY,
