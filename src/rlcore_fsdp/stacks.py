@@ -3,7 +3,8 @@
 :class:`FSDPBaseView` (a LoRA training stack's base model, its adapters disabled: the reference
 without a second copy of the weights).
 
-Both score samples through :func:`rlcore.algorithms.train_step.score_samples` and train through
+All score samples through :func:`score` (:func:`rlcore.algorithms.train_step.score_samples`,
+every data-parallel rank running the same number of forward passes) and train through
 the core's train-step arithmetic (:mod:`rlcore.algorithms.train_step`): every data-parallel rank
 receives the whole rollout batch, trains on its own slice of each global batch with each
 micro-batch's loss divided by the global batch's normaliser, and FSDP2's reduce-scatter sums
@@ -47,6 +48,7 @@ __all__ = [
     "export_weights",
     "full_tensors",
     "model_output",
+    "score",
 ]
 
 HFModel = torch.nn.Module
@@ -76,6 +78,33 @@ def model_output(model: HFModel, tb: TensorBatch, is_critic: bool) -> torch.Tens
         out = model(input_ids=tb.tokens, attention_mask=tb.attention_mask, use_cache=False)
     logits: torch.Tensor = out.logits.float()
     return logits.squeeze(-1) if is_critic else logits
+
+
+def score(
+    model: HFModel,
+    samples: Sequence[Sample],
+    spec: ModelSpec,
+    config: Any,
+    device: torch.device,
+    micro_batch: int,
+    is_critic: bool,
+) -> list[tuple[float, ...]]:
+    """``samples`` scored by ``model`` (:func:`rlcore.algorithms.train_step.score_samples`). Each
+    micro-batch's forward gathers the shards over the data-parallel ranks, so with several every
+    rank must call this, with its own samples or none, and the ranks agree on one number of
+    forward passes (the most any of them forms)."""
+    from rlcore.algorithms.train_step import score_samples
+
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    return score_samples(
+        lambda tb: model_output(model, tb, is_critic),
+        samples,
+        spec,
+        pad_id(config),
+        device,
+        micro_batch,
+        all_reduce_floats(dist.ReduceOp.MAX) if several else None,
+    )
 
 
 def full_tensors(model: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,16 +171,15 @@ class FSDPEvalStack:
         return self._spec.model
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        from rlcore.algorithms.train_step import score_samples
-
         is_critic = self.spec.role == "critic"
-        return score_samples(
-            lambda tb: model_output(self.model, tb, is_critic),
+        return score(
+            self.model,
             samples,
             self.spec,
-            pad_id(self.config),
+            self.config,
             self.device,
             self.forward_micro_batch,
+            is_critic,
         )
 
     def load(self, path: Path) -> int:
@@ -205,15 +233,14 @@ class FSDPTrainingStack:
         return self._scheduler
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        from rlcore.algorithms.train_step import score_samples
-
-        return score_samples(
-            lambda tb: model_output(self.model, tb, self._is_critic),
+        return score(
+            self.model,
             samples,
             self.spec,
-            pad_id(self.config),
+            self.config,
             self.device,
             self.forward_micro_batch,
+            self._is_critic,
         )
 
     def export_weights(self) -> NamedTensors:
@@ -348,17 +375,16 @@ class FSDPBaseView:
         return self._actor.model
 
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        from rlcore.algorithms.train_step import score_samples
-
-        model = self._actor.model
-        with lora.adapters_off(model):
-            return score_samples(
-                lambda tb: model_output(model, tb, False),
+        actor = self._actor
+        with lora.adapters_off(actor.model):
+            return score(
+                actor.model,
                 samples,
                 self.spec,
-                pad_id(self._actor.config),
-                self._actor.device,
+                actor.config,
+                actor.device,
                 self.forward_micro_batch,
+                False,
             )
 
     def load(self, path: Path) -> int:

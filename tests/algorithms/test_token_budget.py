@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.algorithms.batching import tensorize_samples
+from rlcore.algorithms.batching import TensorBatch, tensorize_samples
 from rlcore.algorithms.token_budget import (
     budget_groups,
     forward_groups,
@@ -23,16 +23,18 @@ from rlcore.algorithms.token_budget import (
     padded_size,
     rank_micro_batches,
     rank_shares,
+    split_largest,
 )
 from rlcore.algorithms.train_step import (
     budget_micro_batches,
     optimizer_step_batches,
+    score_samples,
     step_micro_batches,
     step_tokens,
     trimmed,
 )
 from rlcore.samples import Sample, TrainBatch
-from rlcore.specs import ISCorrection, LossAggMode, LossSpec, ParallelSpec
+from rlcore.specs import ISCorrection, LossAggMode, LossSpec, ModelSpec, ParallelSpec
 from tests.algorithms.test_train_step import _step
 from tests.megatron.helpers import make_samples, train_spec
 from tests.strategies import VOCAB, log_prob, rows_for, samples
@@ -108,6 +110,51 @@ def test_forward_groups_come_back_in_input_order(
     if budget is None:  # as before the budget existed: in order, ``micro`` at a time
         assert [i for g in groups for i in g] == list(range(len(lengths)))
         assert all(len(g) == micro for g in groups[:-1])
+
+
+@given(long_tailed, st.integers(1, 5), st.one_of(st.none(), st.integers(1, 700)), st.integers(1, 4))
+def test_forward_ranks_even_out_by_splitting_their_largest_micro_batches(
+    lengths: list[int], ranks: int, budget: int | None, micro: int
+) -> None:
+    """Each rank's micro-batches of its forward share, split up to the most any rank forms:
+    exactly that many unless the rank holds fewer sequences, each within the budget still."""
+    shares = forward_shares(lengths, ranks, budget)
+    own = [
+        [[share[i] for i in g] for g in forward_groups([lengths[i] for i in share], budget, micro)]
+        for share in shares
+    ]
+    count = max(len(groups) for groups in own)
+    for share, groups in zip(shares, own, strict=True):
+        even = split_largest(groups, count)
+        assert len(even) == min(count, len(share)) and all(even)
+        assert sorted(i for g in even for i in g) == share
+        assert all(len(g) == 1 or budget is None or padded_size(lengths, g) <= budget for g in even)
+
+
+@given(samples(min_size=0, max_size=6), st.integers(1, 3), st.integers(0, 8), st.booleans())
+def test_scoring_runs_the_passes_the_ranks_agree_on_with_the_same_results(
+    batch: list[Sample], micro: int, other: int, by_tokens: bool
+) -> None:
+    """``score_samples`` with ``all_max`` (here another rank that forms ``other`` micro-batches)
+    runs the most micro-batches of any rank, split or thrown away, and scores as alone."""
+    torch.manual_seed(0)
+    table = torch.randn(VOCAB, VOCAB)  # each position's logits from its own token
+    spec = ModelSpec("actor", None, log_probs_max_tokens_per_gpu=12 if by_tokens else None)
+    calls: list[int] = []
+
+    def output(tb: TensorBatch) -> torch.Tensor:
+        calls.append(tb.num_sequences)
+        return table[tb.tokens]
+
+    alone = score_samples(output, batch, spec, 0, "cpu", micro)
+    own = len(calls)
+    calls.clear()
+    agreed = score_samples(output, batch, spec, 0, "cpu", micro, lambda v: [max(v[0], other)])
+    assert len(calls) == max(own, other)
+    assert sum(calls) == len(batch) + max(other - len(batch), 0)  # one-token throwaways
+    assert len(agreed) == len(batch)
+    for got, want in zip(agreed, alone, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)
 
 
 @given(long_tailed, st.integers(1, 5), st.one_of(st.none(), st.integers(1, 700)))

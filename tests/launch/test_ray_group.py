@@ -238,7 +238,7 @@ def test_forward_splits_over_data_parallel_ranks(two_cpus_four_slots: tuple[Rank
         assert forward(group, samples) == expected
         # data-parallel rank 0 (ranks 0, 1) scored the first three samples, rank 1 the rest
         assert group.run_on_all_ranks(_seen) == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
-        assert forward(group, samples[:1]) == expected[:1]  # data-parallel rank 1 idles
+        assert forward(group, samples[:1]) == expected[:1]  # data-parallel rank 1 scores none
         assert load(group, Path("/nowhere")) == 3
         assert group.call_ranks(_rank_of, {2: ()}) == [2]  # one rank alone
     finally:

@@ -24,7 +24,11 @@ collective is needed.
 A forward-only pass (old and reference log-probs, a critic's values, a teacher) over several
 data-parallel ranks is shared out the same way (:func:`forward_shares`, by the launcher, which
 sends each rank its share and puts the results back in the samples' order with
-:func:`in_input_order`): any number of sequences, at most ``ceil(n / D)`` to a rank.
+:func:`in_input_order`): any number of sequences, at most ``ceil(n / D)`` to a rank, a rank
+with none called too. Where the forward has a collective in every micro-batch (FSDP's gathers),
+the ranks agree on the most micro-batches any of them forms and the others even out as a train
+step's do (:func:`split_largest`), running a throwaway forward for each pass still missing when
+they hold too few sequences (:func:`rlcore.algorithms.train_step.score_samples`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "rank_micro_batches",
     "rank_shares",
     "sequence_lengths",
+    "split_largest",
 ]
 
 _T = TypeVar("_T")
@@ -126,14 +131,24 @@ def rank_micro_batches(
     rank by splitting each rank's largest micro-batches (module docstring)."""
     plans = [budget_groups(lengths, max_tokens, share) for share in rank_shares(lengths, ranks)]
     count = max(len(plan) for plan in plans)
-    for plan in plans:
-        while len(plan) < count:
-            # The micro-batch with the most sequences (>= 2, since the rank holds >= count).
-            k = max(range(len(plan)), key=lambda j: (len(plan[j]), -j))
-            group = plan[k]
-            half = (len(group) + 1) // 2
-            plan[k : k + 1] = [group[:half], group[half:]]
-    return plans
+    # Every rank holds >= count sequences, so each reaches count.
+    return [split_largest(plan, count) for plan in plans]
+
+
+def split_largest(groups: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """``groups`` with the one holding the most sequences (ties: the first) split in two, the
+    first half the larger, until there are ``count`` of them or none holds two: how a rank with
+    fewer micro-batches than another evens out (halves of a micro-batch within a budget are
+    within it too)."""
+    plan = [list(group) for group in groups]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda j: (len(plan[j]), -j), default=0)
+        if not plan or len(plan[k]) < 2:
+            break
+        group = plan[k]
+        half = (len(group) + 1) // 2
+        plan[k : k + 1] = [group[:half], group[half:]]
+    return plan
 
 
 def forward_groups(

@@ -46,9 +46,10 @@ from rlcore.algorithms.token_budget import (
     padded_size,
     rank_micro_batches,
     sequence_lengths,
+    split_largest,
 )
 from rlcore.errors import PlanError
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.samples import Generation, Prompt, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import LossAggMode, ModelSpec, TrainSpec
 
 __all__ = [
@@ -276,16 +277,29 @@ def score_samples(
     pad_id: int,
     device: torch.device | str,
     micro_batch: int,
+    all_max: Reduce | None = None,
 ) -> list[tuple[float, ...]]:
     """Per response token of each sample: log-probs at ``spec.temperature`` (a policy) or values
-    (a critic), one tuple per sample in ``samples``' order, without gradients; in micro-batches
-    of ``micro_batch`` samples, or by ``spec.log_probs_max_tokens_per_gpu`` tokens when set
+    (a critic), one tuple per sample in ``samples``' order (none for no samples), without
+    gradients; in micro-batches of ``micro_batch`` samples, or by
+    ``spec.log_probs_max_tokens_per_gpu`` tokens when set
     (:func:`~rlcore.algorithms.token_budget.forward_groups`, longest first). ``output`` is the
     backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
-    micro-batch's tokens."""
+    micro-batch's tokens.
+
+    ``all_max``: for a model whose forward is a collective over the data-parallel ranks (FSDP's
+    gathers), the all-reduce (maximum) over them; every rank must then call this, with its own
+    samples, none included. The ranks agree on the most micro-batches any of them forms; one
+    with fewer splits its largest (:func:`~rlcore.algorithms.token_budget.split_largest`) and,
+    when it holds too few samples for that, runs a throwaway forward of one token for each pass
+    still missing."""
     groups = forward_groups(
         sequence_lengths(samples), spec.log_probs_max_tokens_per_gpu, micro_batch
     )
+    passes = len(groups)
+    if all_max is not None:
+        passes = int(all_max([float(passes)])[0])
+        groups = split_largest(groups, passes)
     rows: list[list[tuple[float, ...]]] = []
     with torch.no_grad():
         for group in groups:
@@ -296,7 +310,15 @@ def score_samples(
             else:
                 per_token = token_log_probs(out, tb, spec.temperature)
             rows.append(unpad(per_token, tb))
+        for _ in range(passes - len(groups)):
+            output(_one_token(pad_id, device))
     return in_input_order(groups, rows)
+
+
+def _one_token(pad_id: int, device: torch.device | str) -> TensorBatch:
+    """A batch of one sequence of one token (``pad_id``) and no response: a throwaway forward."""
+    idle = Sample(Prompt(-1, "", (pad_id,)), Generation((), (), ""), 0.0, 0)
+    return tensorize_samples([idle], pad_id, device)
 
 
 def micro_batch_loss(out: torch.Tensor, mb: TensorBatch, spec: TrainSpec) -> LossOut:

@@ -11,7 +11,8 @@ global batch (:meth:`rlcore.protocols.TrainingStack.train_step`'s contract;
 :mod:`rlcore.algorithms.train_step`), so ``global_batch_size`` must be divisible by
 ``data_parallel_size * micro_batch_size`` (checked before any actor starts). Scoring: split
 driver-side, each data-parallel rank scores its share of the samples
-(:func:`rlcore.algorithms.token_budget.forward_shares`: contiguous, or by tokens with a budget).
+(:func:`rlcore.algorithms.token_budget.forward_shares`: contiguous, or by tokens with a budget),
+every rank called, with an empty share too.
 
 Weights: :mod:`rlcore.launch.ray.sending`.
 
@@ -79,19 +80,19 @@ def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float,
     Each data-parallel rank gets its share (contiguous, or by tokens with a token budget:
     :func:`~rlcore.algorithms.token_budget.forward_shares`); the tensor-parallel ranks of a
     data-parallel rank all get it, and rank ``dp * tp`` (its tensor-parallel rank 0) returns the
-    answer. A data-parallel rank with no share is not called.
+    answer. Every rank is called, one whose share is empty too: a backend whose forward is a
+    collective over the data-parallel ranks (FSDP's gathers) needs every one of them in it
+    (:func:`rlcore.algorithms.train_step.score_samples`).
     """
     tp, budget = group.tensor_parallel_size, group.model_spec.log_probs_max_tokens_per_gpu
     parts = forward_shares(sequence_lengths(samples), group.data_parallel_size, budget)
     per_rank: dict[int, tuple[object, ...]] = {}
     for dp, part in enumerate(parts):
-        if part:
-            ref = ray.put(tuple(samples[i] for i in part))
-            for t in range(tp):
-                per_rank[dp * tp + t] = (ref, t == 0)
+        ref = ray.put(tuple(samples[i] for i in part))
+        for t in range(tp):
+            per_rank[dp * tp + t] = (ref, t == 0)
     results = group.call_ranks(_forward, per_rank, "forward")
-    kept = [rows for rank, rows in zip(sorted(per_rank), results, strict=True) if rank % tp == 0]
-    return in_input_order([part for part in parts if part], kept)
+    return in_input_order(parts, results[::tp])
 
 
 def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetrics:
