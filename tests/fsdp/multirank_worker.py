@@ -2,7 +2,8 @@
 
 Rank r of 2 (gloo): one training step of a global batch of 4 (two samples per rank), the weights
 sent to a sink that only rank 0 has, a checkpoint of both ranks' shards, and the log-probs after
-the step; with ``lora_rank``, of LoRA adapters. Results go to ``out/rank<r>.pt`` for the parent
+the step (both ranks scoring all samples, then rank 0 three samples one at a time and rank 1
+none); with ``lora_rank``, of LoRA adapters. Results go to ``out/rank<r>.pt`` for the parent
 test to compare with one process.
 """
 
@@ -40,6 +41,10 @@ def run(rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0)
     sink = _Keep()
     stack.send_weights([sink] if rank == 0 else [])
     stack.save(Path(out) / "ckpt", rollout_id=3)
+    log_probs = stack.forward(list(batch.samples))
+    # Shares that form 3 and 0 micro-batches: the ranks agree on 3 forward passes (#36).
+    stack.forward_micro_batch = 1
+    uneven = stack.forward(list(batch.samples)[:3] if rank == 0 else [])
     torch.save(
         {
             "loss": metrics.loss,
@@ -47,7 +52,8 @@ def run(rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0)
             "extra": metrics.extra,
             "tokens": metrics.tokens,
             "sent": sink.tensors,
-            "log_probs": stack.forward(list(batch.samples)),
+            "log_probs": log_probs,
+            "uneven": uneven,
         },
         Path(out) / f"rank{rank}.pt",
     )

@@ -92,3 +92,8 @@ def test_a_two_rank_checkpoint_loads_into_one_process(two_ranks: Path, gpt2: Pat
     sent = _rank(two_ranks, 0)["sent"]
     assert all(torch.equal(loaded[name], sent[name]) for name in sent)
     assert one.forward(list(batch.samples)) == _rank(two_ranks, 0)["log_probs"]
+    # in-process ranks whose shares form different numbers of micro-batches (#36)
+    uneven = _rank(two_ranks, 0)["uneven"]
+    assert _rank(two_ranks, 1)["uneven"] == [] and len(uneven) == 3
+    for got, want in zip(uneven, one.forward(list(batch.samples)[:3]), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
