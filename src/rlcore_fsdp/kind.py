@@ -34,7 +34,7 @@ class FSDPRuntime:
     def init(self, parallel: ParallelSpec, seed: int) -> None:
         from rlcore_fsdp.backend import init_rank
 
-        init_rank(parallel, seed)
+        init_rank(parallel, seed, self.options.fsdp_cpu_offload)
 
     def backend(self) -> Backend:
         from rlcore_fsdp.backend import FSDPBackend

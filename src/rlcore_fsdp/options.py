@@ -53,6 +53,13 @@ class FSDPOptions:
         "recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(activation checkpointing: less memory, about one more forward of compute)",
     )
+    fsdp_cpu_offload: bool = option(
+        False,
+        "--fsdp-cpu-offload",
+        "keep the parameters, their gradients and AdamW's state in CPU memory (FSDP2's "
+        "CPUOffloadPolicy): each layer is copied to the GPU for its forward and backward and "
+        "AdamW steps on the CPU; for a model whose training state does not fit the GPUs",
+    )
     lora_rank: int = option(
         0,
         "--lora-rank",
