@@ -12,10 +12,10 @@ cast as they are gathered) while the weights, their gradient reduction and AdamW
 ``--fsdp-cpu-offload`` keeps the weights, gradients and AdamW's state in CPU memory.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
 sharding, so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
-is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); the critic, the
-reference and the teacher are built without them (the reference is thus the base model: a second
-copy of its weights, built from the same folder). Dropout is off (the model stays in eval mode):
-the loss is of the policy that sampled.
+is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); a critic is
+refused with it; the reference and the teacher are built without them (the reference is thus the
+base model: a second copy of its weights, built from the same folder). Dropout is off (the model
+stays in eval mode): the loss is of the policy that sampled.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.lora import add_adapters
-from rlcore_fsdp.options import FSDPOptions, parallel_problem
+from rlcore_fsdp.options import FSDPOptions, lora_role_problems, parallel_problem
 from rlcore_fsdp.stacks import FSDPEvalStack, FSDPTrainingStack, HFModel
 
 __all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
@@ -137,6 +137,9 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
                 )
             ]
         )
+    refused = lora_role_problems(options, spec.role)
+    if refused:  # the launcher refuses it before start; a backend built directly, here
+        raise ConfigError(refused)
     offload = options.fsdp_cpu_offload
     init_rank(spec.parallel, spec.seed, offload)
     folder = Path(spec.hf_checkpoint)

@@ -17,7 +17,7 @@ from rlcore.backends import BackendKind
 from rlcore.errors import ConfigProblem
 from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
-from rlcore_fsdp.options import FSDPOptions, model_record, parallel_problem
+from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_record, parallel_problem
 
 __all__ = ["FSDP", "FSDPRuntime"]
 
@@ -112,6 +112,7 @@ FSDP: Final[BackendKind[FSDPOptions]] = BackendKind(
     model_problems=model_problems,
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
+    options_role_problems=lora_role_problems,
     install="rlcore[fsdp]",
 )
 """Any Hugging Face causal LM (``AutoModelForCausalLM``), sharded with FSDP2 over the

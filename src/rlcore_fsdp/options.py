@@ -11,9 +11,17 @@ from typing import Any, Final, final
 import attrs
 
 from rlcore.config import option
+from rlcore.errors import ConfigProblem
 from rlcore.specs import ParallelSpec
 
-__all__ = ["RECORDED", "FSDPOptions", "lora_problem", "model_record", "parallel_problem"]
+__all__ = [
+    "RECORDED",
+    "FSDPOptions",
+    "lora_problem",
+    "lora_role_problems",
+    "model_record",
+    "parallel_problem",
+]
 
 
 def lora_problem(rank: int, alpha: int, dropout: float, modules: tuple[str, ...]) -> str | None:
@@ -90,6 +98,23 @@ class FSDPOptions:
         )
         if problem is not None:
             raise ValueError(problem)
+
+
+def lora_role_problems(options: FSDPOptions, role: str) -> list[ConfigProblem]:
+    """LoRA adapts the actor only (the reference and a teacher are the base model by design):
+    a critic with ``--lora-rank`` is refused rather than trained in full behind the flag's
+    back."""
+    if options.lora_rank == 0 or role != "critic":
+        return []
+    return [
+        ConfigProblem(
+            "fsdp.lora_rank (--lora-rank)",
+            f"--lora-rank {options.lora_rank} trains LoRA adapters on the actor only, and this "
+            "run trains a critic (--use-critic, or --advantage-estimator ppo), which would train "
+            "in full",
+            "drop --lora-rank to train both in full, or train without a critic (GRPO, REINFORCE++)",
+        )
+    ]
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
