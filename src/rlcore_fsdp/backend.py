@@ -8,16 +8,18 @@ as it is, with fp32 weights, and sharded with ``torch.distributed.fsdp.fully_sha
 per decoder layer (the classes the model lists in ``_no_split_modules``) and the root. In
 ``bfloat16`` (``--bf16``) FSDP2's mixed-precision policy computes in bf16 (each unit's weights
 cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
-``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass.
+``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass;
+``--fsdp-cpu-offload`` keeps the weights, gradients and AdamW's state in CPU memory.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
 sharding, so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
-is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); the critic and
-the teacher are built without them. The reference is then the actor's base with the adapters
-disabled (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights: the backend
-that built the LoRA actor's training stack returns that view for the reference (of the same model
-folder, precision and layout), and the launcher builds the reference in the actor's ranks
-(:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
-Asked for the reference before or without that actor, it builds the base model of its own.
+is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); a critic is
+refused with it; the teacher is built without them. The reference is then the actor's base with
+the adapters disabled (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights:
+the backend that built the LoRA actor's training stack returns that view for the reference (of
+the same model folder, precision and layout), and the launcher builds the reference in the
+actor's ranks (:attr:`rlcore.backends.BackendKind.model_owner`,
+:func:`rlcore_fsdp.options.model_owner`). Asked for the reference before or without that actor,
+it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
 """
 
@@ -33,26 +35,32 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     apply_activation_checkpointing,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.lora import add_adapters
-from rlcore_fsdp.options import FSDPOptions, model_owner, parallel_problem
+from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_owner, parallel_problem
 from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
 __all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
 
 
-def init_rank(parallel: ParallelSpec, seed: int) -> None:
-    """Join the data-parallel process group (gloo on the CPU, nccl on GPUs; one process of its
-    own without a launcher) and seed torch, so that every rank builds the same weights. Refuses
-    a split that FSDP does not make, and a process group of another size than ``parallel``."""
+def init_rank(parallel: ParallelSpec, seed: int, offload: bool = False) -> None:
+    """Join the data-parallel process group (gloo on the CPU, nccl on GPUs, and gloo beside it
+    for the CPU tensors of ``offload``; one process of its own without a launcher) and seed
+    torch, so that every rank builds the same weights. Refuses a split that FSDP does not make,
+    and a process group of another size than ``parallel``."""
     problem = parallel_problem(parallel)
     if problem is not None:
         raise BackendUnavailableError(problem)
-    init_process_group()
+    init_process_group(cpu_collectives=offload)
     world = dist.get_world_size()
     if world != parallel.world_size:
         # The spec's split (TrainSpec's batch rule included) holds only for its own layout.
@@ -67,14 +75,22 @@ def init_rank(parallel: ParallelSpec, seed: int) -> None:
 
 
 def shard(
-    model: torch.nn.Module, precision: Precision = "float32", checkpointing: bool = False
+    model: torch.nn.Module,
+    precision: Precision = "float32",
+    checkpointing: bool = False,
+    offload: bool = False,
 ) -> None:
     """FSDP2 over the default process group: each decoder layer (the module classes the model
     names in ``_no_split_modules``) a unit of its own, the rest (embeddings, final norm, head,
     tied or not) in the root's; in ``bfloat16``, computing in bf16 over fp32 weights and
     reducing gradients in fp32. ``checkpointing``: each decoder layer recomputes its activations
     in the backward pass (torch's non-reentrant checkpoint wrapper, which keeps the parameter
-    names as they were)."""
+    names as they were). ``offload``: each rank's shards of the weights and their gradients live
+    in CPU memory (so AdamW's state does too), copied to the device for each unit's use
+    (``CPUOffloadPolicy``; pinned memory on GPUs)."""
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    )
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision == "bfloat16" else None,
         reduce_dtype=torch.float32,
@@ -91,8 +107,8 @@ def shard(
     else:
         units = [m for m in model.modules() if is_layer(m)]
     for unit in units:
-        fully_shard(unit, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(unit, mp_policy=policy, offload_policy=offload_policy)
+    fully_shard(model, mp_policy=policy, offload_policy=offload_policy)
 
 
 def _config(folder: Path, options: FSDPOptions) -> Any:
@@ -127,7 +143,11 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
                 )
             ]
         )
-    init_rank(spec.parallel, spec.seed)
+    refused = lora_role_problems(options, spec.role)
+    if refused:  # the launcher refuses it before start; a backend built directly, here
+        raise ConfigError(refused)
+    offload = options.fsdp_cpu_offload
+    init_rank(spec.parallel, spec.seed, offload)
     folder = Path(spec.hf_checkpoint)
     config = _config(folder, options)
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -146,13 +166,17 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
             folder, config=config, dtype=torch.float32, trust_remote_code=remote
         )
     model.eval()
-    model.to(device())
+    if not offload:
+        # offloaded, it stays in CPU memory: fully_shard moves one unit at a time to the device
+        # to shard it, then the shards back
+        model.to(device())
+    checkpointing = options.gradient_checkpointing
     if options.lora_rank > 0 and spec.role == "actor":
         # the base model inside is sharded as it would be alone; the peft wrapper holds no weights
         adapted = add_adapters(model, options)
-        shard(adapted.get_base_model(), spec.precision, options.gradient_checkpointing)
+        shard(adapted.get_base_model(), spec.precision, checkpointing, offload)
         return adapted, config
-    shard(model, spec.precision, options.gradient_checkpointing)
+    shard(model, spec.precision, checkpointing, offload)
     return model, config
 
 

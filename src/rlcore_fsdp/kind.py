@@ -17,7 +17,13 @@ from rlcore.backends import BackendKind
 from rlcore.errors import ConfigProblem
 from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
-from rlcore_fsdp.options import FSDPOptions, model_owner, model_record, parallel_problem
+from rlcore_fsdp.options import (
+    FSDPOptions,
+    lora_role_problems,
+    model_owner,
+    model_record,
+    parallel_problem,
+)
 
 __all__ = ["FSDP", "FSDPRuntime"]
 
@@ -34,7 +40,7 @@ class FSDPRuntime:
     def init(self, parallel: ParallelSpec, seed: int) -> None:
         from rlcore_fsdp.backend import init_rank
 
-        init_rank(parallel, seed)
+        init_rank(parallel, seed, self.options.fsdp_cpu_offload)
 
     def backend(self) -> Backend:
         from rlcore_fsdp.backend import FSDPBackend
@@ -112,6 +118,7 @@ FSDP: Final[BackendKind[FSDPOptions]] = BackendKind(
     model_problems=model_problems,
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
+    options_role_problems=lora_role_problems,
     install="rlcore[fsdp]",
     model_owner=model_owner,
 )

@@ -11,12 +11,14 @@ from typing import Any, Final, final
 import attrs
 
 from rlcore.config import option
+from rlcore.errors import ConfigProblem
 from rlcore.specs import EvalSpec, ParallelSpec, Role
 
 __all__ = [
     "RECORDED",
     "FSDPOptions",
     "lora_problem",
+    "lora_role_problems",
     "model_owner",
     "model_record",
     "parallel_problem",
@@ -60,6 +62,13 @@ class FSDPOptions:
         "recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(activation checkpointing: less memory, about one more forward of compute)",
     )
+    fsdp_cpu_offload: bool = option(
+        False,
+        "--fsdp-cpu-offload",
+        "keep the parameters, their gradients and AdamW's state in CPU memory (FSDP2's "
+        "CPUOffloadPolicy): each layer is copied to the GPU for its forward and backward and "
+        "AdamW steps on the CPU; for a model whose training state does not fit the GPUs",
+    )
     lora_rank: int = option(
         0,
         "--lora-rank",
@@ -97,6 +106,23 @@ def model_owner(options: FSDPOptions, spec: EvalSpec) -> Role | None:
     actor's model (no second copy of the weights): ``"actor"`` for it, else ``None``
     (:attr:`rlcore.backends.BackendKind.model_owner`)."""
     return "actor" if options.lora_rank > 0 and spec.model.role == "reference" else None
+
+
+def lora_role_problems(options: FSDPOptions, role: str) -> list[ConfigProblem]:
+    """LoRA adapts the actor only (the reference and a teacher are the base model by design):
+    a critic with ``--lora-rank`` is refused rather than trained in full behind the flag's
+    back."""
+    if options.lora_rank == 0 or role != "critic":
+        return []
+    return [
+        ConfigProblem(
+            "fsdp.lora_rank (--lora-rank)",
+            f"--lora-rank {options.lora_rank} trains LoRA adapters on the actor only, and this "
+            "run trains a critic (--use-critic, or --advantage-estimator ppo), which would train "
+            "in full",
+            "drop --lora-rank to train both in full, or train without a critic (GRPO, REINFORCE++)",
+        )
+    ]
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")

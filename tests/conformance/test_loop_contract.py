@@ -180,3 +180,32 @@ def test_a_token_budget_run_scores_and_trains_as_a_padded_one(
         assert budget[f"perf/{role}_train_tokens_per_sec"] > 0
     for name in ("actor_logprobs", "ref_logprobs", "critic_values", "teacher_logprobs"):
         assert budget[f"perf/{name}_tokens_per_sec"] > 0
+
+
+def test_an_off_policy_run_trains_every_rollout_one_version_behind(
+    model_reader: Under, char_llama: Path
+) -> None:
+    """``--max-staleness 1``: the engine samples rollout j while the backend trains rollout j-1
+    (the loop's, whatever the backend); every rollout is trained once, each but the first one
+    weight version behind, with decoupled PPO's correction."""
+    data: dict[str, Any] = {
+        "model": {"hf_checkpoint": str(char_llama), "train_backend": model_reader.name},
+        "rollout": {
+            "num_rollout": 3,
+            "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2,
+            "max_staleness": 1,
+        },
+        "optim": {"lr": 1e-3},
+        "train": {"global_batch_size": 4, "micro_batch_size": 2},
+    }
+    sink = RecordingSink()
+    result = run(
+        plan(structure_config(data)), _backend(model_reader), ScriptedEngine(), label_reward, DATA,
+        sink,
+    )  # fmt: skip
+    assert result.trained == (0, 1, 2)
+    staleness = [
+        m["rollout/staleness_max"] for _, m in sink.records if "rollout/staleness_max" in m
+    ]
+    assert staleness == [0.0, 1.0, 1.0]

@@ -2,7 +2,9 @@
 its own Ray start-up): two GRPO rollouts of the tiny demo with a checkpoint and an HF export,
 then an eval-only run on the checkpoint that builds the actor's eval stack and nothing else. (The
 entropy bonus makes the update nonzero when no sample of the two rollouts is rewarded.) With LoRA
-and a KL loss, the reference runs in the actor's ranks: the placement reserves no slots for it."""
+and a KL loss, the reference runs in the actor's ranks: the placement reserves no slots for it.
+What the backend cannot do is refused before anything starts: a tensor-parallel split, LoRA with a
+critic."""
 
 from __future__ import annotations
 
@@ -103,4 +105,24 @@ def test_a_tensor_parallel_split_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert "the fsdp backend shards models over data-parallel ranks only" in err, err
     assert "--train-backend megatron" in err
+    assert "ray: started" not in err and not (tmp_path / "out").exists()
+
+
+def test_lora_with_a_critic_is_refused_before_anything_starts(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlcore.launch.cli import main
+
+    # fmt: off
+    flags = [
+        "--train-backend", "fsdp", "--hf-checkpoint", str(demo / "model"),
+        "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt",
+        "--label-key", "answer", "--num-rollout", "2", "--advantage-estimator", "ppo",
+        "--lora-rank", "4", "--output-dir", str(tmp_path / "out"),
+    ]
+    # fmt: on
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "fsdp.lora_rank (--lora-rank)" in err and "on the actor only" in err, err
+    assert "drop --lora-rank" in err
     assert "ray: started" not in err and not (tmp_path / "out").exists()

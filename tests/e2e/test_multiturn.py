@@ -109,9 +109,12 @@ def test_multiturn_grpo_save_resume_then_eval_only(
     assert {"eval/heldout/reward", "eval/heldout/response_len"} <= set(rows[0])
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
 def test_custom_generate_function_from_examples(
-    tool_demo: Path, tmp_path: Path, ray_cluster: None
+    tool_demo: Path, tmp_path: Path, ray_cluster: None, backend: str
 ) -> None:
+    """Episodes from a custom generate function, trained by each backend: it scores the very ids
+    each turn was sampled from, observations included (the engine's log-probs)."""
     demo = tool_demo
     result = execute(
         load_config(
@@ -120,6 +123,7 @@ def test_custom_generate_function_from_examples(
                 tmp_path / "a",
                 *("--custom-generate-function-path", "examples.multiturn_generate:generate"),
                 *("--num-rollout", "2", "--sft-warmup-rollouts", "1", "--env-reward", "add"),
+                *("--train-backend", backend),
             )
         )
     )

@@ -4,18 +4,25 @@ Rank r of 2 (gloo): one training step of a global batch of 4 (two samples per ra
 sent to a sink that only rank 0 has, a checkpoint of both ranks' shards, and the log-probs after
 the step (both ranks scoring all samples, then rank 0 three samples one at a time and rank 1
 none); with ``lora_rank``, of LoRA adapters. Results go to ``out/rank<r>.pt`` for the parent
-test to compare with one process.
+test to compare with one process; with ``resume_from``, the ranks then load a checkpoint that one
+process saved and take the next step (:func:`resume`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from rlcore_fsdp.stacks import FSDPTrainingStack
 
-def run(rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0) -> None:
+
+def run(
+    rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0, resume_from: str = ""
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -57,4 +64,34 @@ def run(rank: int, world: int, port: int, hf: str, out: str, lora_rank: int = 0)
         },
         Path(out) / f"rank{rank}.pt",
     )
+    if resume_from:
+        resume(rank, FSDPBackend().build_training_stack(spec), Path(resume_from), Path(out))
     torch.distributed.destroy_process_group()
+
+
+def resume(rank: int, stack: FSDPTrainingStack, checkpoint: Path, out: Path) -> None:
+    """Load ``checkpoint`` (saved by one process) into ``stack``, then take the step of
+    :func:`tests.fsdp.test_two_ranks.next_batch`; rank 0 writes the full weights and optimizer
+    state as loaded, the learning rate, and the weights after the step to ``out/resumed.pt``."""
+    from tests.fsdp.test_two_ranks import full_optimizer_state, next_batch
+    from tests.megatron.helpers import _Keep
+
+    rollout_id = stack.load(checkpoint)
+    loaded, stepped = _Keep(), _Keep()
+    stack.send_weights([loaded] if rank == 0 else [])
+    optimizer = full_optimizer_state(stack)
+    lr = stack.optimizer.param_groups[0]["lr"]
+    metrics = stack.train_step(next_batch())
+    stack.send_weights([stepped] if rank == 0 else [])
+    if rank == 0:
+        torch.save(
+            {
+                "rollout_id": rollout_id,
+                "loaded": loaded.tensors,
+                "optimizer": optimizer,
+                "lr": lr,
+                "loss": metrics.loss,
+                "stepped": stepped.tensors,
+            },
+            out / "resumed.pt",
+        )

@@ -231,6 +231,15 @@ def test_lora_flags_reach_the_options() -> None:
     )
 
 
+def test_a_critic_built_with_lora_flags_is_refused(llama: Path) -> None:
+    """LoRA adapts the actor only: a critic is refused (the launcher does it before start, see
+    tests/e2e/test_fsdp_run.py), not trained in full behind the flag's back."""
+    with pytest.raises(
+        ConfigError, match=re.escape("--lora-rank 4 trains LoRA adapters on the actor only")
+    ):
+        FSDPBackend(LORA).build_training_stack(train_spec(llama, "critic"))
+
+
 @pytest.mark.slow
 def test_two_ranks_train_the_adapters_as_one_and_their_checkpoint_loads_into_one(
     tmp_path: Path,

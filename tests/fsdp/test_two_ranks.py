@@ -1,11 +1,13 @@
 """Two gloo ranks on the CPU train as one process does with the same global batch (FSDP2 shards
 every layer over both, each takes half the batch), send the full weights from the rank that has
-the sink, and their checkpoint loads into one process (DCP reshards it)."""
+the sink, and their checkpoint loads into one process (DCP reshards it); one process's checkpoint
+resumes on two ranks with the same weights, optimizer state and learning rate, and their next
+step is the step the process itself takes next."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import transformers
 from rlcore.samples import TrainBatch
 from rlcore.specs import TrainSpec
 from rlcore_fsdp.backend import FSDPBackend
+from rlcore_fsdp.stacks import FSDPTrainingStack
 from tests.fsdp import multirank_worker
 from tests.megatron.helpers import (
     TOKEN_MEAN_TIS,
@@ -36,6 +39,22 @@ def batch_and_spec(folder: Path) -> tuple[TrainBatch, TrainSpec]:
     return batch, spec
 
 
+def full_optimizer_state(stack: FSDPTrainingStack) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's state by parameter name, gathered whole on rank 0 (empty on the others), as
+    copies: on one rank the full state holds live tensors (the step count), which steps change."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    gathered = get_optimizer_state_dict(stack.model, stack.optimizer, options=full)
+    state = cast("dict[str, dict[str, torch.Tensor]]", gathered.get("state", {}))
+    return {name: {k: v.clone() for k, v in s.items()} for name, s in state.items()}
+
+
+def next_batch() -> TrainBatch:
+    """The batch of the step after a resume (other samples than :func:`batch_and_spec`'s)."""
+    return make_batch(make_samples(4, seed=23, vocab=40), seed=24, rollout=True)
+
+
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gpt2_folder(tmp_path_factory.mktemp("gpt2"))
@@ -54,9 +73,33 @@ def gpt2_folder(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_rank(gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process's step, its checkpoint (``ckpt`` in ``folder``), the weights, AdamW state and
+    learning rate it saved, and its next step's loss and weights."""
+    folder = tmp_path_factory.mktemp("one_rank")
+    batch, spec = batch_and_spec(gpt2)
+    one = FSDPBackend().build_training_stack(spec)
+    one.train_step(batch)
+    one.save(folder / "ckpt", rollout_id=3)
+    saved = {
+        "folder": folder,
+        "weights": weights(one.export_weights()),
+        "optimizer": full_optimizer_state(one),
+        "lr": one.optimizer.param_groups[0]["lr"],
+        "loss": one.train_step(next_batch()).loss,
+        "stepped": weights(one.export_weights()),
+    }
+    return saved
+
+
+@pytest.fixture(scope="module")
+def two_ranks(
+    gpt2: Path, one_rank: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """What both ranks wrote: their own step and checkpoint, then the resume of ``one_rank``'s."""
     out = tmp_path_factory.mktemp("two_ranks")
-    run_two_ranks(multirank_worker.run, str(gpt2), str(out), timeout=300)
+    resume_from = str(one_rank["folder"] / "ckpt")
+    run_two_ranks(multirank_worker.run, str(gpt2), str(out), 0, resume_from, timeout=300)
     return out
 
 
@@ -97,3 +140,22 @@ def test_a_two_rank_checkpoint_loads_into_one_process(two_ranks: Path, gpt2: Pat
     assert _rank(two_ranks, 1)["uneven"] == [] and len(uneven) == 3
     for got, want in zip(uneven, one.forward(list(batch.samples)[:3]), strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(
+    two_ranks: Path, one_rank: dict[str, Any]
+) -> None:
+    resumed: dict[str, Any] = torch.load(two_ranks / "resumed.pt")
+    assert resumed["rollout_id"] == 3 and resumed["lr"] == one_rank["lr"]
+    saved = one_rank["weights"]
+    assert resumed["loaded"].keys() == saved.keys()
+    assert all(torch.equal(resumed["loaded"][name], saved[name]) for name in saved)
+    optimizer = one_rank["optimizer"]
+    assert resumed["optimizer"].keys() == optimizer.keys()
+    for name in optimizer:
+        assert optimizer[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in optimizer[name].items():
+            assert torch.equal(resumed["optimizer"][name][key], value), (name, key)
+    assert resumed["loss"] == pytest.approx(one_rank["loss"], rel=1e-5)
+    for name, tensor in one_rank["stepped"].items():
+        assert_same_step(resumed["stepped"][name], tensor, saved[name], name)

@@ -36,14 +36,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group() -> None:
+def init_process_group(cpu_collectives: bool = False) -> None:
     """Join the process group unless this process already has: from ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` when set (what a launcher sets on each rank),
     else one process of its own (an in-memory store, no port to pick). gloo on the CPU, nccl on
-    GPUs (each rank on the GPU ``LOCAL_RANK`` names)."""
+    GPUs (each rank on the GPU ``LOCAL_RANK`` names); ``cpu_collectives``: on GPUs, gloo too for
+    collectives over CPU tensors (what offloaded weights and gradients need)."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
     if all(v in os.environ for v in _ENV_VARS):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
