@@ -36,6 +36,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must lie: the CPU when the group's
+    backend takes CPU tensors (gloo, or gloo beside nccl), else this rank's GPU (nccl alone)."""
+    if torch.cuda.is_available() and "gloo" not in str(dist.get_backend(group)):
+        return device()
+    return torch.device("cpu")
+
+
 def init_process_group(cpu_collectives: bool = False) -> None:
     """Join the process group unless this process already has: from ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` when set (what a launcher sets on each rank),
@@ -81,7 +89,7 @@ def all_reduce_floats(
     float64: the reduction :meth:`rlcore.algorithms.train_step.StepMetrics.reduce` takes."""
 
     def reduce(values: list[float]) -> list[float]:
-        reduced = torch.tensor(values, dtype=torch.float64)
+        reduced = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
         dist.all_reduce(reduced, op=op, group=group)
         out: list[float] = reduced.tolist()
         return out
@@ -94,7 +102,9 @@ def agree_on_rollout_id(path: Path, rollout_id: int) -> None:
     from ``path`` (a collective: every rank calls it)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    ids = torch.tensor([rollout_id, -rollout_id], dtype=torch.int64)
+    ids = torch.tensor(
+        [rollout_id, -rollout_id], dtype=torch.int64, device=_collective_device(None)
+    )
     dist.all_reduce(ids, op=dist.ReduceOp.MAX)
     if int(ids[0]) != -int(ids[1]):
         raise CheckpointError(
