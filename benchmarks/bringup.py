@@ -186,7 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--child", choices=["eval", "train", "lora"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["build", "eval", "train", "lora"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=768)
@@ -209,6 +211,9 @@ def main() -> None:
         "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
     )
     args = parser.parse_args()
+    if args.child == "build":
+        write_hf_folder(args.model_dir, args)
+        return
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
@@ -218,8 +223,11 @@ def main() -> None:
     sides = ("lora", "train") if args.lora_rank else ("eval", "train")
     with tempfile.TemporaryDirectory(prefix="bringup-") as tmp:
         if args.train_backend == "fsdp":
+            # In a process of its own: a child's ru_maxrss starts at this process's peak (Linux
+            # keeps it across fork and exec), so this one must never hold the model.
             args.model_dir = Path(tmp) / "model"
-            write_hf_folder(args.model_dir, args)
+            cmd = [sys.executable, "-m", "benchmarks.bringup", "--child", "build", *sys.argv[1:]]
+            subprocess.run([*cmd, "--model-dir", str(args.model_dir)], check=True)
         results = _measure(sides, args)
 
     ev, tr = results[sides[0]], results["train"]
