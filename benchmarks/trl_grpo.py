@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.clock import Clock, wall_clock
-
-PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
+from benchmarks.rl_step import NEW_TOKENS, PROMPTS, SAMPLES
 
 
 def trl_available() -> bool:
