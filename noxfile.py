@@ -140,6 +140,7 @@ def sglang(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, then one table of their ratios (not part of CI: the
     numbers need an otherwise idle machine). Arguments after ``--`` go to ``benchmarks.run_all``
-    (``--quick`` for a short smoke run)."""
-    _install(session)
+    (``--quick`` for a short smoke run). The ``bench`` dependency group adds TRL, which
+    rl_step times rlcore against."""
+    _install(session, "bench")
     session.run("python", "-m", "benchmarks.run_all", *session.posargs)

@@ -1,4 +1,4 @@
-"""bench-tiny: seconds per GRPO step of the full rlcore_megatron stack vs the plain-PyTorch floor.
+"""bench-tiny: seconds per GRPO step of the full rlcore stack vs the plain-PyTorch floor (and TRL).
 
 The workload (bench-tiny v1): a 2.9M-parameter Llama, 16 prompts x 8 samples, 8 new tokens,
 prefix partial-credit reward, GRPO without a reference model, one AdamW step per rollout, fp32,
@@ -8,9 +8,12 @@ as the reference build). Both are measured in this one process, alternating, eac
 
 - **floor**: plain PyTorch — sampled generation with a KV cache, reward, group advantages, one
   forward/backward over [prompt; completion], clip, fused AdamW.
-- **rlcore**: ``rlcore.run`` with the Ray train group (one Megatron rank in a Ray actor), the
-  embedded rollout engine in this process and the weight sync after every step — what
-  ``python -m rlcore_megatron.run`` does.
+- **rlcore**: ``rlcore.run`` with the Ray train group (one rank in a Ray actor), the embedded
+  rollout engine in this process and the weight sync after every step — what
+  ``python -m rlcore_megatron.run`` does; with each backend of ``--train-backend`` (default
+  ``megatron``; ``--train-backend megatron fsdp`` times both in every round).
+- **TRL** (``--trl``, fp32 only): TRL's ``GRPOTrainer`` configured as the workload's step
+  (:mod:`benchmarks.trl_grpo`), in this process.
 
 ``--bf16`` measures both in bf16 as well, each round running all four (rlcore bf16, floor bf16,
 rlcore fp32, floor fp32). In bf16 rlcore is ``--bf16``: Megatron's mixed precision (bf16 weights
@@ -22,13 +25,16 @@ fp32 for sampling and log-probs, as rlcore's are.
 Usage::
 
     python -m benchmarks.rl_step [--steps 20] [--rounds 3] [--assets DIR] [--bf16]
+        [--train-backend megatron fsdp] [--trl]
 
 ``--assets`` uses an existing build instead of building one in a temporary folder.
 
 It prints the median seconds per step of each (median of the per-round medians), min and max,
 the ratio against its target (fp32 <= 1.05x the floor, bf16 <= 1.0x, on an otherwise idle
 machine), and where rlcore's time goes (generation, advantages, train, weight sync); with
-``--bf16`` the same for bf16, and each one's bf16/fp32 ratio of seconds per step.
+``--bf16`` the same for bf16, and each one's bf16/fp32 ratio of seconds per step. With ``fsdp``
+among the backends: fsdp's seconds per step over Megatron's (target <= 1.0x, issue #36) and, with
+``--trl``, over TRL's (printed, no target).
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -48,11 +53,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
+from benchmarks.clock import Clock, TreeCPUClock, wall_clock
 from benchmarks.results import Ratio, write_ratios
 
 THREADS = 2
 TARGETS = {False: 1.05, True: 1.0}
 """rlcore's seconds per step over the floor's, at most: fp32 (``False``), bf16 (``True``)."""
+FSDP_VS_MEGATRON = 1.0
+"""``--train-backend fsdp``'s seconds per step over Megatron's, at most (issue #36)."""
 PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 
 
@@ -60,7 +68,9 @@ PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 8
 # The floor
 
 
-def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> list[float]:
+def floor_steps(
+    assets: Path, steps: int, offset: int, bf16: bool = False, clock: Clock = wall_clock
+) -> list[float]:
     """Seconds per step of the plain-PyTorch GRPO step (WORKLOAD.md section 5); with ``bf16``,
     in mixed precision (bf16 model, fp32 main weights, gradients and AdamW)."""
     from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
@@ -79,7 +89,7 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
     )
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
-    last = time.perf_counter()
+    last = clock()
     for step in range(steps):
         batch = rows[((offset + step) * PROMPTS) % len(rows) :][:PROMPTS]
         prompt_ids = torch.tensor([tok.encode(r["prompt"]) for r in batch]).repeat_interleave(
@@ -131,7 +141,7 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
         if bf16:
             with torch.no_grad():
                 torch._foreach_copy_(params, main)
-        now = time.perf_counter()
+        now = clock()
         times.append(now - last)
         last = now
     return times
@@ -144,13 +154,14 @@ def floor_steps(assets: Path, steps: int, offset: int, bf16: bool = False) -> li
 class _StepClock:
     """A metrics sink that timestamps the end of every rollout and keeps the perf split."""
 
-    def __init__(self) -> None:
-        self.ends: list[float] = [time.perf_counter()]
+    def __init__(self, clock: Clock = wall_clock) -> None:
+        self.clock = clock
+        self.ends: list[float] = [clock()]
         self.perf: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if "rollout/weight_version" in metrics:
-            self.ends.append(time.perf_counter())
+            self.ends.append(self.clock())
             self.perf.append({k: v for k, v in metrics.items() if k.startswith("perf/")})
 
     def close(self) -> None:
@@ -158,19 +169,28 @@ class _StepClock:
 
 
 def rlcore_steps(
-    model_dir: Path, prompts: Path, steps: int, offset: int, out: Path, bf16: bool = False
+    model_dir: Path,
+    prompts: Path,
+    steps: int,
+    offset: int,
+    out: Path,
+    bf16: bool = False,
+    train_backend: str = "megatron",
+    clock: Clock = wall_clock,
 ) -> tuple[list[float], list[dict[str, float]]]:
     from benchmarks.bench_tiny import prefix_partial
+    from rlcore.backends import load_backend_kind
     from rlcore.config.flags import load_config
     from rlcore.launch.pieces import make_engine
     from rlcore.launch.prepare import load_run_data, load_tokenizer
     from rlcore.launch.ray.stacks import RayBackend
     from rlcore.loop import run
     from rlcore.loop.plan import plan
-    from rlcore_megatron.kind import MegatronRuntime
 
     config = load_config(
         [
+            "--train-backend",
+            train_backend,
             "--hf-checkpoint",
             str(model_dir),
             "--prompt-data",
@@ -206,25 +226,26 @@ def rlcore_steps(
     )
     tokenizer = load_tokenizer(config)
     data = load_run_data(config, tokenizer)
-    clock = _StepClock()
+    steps_clock = _StepClock(clock)
     # The rank reserves one slot of the node, so it runs with all THREADS of the node's CPUs.
-    with RayBackend(MegatronRuntime()) as backend:
+    runtime = load_backend_kind(train_backend).rank_runtime(config.model.backend_options)
+    with RayBackend(runtime) as backend:
         engine = make_engine(config, tokenizer)
         try:
-            clock.ends = [time.perf_counter()]
-            run(plan(config), backend, engine, prefix_partial, data, clock)
+            steps_clock.ends = [clock()]
+            run(plan(config), backend, engine, prefix_partial, data, steps_clock)
         finally:
             engine.close()
-    times = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
-    return times, clock.perf
+    ends = steps_clock.ends
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)], steps_clock.perf
 
 
-def _summary(name: str, per_round: list[list[float]]) -> float:
+def _summary(name: str, per_round: list[list[float]], unit: str = "s") -> float:
     medians = [statistics.median(r) for r in per_round]
     flat = [t for r in per_round for t in r]
     med = statistics.median(medians)
     print(
-        f"{name:>12}: median {med:.3f} s/step "
+        f"{name:>20}: median {med:.3f} {unit}/step "
         f"(per-round medians {', '.join(f'{m:.3f}' for m in medians)}; "
         f"min {min(flat):.3f}, max {max(flat):.3f}, {len(flat)} steps)"
     )
@@ -258,19 +279,47 @@ def main() -> None:
         "--bf16", action="store_true", help="also measure both in bf16 mixed precision"
     )
     parser.add_argument(
+        "--train-backend",
+        nargs="+",
+        choices=["megatron", "fsdp"],
+        default=["megatron"],
+        help="rlcore's train backends, each timed in every round",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the CPU seconds of this process and all it started (Ray's ranks "
+        "included) instead of wall time: for a loaded machine",
+    )
+    parser.add_argument(
+        "--trl", action="store_true", help="also time TRL's GRPOTrainer (fp32; needs trl)"
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
     )
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
+    clock: Clock = TreeCPUClock() if args.cpu_time else wall_clock
+    unit = "CPU s" if args.cpu_time else "s"
+    if args.trl:
+        from benchmarks.trl_grpo import trl_available, trl_steps
+
+        if not trl_available():
+            sys.exit("--trl: TRL is not installed (nox -s bench installs it: the bench group)")
 
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
     warm = 2
     precisions = (True, False) if args.bf16 else (False,)
-    floor_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
-    ours_rounds: dict[bool, list[list[float]]] = {bf16: [] for bf16 in precisions}
-    perf: dict[bool, list[dict[str, float]]] = {bf16: [] for bf16 in precisions}
+    backends: list[str] = list(dict.fromkeys(args.train_backend))
+    names = ["floor", *backends, *(["trl"] if args.trl else [])]
+    rounds: dict[tuple[str, bool], list[list[float]]] = {
+        (n, bf16): [] for n in names for bf16 in precisions
+    }
+    perf: dict[tuple[str, bool], list[dict[str, float]]] = {
+        (b, bf16): [] for b in backends for bf16 in precisions
+    }
     try:
         if args.assets is None:
             from benchmarks.bench_tiny import build_assets
@@ -284,22 +333,33 @@ def main() -> None:
             shutil.copy(f, model_dir / f.name)
         for r in range(args.rounds):
             for bf16 in precisions:
-                ours, split = rlcore_steps(
-                    model_dir,
-                    args.assets / "prompts.jsonl",
-                    warm + args.steps,
-                    r,
-                    tmp / f"run{r}-{bf16}",
-                    bf16,
-                )
-                ours_rounds[bf16].append(ours[warm:])
-                perf[bf16] += split[warm:]
-                floor = floor_steps(args.assets, warm + args.steps, r, bf16)
-                floor_rounds[bf16].append(floor[warm:])
+                dtype = "bf16" if bf16 else "fp32"
+                for backend in backends:
+                    ours, split = rlcore_steps(
+                        model_dir,
+                        args.assets / "prompts.jsonl",
+                        warm + args.steps,
+                        r,
+                        tmp / f"run{r}-{bf16}-{backend}",
+                        bf16,
+                        backend,
+                        clock,
+                    )
+                    rounds[backend, bf16].append(ours[warm:])
+                    perf[backend, bf16] += split[warm:]
+                floor = floor_steps(args.assets, warm + args.steps, r, bf16, clock)
+                rounds["floor", bf16].append(floor[warm:])
+                if args.trl and not bf16:
+                    theirs = trl_steps(args.assets, warm + args.steps, r, tmp / f"trl{r}", clock)
+                    rounds["trl", bf16].append(theirs[warm:])
                 print(
-                    f"round {r} {'bf16' if bf16 else 'fp32'}: rlcore "
-                    f"{statistics.median(ours[warm:]):.3f}, floor "
-                    f"{statistics.median(floor[warm:]):.3f} s/step",
+                    f"round {r} {dtype}: "
+                    + ", ".join(
+                        f"{n} {statistics.median(rounds[n, bf16][-1]):.3f}"
+                        for n in names
+                        if rounds[n, bf16]
+                    )
+                    + f" {unit}/step",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -309,25 +369,46 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"bench-tiny: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
-        f"{THREADS} threads, {args.rounds} alternating rounds of {args.steps} steps"
+        f"{THREADS} threads, {args.rounds} alternating rounds of {args.steps} steps, "
+        + ("CPU time of the process tree" if args.cpu_time else "wall time")
     )
     medians: dict[tuple[str, bool], float] = {}
     ratios: list[Ratio] = []
     for bf16 in sorted(precisions):
         dtype = "bf16" if bf16 else "fp32"
-        medians["floor", bf16] = _summary(f"floor {dtype}", floor_rounds[bf16])
-        medians["rlcore", bf16] = _summary(f"rlcore {dtype}", ours_rounds[bf16])
-        ratio = medians["rlcore", bf16] / medians["floor", bf16]
+        for n in names:
+            if rounds[n, bf16]:
+                label = n if n in ("floor", "trl") else f"rlcore {n}"
+                medians[n, bf16] = _summary(f"{label} {dtype}", rounds[n, bf16], unit)
         target = TARGETS[bf16]
-        print(f"  {dtype} ratio: {ratio:.2f}x the floor (target <= {target:.2f}x)")
-        ratios.append(Ratio("rl_step", f"s/step vs plain PyTorch, {dtype}", ratio, target))
-        _split(f"rlcore {dtype}", perf[bf16])
+        for backend in backends:
+            ratio = medians[backend, bf16] / medians["floor", bf16]
+            print(f"  {backend} {dtype} ratio: {ratio:.2f}x the floor (target <= {target:.2f}x)")
+            _split(f"rlcore {backend} {dtype}", perf[backend, bf16])
+        if "megatron" in backends:
+            ratio = medians["megatron", bf16] / medians["floor", bf16]
+            ratios.append(Ratio("rl_step", f"s/step vs plain PyTorch, {dtype}", ratio, target))
+        if "fsdp" in backends and "megatron" in backends:
+            ratio = medians["fsdp", bf16] / medians["megatron", bf16]
+            verdict = "meets" if ratio <= FSDP_VS_MEGATRON else "MISSES"
+            print(
+                f"  fsdp/megatron {dtype}: {ratio:.2f}x; target fsdp <= {FSDP_VS_MEGATRON:.1f}x "
+                f"megatron: {verdict}"
+            )
+            ratios.append(
+                Ratio("rl_step", f"fsdp s/step vs megatron, {dtype}", ratio, FSDP_VS_MEGATRON)
+            )
+        if "fsdp" in backends and ("trl", bf16) in medians:
+            ratio = medians["fsdp", bf16] / medians["trl", bf16]
+            print(f"  fsdp/trl {dtype}: {ratio:.2f}x (no target)")
+            ratios.append(Ratio("rl_step", f"fsdp s/step vs TRL, {dtype}", ratio, float("inf")))
     if args.bf16:
         print(
             "  bf16/fp32 seconds per step: "
             + ", ".join(
-                f"{name} {medians[name, True] / medians[name, False]:.2f}"
-                for name in ("floor", "rlcore")
+                f"{n} {medians[n, True] / medians[n, False]:.2f}"
+                for n in names
+                if (n, True) in medians
             )
         )
     write_ratios(args.json, ratios)

@@ -32,13 +32,24 @@ _SMALL_BRINGUP = [
     "--heads",
     "4",
 ]
+_RL_STEP_SYSTEMS = ["--train-backend", "megatron", "fsdp", "--trl"]
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     # name (the module, or module:variant): (full arguments, --quick arguments)
-    # rl_step --bf16 measures both precisions, alternating.
-    "rl_step": (["--bf16"], ["--steps", "3", "--rounds", "1", "--bf16"]),
+    # rl_step --bf16 measures both precisions, alternating; each round times rlcore with both
+    # backends, the plain-PyTorch floor and TRL's GRPOTrainer (issue #36).
+    "rl_step": (
+        ["--bf16", *_RL_STEP_SYSTEMS],
+        ["--steps", "3", "--rounds", "1", "--bf16", *_RL_STEP_SYSTEMS],
+    ),
     "async_step": ([], ["--steps", "3", "--rounds", "1", "--heavy-tokens", "16"]),
     "bringup": ([], _SMALL_BRINGUP),
     "bringup:bf16": (["--bf16"], [*_SMALL_BRINGUP, "--bf16"]),
+    # The FSDP backend (issue #36): eval-only vs training bring-up, and LoRA vs full fine-tuning.
+    "bringup:fsdp": (["--train-backend", "fsdp"], [*_SMALL_BRINGUP, "--train-backend", "fsdp"]),
+    "bringup:fsdp-lora": (
+        ["--train-backend", "fsdp", "--lora-rank", "16"],
+        [*_SMALL_BRINGUP, "--train-backend", "fsdp", "--lora-rank", "8"],
+    ),
     "weight_sync": (
         [],
         ["--repeats", "1", "--vocab-size", "256", "--hidden-size", "128", "--layers", "2"],
@@ -58,6 +69,9 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     ),
 }
 NEEDS_SGLANG = {"weight_sync"}
+OPTIONAL_PACKAGES = {"--trl": "trl"}
+"""An argument that needs a package outside rlcore's extras (``nox -s bench`` installs them: the
+``bench`` dependency group): dropped, with a line saying so, where the package is missing."""
 
 
 def main() -> None:
@@ -80,7 +94,13 @@ def main() -> None:
                 continue
             module = name.partition(":")[0]
             out = Path(tmp) / f"{name.replace(':', '-')}.json"
-            cmd = [sys.executable, "-m", f"benchmarks.{module}", *(quick if args.quick else full)]
+            chosen = quick if args.quick else full
+            for flag, package in OPTIONAL_PACKAGES.items():
+                if flag in chosen and importlib.util.find_spec(package) is None:
+                    chosen = [a for a in chosen if a != flag]
+                    notes.append(f"{name}: run without {flag}, {package} is not installed here")
+                    print(notes[-1], flush=True)
+            cmd = [sys.executable, "-m", f"benchmarks.{module}", *chosen]
             print(f"== {' '.join(cmd[1:])}", flush=True)
             done = subprocess.run([*cmd, "--json", str(out)])
             if done.returncode or not out.exists():
