@@ -88,41 +88,40 @@ def test_lora_s_reference_runs_in_the_actor_s_ranks(demo: Path, tmp_path: Path) 
     assert "actor: 1 rank(s)" in placed and "reference" not in placed, placed
 
 
-def test_a_tensor_parallel_split_is_refused_before_anything_starts(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        pytest.param(
+            ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            ["the fsdp backend shards models over data-parallel ranks only",
+             "--train-backend megatron"],
+            id="a tensor-parallel split",
+        ),
+        pytest.param(
+            ["--advantage-estimator", "ppo", "--lora-rank", "4"],
+            ["fsdp.lora_rank (--lora-rank)", "on the actor only", "drop --lora-rank"],
+            id="LoRA with a critic",
+        ),
+    ],
+)  # fmt: skip
+def test_what_fsdp_cannot_do_is_refused_before_anything_starts(
+    demo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    said: list[str],
 ) -> None:
     from rlcore.launch.cli import main
 
     # fmt: off
-    flags = [
+    base = [
         "--train-backend", "fsdp", "--hf-checkpoint", str(demo / "model"),
         "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt",
-        "--label-key", "answer", "--num-rollout", "2", "--tensor-model-parallel-size", "2",
-        "--actor-num-gpus-per-node", "2", "--output-dir", str(tmp_path / "out"),
+        "--label-key", "answer", "--num-rollout", "2", "--output-dir", str(tmp_path / "out"),
     ]
     # fmt: on
-    assert main(flags) == 2
+    assert main([*base, *flags]) == 2
     err = capsys.readouterr().err
-    assert "the fsdp backend shards models over data-parallel ranks only" in err, err
-    assert "--train-backend megatron" in err
-    assert "ray: started" not in err and not (tmp_path / "out").exists()
-
-
-def test_lora_with_a_critic_is_refused_before_anything_starts(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from rlcore.launch.cli import main
-
-    # fmt: off
-    flags = [
-        "--train-backend", "fsdp", "--hf-checkpoint", str(demo / "model"),
-        "--prompt-data", str(demo / "train.jsonl"), "--input-key", "prompt",
-        "--label-key", "answer", "--num-rollout", "2", "--advantage-estimator", "ppo",
-        "--lora-rank", "4", "--output-dir", str(tmp_path / "out"),
-    ]
-    # fmt: on
-    assert main(flags) == 2
-    err = capsys.readouterr().err
-    assert "fsdp.lora_rank (--lora-rank)" in err and "on the actor only" in err, err
-    assert "drop --lora-rank" in err
+    for words in said:
+        assert words in err, err
     assert "ray: started" not in err and not (tmp_path / "out").exists()
