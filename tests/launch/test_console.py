@@ -60,3 +60,23 @@ def test_long_runs_log_every_nth_rollout_and_the_last(caplog: pytest.LogCaptureF
             sink.log(step, {"rollout/weight_version": float(step)})
     done = [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records]
     assert done == [*range(3, 250, 3), 250]
+
+
+def test_the_train_steps_throughput_and_padding_come_last(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Real tokens per second and the padding share of the actor's train step (what a token
+    budget changes) follow the scores, so a narrow terminal cuts them first."""
+    sink = ProgressSink(total=1, console=Console(file=io.StringIO(), width=80))
+    with caplog.at_level(logging.INFO, logger="rlcore"):
+        sink.log(
+            1,
+            {
+                "perf/actor_train_padding": 0.0823,
+                "perf/actor_train_tokens_per_sec": 12345.6,
+                "rollout/reward": 0.25,
+                "rollout/weight_version": 1.0,
+            },
+        )
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith("rollout/reward=0.250  train tokens/s=12346  padding=8%"), line

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Final, final
 
 import attrs
 from rich.console import Console
@@ -73,6 +73,7 @@ class ProgressSink:
         self._total = total
         self._every = every or max(1, math.ceil(total / 100))  # at most about 100 lines
         self._status: dict[str, str] = {}
+        self._speed: dict[str, str] = {}
         self._started = time.monotonic()
         self._progress: Progress | None = None
         if self._console.is_terminal:
@@ -97,7 +98,11 @@ class ProgressSink:
                 key.startswith("eval/") and key.endswith("/reward")
             ):
                 self._status[key.removesuffix("/reward")] = f"{key}={value:.3f}"
-        status = "  ".join(self._status.values())
+            elif key in _SPEED:
+                self._speed[key] = _SPEED[key].format(value)
+        # The actor's train step's throughput and padding last: cut first on a narrow terminal.
+        speed = (self._speed[key] for key in _SPEED if key in self._speed)
+        status = "  ".join([*self._status.values(), *speed])
         done = "rollout/weight_version" in metrics  # the loop's per-rollout record
         if self._progress is not None:
             if done:  # its step is the rollout's number, the count done
@@ -113,6 +118,13 @@ class ProgressSink:
 
 
 _BAR = 20
+
+_SPEED: Final = {
+    "perf/actor_train_tokens_per_sec": "train tokens/s={:.0f}",
+    "perf/actor_train_padding": "padding={:.0%}",
+}
+"""The train step's real tokens per second and the share of its positions that were padding
+(``--use-dynamic-batch-size`` lowers it), as the status shows them."""
 
 
 def _fixed(width: int) -> Column:
