@@ -96,8 +96,18 @@ def score(
     from rlcore.algorithms.train_step import score_samples
 
     several = dist.is_initialized() and dist.get_world_size() > 1
+    # the outermost FSDP unit (a peft model's is its base model): its gathered weights (the
+    # embeddings and head) stay gathered after a forward, for the backward FSDP2 expects
+    root = next(m for m in model.modules() if isinstance(m, FSDPModule))
+
+    def output(tb: TensorBatch) -> torch.Tensor:
+        out = model_output(model, tb, is_critic)
+        # no backward follows: freed before the log-probs' transients are computed (issue #36)
+        root.reshard()
+        return out
+
     return score_samples(
-        lambda tb: model_output(model, tb, is_critic),
+        output,
         samples,
         spec,
         pad_id(config),
