@@ -86,6 +86,17 @@ def save_checkpoint(
         raise CheckpointError(f"saving the checkpoint to {path} failed: {exc}") from exc
 
 
+def _checked_record(
+    path: Path, model_info: Mapping[str, object], hint: str
+) -> tuple[Mapping[str, Any], int]:
+    """The model record and rollout id the checkpoint ``path`` holds, the record checked against
+    ``model_info`` (``hint``: what to load instead)."""
+    record = read_stack_record(path, FORMAT)
+    saved = record.get("model", {})
+    check_record_matches(path, saved, model_info, "a different model", hint)
+    return saved, int(record["rollout_id"])
+
+
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -98,13 +109,9 @@ def load_checkpoint(
     An eval stack passes only ``model`` (optimizer state in the folder is ignored); a training
     stack restoring from a weights-only checkpoint is refused."""
     path = Path(path)
-    record = read_stack_record(path, FORMAT)
-    rollout_id = int(record["rollout_id"])
-    check_record_matches(
+    _, rollout_id = _checked_record(
         path,
-        record.get("model", {}),
         model_info,
-        "a different model",
         "load an actor checkpoint into an actor, a critic's into a critic, of the same model",
     )
     agree_on_rollout_id(path, rollout_id)
@@ -140,12 +147,7 @@ def base_rollout_id(path: Path, model_info: Mapping[str, object]) -> int:
     under the adapters never train (they are the model folder's). A checkpoint of full weights
     is refused: its base moved, and the view cannot hold other weights than the actor's base."""
     path = Path(path)
-    record = read_stack_record(path, FORMAT)
-    rollout_id = int(record["rollout_id"])
-    saved = record.get("model", {})
-    check_record_matches(
-        path, saved, model_info, "a different model", "load a checkpoint of the same model"
-    )
+    saved, rollout_id = _checked_record(path, model_info, "load a checkpoint of the same model")
     if saved.get("lora") is None:
         raise CheckpointError(
             f"checkpoint {path} holds full weights, not LoRA adapters: this stack is the base "
