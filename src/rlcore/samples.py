@@ -262,9 +262,9 @@ class ForwardRows(list[TokenFloats]):
         every part summed, when every part says them (is a :class:`ForwardRows`); a plain list
         when one does not."""
         said = list(parts)
-        if not all(isinstance(part, ForwardRows) for part in said):
-            return list(rows)
         counted = [part for part in said if isinstance(part, ForwardRows)]
+        if len(counted) < len(said):
+            return list(rows)
         return cls(
             rows,
             sequence_tokens=sum(part.sequence_tokens for part in counted),
