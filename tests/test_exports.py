@@ -80,6 +80,7 @@ BACKEND_API = {
     "CheckpointError",
     "EvalSpec",
     "EvalStack",
+    "ForwardRows",
     "HFExporter",
     "ISCorrection",
     "InProcess",

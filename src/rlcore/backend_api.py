@@ -16,7 +16,8 @@ What you may reuse, so that no backend writes it twice: the weight contract (:cl
 and (with torch) the batch tensors and per-token read-outs (:func:`tensorize`,
 :func:`token_log_probs`, :func:`entropy_from_logits`, :func:`gather_response`, :func:`unpad`),
 the losses (:func:`actor_loss`, :func:`critic_loss`, :func:`micro_batch_loss`), scoring samples
-(:func:`score_samples`, by sample count or token budget), what every train step shares
+(:func:`score_samples`, by sample count or token budget, with the positions it ran:
+:class:`ForwardRows`), what every train step shares
 (:func:`optimizer_step_batches`, :func:`step_micro_batches` by sample count or token budget,
 :func:`local_micro_batches`, :class:`StepMetrics`; a forward-only pass's micro-batches,
 :func:`forward_groups` and :func:`in_input_order`), sending an export that is a collective
@@ -42,7 +43,7 @@ from rlcore.protocols.stacks import (
     Scheduler,
     TrainingStack,
 )
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import (
     EvalSpec,
     ISCorrection,
@@ -97,6 +98,7 @@ __all__ = [
     "CheckpointError",
     "EvalSpec",
     "EvalStack",
+    "ForwardRows",
     "HFExporter",
     "ISCorrection",
     "InProcess",

@@ -7,14 +7,15 @@ stay light. Torch backends turn a batch into padded tensors with
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, final
 
 import attrs
 
 __all__ = [
     "EvalSet",
     "FinishReason",
+    "ForwardRows",
     "Generation",
     "Prompt",
     "Sample",
@@ -229,3 +230,49 @@ class TrainMetrics:
         }
         out.update({f"{prefix}/{k}": v for k, v in self.extra.items()})
         return out
+
+
+@final
+class ForwardRows(list[TokenFloats]):
+    """What a stack's ``forward`` returns when it can say what it ran: the rows (a list, one
+    tuple per sample, as any ``forward`` returns) and, as :class:`TrainMetrics` has them for a
+    train step, ``sequence_tokens`` (the prompt + response tokens of the samples scored) and
+    ``padded_tokens`` (the positions the model ran over them, padding and throwaway passes
+    included; 0 when not said), summed over the data-parallel ranks that shared the pass. The
+    loop reads them as ``perf/NAME_padding``, ``1 - sequence_tokens / padded_tokens``.
+    :func:`rlcore.algorithms.train_step.score_samples` returns one; a plain list says nothing."""
+
+    def __init__(
+        self, rows: Iterable[TokenFloats] = (), *, sequence_tokens: int = 0, padded_tokens: int = 0
+    ) -> None:
+        super().__init__(rows)
+        if sequence_tokens < 0 or (padded_tokens and padded_tokens < sequence_tokens):
+            raise ValueError(
+                f"ForwardRows: {sequence_tokens} tokens cannot take {padded_tokens} positions "
+                "(padded_tokens is 0, unsaid, or at least sequence_tokens)"
+            )
+        self.sequence_tokens = sequence_tokens
+        self.padded_tokens = padded_tokens
+
+    @classmethod
+    def joined(
+        cls, rows: Iterable[TokenFloats], parts: Iterable[Sequence[TokenFloats]]
+    ) -> list[TokenFloats]:
+        """``rows`` (the results of ``parts`` put together) with the tokens and positions of
+        every part summed, when every part says them (is a :class:`ForwardRows`); a plain list
+        when one does not."""
+        said = list(parts)
+        counted = [part for part in said if isinstance(part, ForwardRows)]
+        if len(counted) < len(said):
+            return list(rows)
+        return cls(
+            rows,
+            sequence_tokens=sum(part.sequence_tokens for part in counted),
+            padded_tokens=sum(part.padded_tokens for part in counted),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ForwardRows({list.__repr__(self)}, sequence_tokens={self.sequence_tokens}, "
+            f"padded_tokens={self.padded_tokens})"
+        )

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlcore.algorithms.distributed import all_reduce_floats
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
 from rlcore_fsdp import checkpoint, lora
@@ -88,7 +88,7 @@ def score(
     device: torch.device,
     micro_batch: int,
     is_critic: bool,
-) -> list[tuple[float, ...]]:
+) -> ForwardRows:
     """``samples`` scored by ``model`` (:func:`rlcore.algorithms.train_step.score_samples`). Each
     micro-batch's forward gathers the shards over the data-parallel ranks, so with several every
     rank must call this, with its own samples or none, and the ranks agree on one number of
@@ -180,7 +180,7 @@ class FSDPEvalStack:
     def spec(self) -> ModelSpec:
         return self._spec.model
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
         is_critic = self.spec.role == "critic"
         return score(
             self.model,
@@ -242,7 +242,7 @@ class FSDPTrainingStack:
     def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return self._scheduler
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
         return score(
             self.model,
             samples,
@@ -384,7 +384,7 @@ class FSDPBaseView:
         """The actor's (peft) model, whose base this stack computes with."""
         return self._actor.model
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
         actor = self._actor
         with lora.adapters_off(actor.model):
             return score(

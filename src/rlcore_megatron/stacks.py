@@ -30,7 +30,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.algorithms.distributed import all_reduce_floats
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
 from rlcore_megatron import checkpoint
@@ -117,9 +117,10 @@ def score_samples(
     spec: ModelSpec,
     device: torch.device,
     micro_batch: int = DEFAULT_FORWARD_MICRO_BATCH,
-) -> list[tuple[float, ...]]:
+) -> ForwardRows:
     """Per response token: log-probs at ``spec.temperature`` (a policy) or values (a critic),
-    one tuple per sample (:func:`rlcore.algorithms.train_step.score_samples`)."""
+    one tuple per sample, with the positions it ran
+    (:func:`rlcore.algorithms.train_step.score_samples`)."""
     from rlcore.algorithms import train_step
 
     is_critic = spec.role == "critic"
@@ -153,7 +154,7 @@ class MegatronEvalStack:
     def spec(self) -> ModelSpec:
         return self._spec.model
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
         return score_samples(
             self.model, samples, self.arch, self.spec, self.device, self.forward_micro_batch
         )
@@ -226,7 +227,7 @@ class MegatronTrainingStack:
             "distributed": self.train_spec.optimizer.distributed,
         }
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
         return score_samples(
             self.gpt, samples, self.arch, self.spec, self.device, self.forward_micro_batch
         )

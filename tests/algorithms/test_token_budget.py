@@ -136,22 +136,29 @@ def test_scoring_runs_the_passes_the_ranks_agree_on_with_the_same_results(
     batch: list[Sample], micro: int, other: int, by_tokens: bool
 ) -> None:
     """``score_samples`` with ``all_max`` (here another rank that forms ``other`` micro-batches)
-    runs the most micro-batches of any rank, split or thrown away, and scores as alone."""
+    runs the most micro-batches of any rank, split or thrown away, and scores as alone; each
+    says the samples' tokens and exactly the positions it ran (its padding metric's counts)."""
     torch.manual_seed(0)
     table = torch.randn(VOCAB, VOCAB)  # each position's logits from its own token
     spec = ModelSpec("actor", None, log_probs_max_tokens_per_gpu=12 if by_tokens else None)
     calls: list[int] = []
+    positions: list[int] = []
 
     def output(tb: TensorBatch) -> torch.Tensor:
         calls.append(tb.num_sequences)
+        positions.append(tb.tokens.numel())
         return table[tb.tokens]
 
     alone = score_samples(output, batch, spec, 0, "cpu", micro)
     own = len(calls)
+    tokens = sum(len(s.prompt.token_ids) + len(s.response.token_ids) for s in batch)
+    assert (alone.sequence_tokens, alone.padded_tokens) == (tokens, sum(positions))
     calls.clear()
+    positions.clear()
     agreed = score_samples(output, batch, spec, 0, "cpu", micro, lambda v: [max(v[0], other)])
     assert len(calls) == max(own, other)
     assert sum(calls) == len(batch) + max(other - len(batch), 0)  # one-token throwaways
+    assert (agreed.sequence_tokens, agreed.padded_tokens) == (tokens, sum(positions))
     assert len(agreed) == len(batch)
     for got, want in zip(agreed, alone, strict=True):
         assert got == pytest.approx(want, abs=1e-6)

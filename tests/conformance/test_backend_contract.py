@@ -17,7 +17,7 @@ import rlcore
 from rlcore.errors import BackendContractError, CheckpointError
 from rlcore.loop.contracts import build_eval_stack, build_training_stack
 from rlcore.protocols.stacks import Backend, EvalStack, ModelStack, TrainingStack
-from rlcore.samples import EvalSet, Prompt, TrainMetrics
+from rlcore.samples import EvalSet, ForwardRows, Generation, Prompt, Sample, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.testing import ScriptedEngine, label_reward
 from rlcore.weights import InProcess, NamedTensors
@@ -133,6 +133,46 @@ def test_an_update_does_not_depend_on_the_micro_batches(candidate: Under, cut: s
     assert split_weights.keys() == whole_weights.keys()
     for name, tensor in whole_weights.items():
         assert_same_step(split_weights[name], tensor, before[name], name)
+
+
+LONG_TAILED = (28, 2, 3, 2, 3, 2, 3, 2)
+"""Response lengths of a long-tailed batch (prompts of two tokens): 30, then 4 and 5 tokens."""
+
+POSITIONS: Mapping[str, Mapping[str, int | None]] = {
+    # one micro-batch of 16 sequences or fewer, all padded to the long one's 30 tokens
+    "padded": {"fake": 8 * 30, "megatron": 8 * 30, "fsdp": 8 * 30},
+    # a budget of 32: the long one alone, six of 5 and 4 tokens padded to 5, the last 4 alone;
+    # the fake runs packed sequences (no padding)
+    "budget": {"fake": 61, "megatron": 30 + 6 * 5 + 4, "fsdp": 30 + 6 * 5 + 4},
+}
+"""The positions a forward pass over the long-tailed batch runs, by hand; a backend not named
+(the example) returns a plain list, which says nothing of them."""
+
+
+@pytest.mark.parametrize("cut", ["padded", "budget"])
+def test_a_forward_pass_says_the_positions_it_ran(candidate: Under, cut: str) -> None:
+    """What the loop reports as a pass's padding fraction (``perf/NAME_padding``): the samples'
+    tokens and the positions run, padding included, for the long-tailed batch padded to its
+    longest sequence or cut by a token budget (``--log-probs-max-tokens-per-gpu``)."""
+    samples = [
+        Sample(
+            Prompt(i, "", (1, 3)),
+            Generation(tuple(4 + (i + j) % 9 for j in range(n)), (-1.0,) * n, "stop"),
+            0.0,
+            i,
+        )
+        for i, n in enumerate(LONG_TAILED)
+    ]
+    budget = 32 if cut == "budget" else None
+    spec = EvalSpec(ModelSpec("reference", candidate.model, log_probs_max_tokens_per_gpu=budget))
+    rows = build_eval_stack(candidate.backend, spec).forward(samples)  # as the loop calls it
+    assert [len(r) for r in rows] == list(LONG_TAILED)
+    positions = POSITIONS[cut].get(candidate.name)
+    if positions is None:
+        assert type(rows) is list
+        return
+    assert isinstance(rows, ForwardRows)
+    assert (rows.sequence_tokens, rows.padded_tokens) == (61, positions)
 
 
 def test_a_missing_checkpoint_is_named(candidate: Under, tmp_path: Path) -> None:

@@ -180,6 +180,8 @@ def test_a_token_budget_run_scores_and_trains_as_a_padded_one(
         assert budget[f"perf/{role}_train_tokens_per_sec"] > 0
     for name in ("actor_logprobs", "ref_logprobs", "critic_values", "teacher_logprobs"):
         assert budget[f"perf/{name}_tokens_per_sec"] > 0
+        assert 0 <= budget[f"perf/{name}_padding"] < padded[f"perf/{name}_padding"], name
+    assert 0 <= budget["perf/forward_padding"] < padded["perf/forward_padding"]
 
 
 def test_an_off_policy_run_trains_every_rollout_one_version_behind(

@@ -205,6 +205,8 @@ def test_ppo_with_critic_and_kl_on_this_machine(demo: Path, tmp_path: Path) -> N
         assert "train/actor/kl_loss" in row and "rollout/kl_penalty" in row
         assert 0 <= row["perf/actor_train_padding"] < 1
         assert row["perf/ref_logprobs_tokens_per_sec"] > 0
+        for name in ("ref_logprobs", "critic_values", "forward"):  # summed over the ranks
+            assert 0 <= row[f"perf/{name}_padding"] < 1, name
     log = (tmp_path / "run.log").read_text()
     if (os.cpu_count() or 1) <= 2:
         assert "slot 0: " in log and "actor, reference, critic" in log

@@ -25,7 +25,7 @@ from rlcore.launch.ray.ranks import GroupOptions
 from rlcore.launch.ray.stacks import RayBackend, RayEvalStack, RayTrainingStack
 from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols.stacks import ModelStack
-from rlcore.samples import Generation, Prompt, Sample
+from rlcore.samples import ForwardRows, Generation, Prompt, Sample
 from rlcore.specs import EvalSpec, ParallelSpec
 from rlcore_fsdp.kind import FSDPRuntime
 from rlcore_fsdp.options import FSDPOptions
@@ -50,6 +50,15 @@ CASES: Final = {
 """Sequence lengths (prompts of two tokens). The long-tailed mix gives the ranks different
 numbers of micro-batches both by the budget (the long one alone on one rank with two short
 ones, four short ones in one micro-batch on the other) and by count (4 and 3)."""
+
+POSITIONS: Final = {
+    # by the budget: the long ones alone, short ones together; the idle rank's throwaway 1
+    "eval": {"one sample": 7 + 1, "three samples": 30 + 2 * 8, "long-tailed": 40 + 6 * 6},
+    # one sample per micro-batch: no padding, but a throwaway pass on the rank with fewer
+    "train": {"one sample": 7 + 1, "three samples": 43 + 1, "long-tailed": 76 + 1},
+}
+"""The positions both ranks together run for each case, by hand (the padding metric's
+denominator; the launcher sums the ranks')."""
 
 
 def _samples(lengths: tuple[int, ...]) -> list[Sample]:
@@ -114,6 +123,9 @@ def test_two_fsdp_ranks_score_as_one_process(
     with torch.no_grad():
         want = _log_probs(one, samples, TINY["vocab_size"])
     got = stack.forward(samples)
+    assert isinstance(got, ForwardRows)
+    kind = "eval" if isinstance(stack, RayEvalStack) else "train"
+    assert (got.sequence_tokens, got.padded_tokens) == (sum(CASES[case]), POSITIONS[kind][case])
     assert len(got) == len(want)
     for row, expected in zip(got, want, strict=True):
         assert row == pytest.approx(expected, abs=1e-5)

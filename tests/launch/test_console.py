@@ -65,13 +65,16 @@ def test_long_runs_log_every_nth_rollout_and_the_last(caplog: pytest.LogCaptureF
 def test_the_train_steps_throughput_and_padding_come_last(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Real tokens per second and the padding share of the actor's train step (what a token
-    budget changes) follow the scores, so a narrow terminal cuts them first."""
+    """Real tokens per second and the padding share of the actor's train step, then the padding
+    share of the forward-only passes together (what a token budget changes), follow the scores,
+    so a narrow terminal cuts them first; the passes' own shares stay in the metrics."""
     sink = ProgressSink(total=1, console=Console(file=io.StringIO(), width=80))
     with caplog.at_level(logging.INFO, logger="rlcore"):
         sink.log(
             1,
             {
+                "perf/forward_padding": 0.4151,
+                "perf/ref_logprobs_padding": 0.5,
                 "perf/actor_train_padding": 0.0823,
                 "perf/actor_train_tokens_per_sec": 12345.6,
                 "rollout/reward": 0.25,
@@ -79,4 +82,6 @@ def test_the_train_steps_throughput_and_padding_come_last(
             },
         )
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.endswith("rollout/reward=0.250  train tokens/s=12346  padding=8%"), line
+    assert line.endswith(
+        "rollout/reward=0.250  train tokens/s=12346  padding=8%  forward padding=42%"
+    ), line

@@ -14,7 +14,7 @@ import pytest
 from rlcore.algorithms.token_budget import sequence_lengths
 from rlcore.launch.ray.ranks import GroupOptions, RankGroup
 from rlcore.launch.ray.stacks import RayBackend, forward
-from rlcore.samples import Sample
+from rlcore.samples import ForwardRows, Sample
 from rlcore.specs import EvalSpec, ModelSpec, ParallelSpec
 from tests.launch.test_ray_group import EchoRuntime, _sample, _seen
 from tests.megatron.helpers import TINY
@@ -56,7 +56,9 @@ def test_each_rank_scores_a_share_balanced_by_tokens(ray_cluster: None) -> None:
     ):
         group = RankGroup.start_eval(_spec(None, 2, budget), EchoRuntime((3, 3)), _OPTIONS)
         try:
-            assert forward(group, samples) == expected  # in the samples' order
+            got = forward(group, samples)
+            assert got == expected  # in the samples' order
+            assert type(got) is list  # the stand-in's plain lists say nothing of positions
             seen = group.run_on_all_ranks(_seen)
         finally:
             group.close()
@@ -83,6 +85,11 @@ def test_two_megatron_ranks_score_by_tokens_as_one_process(
     with RayBackend(MegatronRuntime(), None, _OPTIONS) as backend:
         two = backend.build_eval_stack(_spec(folder, 2, BUDGET)).forward(samples)
     assert [len(r) for r in two] == list(RESPONSES)
+    # The positions run, for the padding metric (64 real tokens): one process padded to 22, or
+    # by the budget [22] [20] [5, 5, 4, 4] [4]; two ranks [22] [5, 4] and [20] [5, 4, 4], summed.
+    for rows, positions in zip((*one, two), (7 * 22, 22 + 20 + 4 * 5 + 4, 32 + 35), strict=True):
+        assert isinstance(rows, ForwardRows)
+        assert (rows.sequence_tokens, rows.padded_tokens) == (64, positions)
     for expected in one:
         for got, want in zip(two, expected, strict=True):
             assert got == pytest.approx(want, abs=1e-5)

@@ -19,7 +19,7 @@ from rlcore.errors import BackendError, CheckpointError, PlanError, RolloutError
 from rlcore.loop import RunData, RunInterrupted, run
 from rlcore.loop.plan import EvalPlan, plan
 from rlcore.loop.records import Progress
-from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams
+from rlcore.samples import EvalSet, ForwardRows, Generation, Prompt, Sample, SamplingParams
 from rlcore.specs import EvalSpec, TrainSpec
 from rlcore.testing import (
     FakeBackend,
@@ -168,8 +168,8 @@ class ShortCritic:
         if spec.model.role == "critic":
             original = stack.forward
 
-            def forward(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-                return original(samples)[:-1]
+            def forward(samples: Sequence[Sample]) -> ForwardRows:
+                return ForwardRows(original(samples)[:-1])
 
             stack.forward = forward  # type: ignore[method-assign]
         return stack

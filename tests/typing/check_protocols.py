@@ -25,7 +25,7 @@ from rlcore.protocols.rollout import GroupFilter, RewardFn, RolloutFn
 from rlcore.protocols.stacks import Backend, ModelStack
 from rlcore.rollout import check_reward_nonzero_std, default_rollout
 from rlcore.rollout.rewards import AsyncRewardFn
-from rlcore.samples import Generation, Prompt, SamplingParams
+from rlcore.samples import ForwardRows, Generation, Prompt, SamplingParams
 from rlcore.specs import ServedTeacher
 from rlcore.testing import (
     FakeBackend,
@@ -242,6 +242,20 @@ def engines_and_stacks_meet_through_sinks(
 
 def an_engine_takes_no_weights_from_the_caller(engine: RolloutEngine) -> None:
     engine.update_weights([], 1)  # type: ignore[attr-defined]
+
+
+def a_forward_may_say_the_positions_it_ran(
+    stack: ModelStack, fake: FakeEvalStack, samples: Sequence[Sample]
+) -> None:
+    """``forward`` gives a list; a ``ForwardRows`` (the core's scoring's, the fakes') is one
+    that says the positions it ran, for the padding metric, and a plain list, which says
+    nothing, is a whole answer too (an own stack keeps working)."""
+    rows = stack.forward(samples)
+    assert_type(rows, list[tuple[float, ...]])
+    _ = rows.padded_tokens  # type: ignore[attr-defined]
+    if isinstance(rows, ForwardRows):
+        assert_type(rows.padded_tokens, int)
+    assert_type(fake.forward(samples), ForwardRows)
 
 
 def a_stack_has_no_driver_side_export(stack: EvalStack) -> None:

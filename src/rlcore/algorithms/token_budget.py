@@ -44,6 +44,7 @@ __all__ = [
     "forward_groups",
     "forward_shares",
     "in_input_order",
+    "padded_positions",
     "padded_size",
     "rank_micro_batches",
     "rank_shares",
@@ -62,6 +63,12 @@ def sequence_lengths(samples: Sequence[Sample]) -> list[int]:
 def padded_size(lengths: Sequence[int], group: Sequence[int]) -> int:
     """The tokens ``group`` (indices into ``lengths``) occupies padded to its longest sequence."""
     return len(group) * max((lengths[i] for i in group), default=0)
+
+
+def padded_positions(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
+    """The positions micro-batches ``groups`` (index lists into ``lengths``) take, each padded to
+    its own longest sequence: what a pass over them runs, for its padding metric."""
+    return sum(padded_size(lengths, group) for group in groups)
 
 
 def budget_groups(

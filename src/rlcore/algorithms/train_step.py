@@ -43,13 +43,13 @@ from rlcore.algorithms.losses import LossOut, actor_loss, critic_loss, loss_norm
 from rlcore.algorithms.token_budget import (
     forward_groups,
     in_input_order,
-    padded_size,
+    padded_positions,
     rank_micro_batches,
     sequence_lengths,
     split_largest,
 )
 from rlcore.errors import PlanError
-from rlcore.samples import Generation, Prompt, Sample, TrainBatch, TrainMetrics
+from rlcore.samples import ForwardRows, Generation, Prompt, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import LossAggMode, ModelSpec, TrainSpec
 
 __all__ = [
@@ -167,7 +167,7 @@ def step_tokens(global_batch: TensorBatch, spec: TrainSpec) -> tuple[int, int]:
     if spec.max_tokens_per_gpu is None:  # every micro-batch has the rollout's width
         return sum(lengths), len(lengths) * int(global_batch.tokens.shape[1])
     plans = rank_micro_batches(lengths, spec.max_tokens_per_gpu, spec.model.parallel.data)
-    return sum(lengths), sum(padded_size(lengths, group) for plan in plans for group in plan)
+    return sum(lengths), sum(padded_positions(lengths, plan) for plan in plans)
 
 
 def budget_micro_batches(
@@ -278,10 +278,12 @@ def score_samples(
     device: torch.device | str,
     micro_batch: int,
     all_max: Reduce | None = None,
-) -> list[tuple[float, ...]]:
+) -> ForwardRows:
     """Per response token of each sample: log-probs at ``spec.temperature`` (a policy) or values
     (a critic), one tuple per sample in ``samples``' order (none for no samples), without
-    gradients; in micro-batches of ``micro_batch`` samples, or by
+    gradients, with the samples' tokens and the positions run over them (each micro-batch padded
+    to its own longest sequence, a throwaway forward one position; :class:`ForwardRows`, for the
+    pass's padding metric); in micro-batches of ``micro_batch`` samples, or by
     ``spec.log_probs_max_tokens_per_gpu`` tokens when set
     (:func:`~rlcore.algorithms.token_budget.forward_groups`, longest first). ``output`` is the
     backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
@@ -293,9 +295,8 @@ def score_samples(
     with fewer splits its largest (:func:`~rlcore.algorithms.token_budget.split_largest`) and,
     when it holds too few samples for that, runs a throwaway forward of one token for each pass
     still missing."""
-    groups = forward_groups(
-        sequence_lengths(samples), spec.log_probs_max_tokens_per_gpu, micro_batch
-    )
+    lengths = sequence_lengths(samples)
+    groups = forward_groups(lengths, spec.log_probs_max_tokens_per_gpu, micro_batch)
     passes = len(groups)
     if all_max is not None:
         passes = int(all_max([float(passes)])[0])
@@ -312,7 +313,11 @@ def score_samples(
             rows.append(unpad(per_token, tb))
         for _ in range(passes - len(groups)):
             output(_one_token(pad_id, device))
-    return in_input_order(groups, rows)
+    return ForwardRows(
+        in_input_order(groups, rows),
+        sequence_tokens=sum(lengths),
+        padded_tokens=padded_positions(lengths, groups) + passes - len(groups),
+    )
 
 
 def _one_token(pad_id: int, device: torch.device | str) -> TensorBatch:

@@ -100,7 +100,7 @@ class ProgressSink:
                 self._status[key.removesuffix("/reward")] = f"{key}={value:.3f}"
             elif key in _SPEED:
                 self._speed[key] = _SPEED[key].format(value)
-        # The actor's train step's throughput and padding last: cut first on a narrow terminal.
+        # The throughput and padding last: cut first on a narrow terminal.
         speed = (self._speed[key] for key in _SPEED if key in self._speed)
         status = "  ".join([*self._status.values(), *speed])
         done = "rollout/weight_version" in metrics  # the loop's per-rollout record
@@ -122,9 +122,11 @@ _BAR = 20
 _SPEED: Final = {
     "perf/actor_train_tokens_per_sec": "train tokens/s={:.0f}",
     "perf/actor_train_padding": "padding={:.0%}",
+    "perf/forward_padding": "forward padding={:.0%}",
 }
-"""The train step's real tokens per second and the share of its positions that were padding
-(``--use-dynamic-batch-size`` lowers it), as the status shows them."""
+"""The actor's train step's real tokens per second and the share of its positions that were
+padding, then that share over the rollout's forward-only passes together (old and reference
+log-probs, values, teacher): what ``--use-dynamic-batch-size`` lowers, as the status shows them."""
 
 
 def _fixed(width: int) -> Column:

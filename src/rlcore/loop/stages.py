@@ -41,7 +41,15 @@ from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, 
 from rlcore.rollout.default import (
     generate_groups,
 )
-from rlcore.samples import EvalSet, Generation, Prompt, Sample, SamplingParams, TrainBatch
+from rlcore.samples import (
+    EvalSet,
+    ForwardRows,
+    Generation,
+    Prompt,
+    Sample,
+    SamplingParams,
+    TrainBatch,
+)
 from rlcore.specs import EvalSpec, OPDSpec
 from rlcore.weights import WeightSource
 
@@ -215,6 +223,11 @@ def make_train_batch(
     for the ratio). The reference model runs only when KL is planned, the teacher only with OPD,
     the critic only when it exists. The engine's log-probs always go into the batch
     (``rollout_log_probs``), for the mismatch metric and its correction.
+
+    Each pass's real tokens per second is ``perf/NAME_tokens_per_sec`` (``actor_logprobs``,
+    ``ref_logprobs``, ``critic_values``, ``teacher_logprobs``) and, when its stack says the
+    positions it ran (:class:`~rlcore.samples.ForwardRows`), its padding fraction
+    ``perf/NAME_padding``; ``perf/forward_padding`` is that of those passes together.
     """
     from rlcore.algorithms.advantages import estimate_advantages  # torch, only when training
     from rlcore.algorithms.distill import distillation_advantages
@@ -228,13 +241,19 @@ def make_train_batch(
     )
     metrics: dict[str, float] = {}
     tokens = sum(len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples)
+    ran = [0, 0]  # every pass's tokens and positions, of those that say them
 
     def scored(stack: ModelStack, name: str) -> tuple[tuple[float, ...], ...]:
-        """``stack``'s pass over the samples, its throughput in ``perf/NAME_tokens_per_sec``."""
+        """``stack``'s pass over the samples, its throughput in ``perf/NAME_tokens_per_sec`` and,
+        when it says the positions it ran, its padding fraction in ``perf/NAME_padding``."""
         t0 = time.perf_counter()
-        rows = tuple(stack.forward(samples))
+        rows = stack.forward(samples)
         metrics[f"perf/{name}_tokens_per_sec"] = tokens / max(time.perf_counter() - t0, 1e-9)
-        return rows
+        if isinstance(rows, ForwardRows) and rows.padded_tokens > 0:
+            metrics[f"perf/{name}_padding"] = _padding(rows.sequence_tokens, rows.padded_tokens)
+            ran[0] += rows.sequence_tokens
+            ran[1] += rows.padded_tokens
+        return tuple(rows)
 
     old_log_probs = scored(stacks.actor, "actor_logprobs") if needs_old else ()
     reference = stacks.reference
@@ -255,6 +274,8 @@ def make_train_batch(
         distilled = opd.advantages
         metrics["opd/kl_mean"] = opd.kl_mean
         metrics["opd/teacher_logprob_mean"] = opd.teacher_logprob_mean
+    if ran[1] > 0:  # all of the rollout's forward-only passes together, for the console
+        metrics["perf/forward_padding"] = _padding(ran[0], ran[1])
     advantages: tuple[tuple[float, ...], ...] = distilled
     returns: tuple[tuple[float, ...], ...] = ()
     if plan.opd is None or not plan.opd.only:  # --opd-only: the teacher's term is the advantage
@@ -314,10 +335,16 @@ def train(stacks: TrainStacks, batch: TrainBatch) -> dict[str, float]:
         metrics.update(result.as_dict(f"train/{role}"))
         if result.padded_tokens > 0:
             metrics[f"perf/{role}_train_tokens_per_sec"] = result.sequence_tokens / seconds
-            metrics[f"perf/{role}_train_padding"] = (
-                1 - result.sequence_tokens / result.padded_tokens
+            metrics[f"perf/{role}_train_padding"] = _padding(
+                result.sequence_tokens, result.padded_tokens
             )
     return metrics
+
+
+def _padding(tokens: int, positions: int) -> float:
+    """The fraction of the ``positions`` a pass ran that were padding (it ran ``tokens`` real
+    ones)."""
+    return 1 - tokens / positions
 
 
 def train_on_rollout(

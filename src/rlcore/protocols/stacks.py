@@ -69,7 +69,12 @@ class ModelStack(WeightSource, Protocol):
     def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
         """Per response token of each sample: the token's log-probability under a policy model
         (``actor``, ``reference``), or the value estimate at that token for a ``critic``.
-        Runs without gradients."""
+        Runs without gradients.
+
+        A :class:`~rlcore.samples.ForwardRows` (a list too) also says the samples' tokens and
+        the positions the pass ran (padding included), which the loop reports as the pass's
+        padding fraction; :func:`~rlcore.algorithms.train_step.score_samples` returns one. A
+        plain list is a whole answer too: the pass then has no padding metric."""
         ...
 
     def load(self, path: Path) -> int:

@@ -22,6 +22,7 @@ import attrs
 from rlcore.errors import CheckpointError
 from rlcore.samples import (
     FinishReason,
+    ForwardRows,
     Generation,
     Prompt,
     Sample,
@@ -84,26 +85,44 @@ def _load_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"corrupt fake-stack checkpoint at {path}: {exc}") from exc
 
 
-def _zeros(samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-    return [tuple(0.0 for _ in s.response.token_ids) for s in samples]
+FORWARD_MICRO_BATCH: Final = 16
+"""Sequences per forward micro-batch of a fake stack without a token budget (the real
+backends' default)."""
+
+
+def _zeros(samples: Sequence[Sample], spec: ModelSpec, micro_batch: int) -> ForwardRows:
+    """Zeros per response token, with the positions a pass would run: in micro-batches of
+    ``micro_batch`` samples in order, each padded to its longest sequence; with a token budget
+    (``spec.log_probs_max_tokens_per_gpu``) packed, no padding, as packed sequences run (the
+    fakes import no torch, so not the core's budget micro-batches)."""
+    lengths = [len(s.prompt.token_ids) + len(s.response.token_ids) for s in samples]
+    parts = [lengths[i : i + micro_batch] for i in range(0, len(lengths), micro_batch)]
+    packed = spec.log_probs_max_tokens_per_gpu is not None
+    return ForwardRows(
+        (tuple(0.0 for _ in s.response.token_ids) for s in samples),
+        sequence_tokens=sum(lengths),
+        padded_tokens=sum(lengths) if packed else sum(len(p) * max(p) for p in parts),
+    )
 
 
 @final
 class FakeEvalStack:
-    """An eval stack: scores are zeros, weights are a version counter. No optimizer attribute."""
+    """An eval stack: scores are zeros (with the positions a pass would run: :func:`_zeros`),
+    weights are a version counter. No optimizer attribute."""
 
     kind: Final = "eval"
 
     def __init__(self, spec: EvalSpec) -> None:
         self._spec = spec.model
         self.loaded_from: Path | None = None
+        self.forward_micro_batch = FORWARD_MICRO_BATCH
 
     @property
     def spec(self) -> ModelSpec:
         return self._spec
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return _zeros(samples)
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
+        return _zeros(samples, self._spec, self.forward_micro_batch)
 
     def load(self, path: Path) -> int:
         state = _load_state(path)
@@ -130,6 +149,7 @@ class FakeTrainingStack:
         self.batches: list[TrainBatch] = []
         self.saved: list[tuple[Path, int]] = []
         self.exported: list[Path] = []
+        self.forward_micro_batch = FORWARD_MICRO_BATCH
 
     @property
     def spec(self) -> ModelSpec:
@@ -143,8 +163,8 @@ class FakeTrainingStack:
     def scheduler(self) -> FakeScheduler:
         return self._scheduler
 
-    def forward(self, samples: Sequence[Sample]) -> list[tuple[float, ...]]:
-        return _zeros(samples)
+    def forward(self, samples: Sequence[Sample]) -> ForwardRows:
+        return _zeros(samples, self.spec, self.forward_micro_batch)
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         self.batches.append(batch)

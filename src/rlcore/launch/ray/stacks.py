@@ -41,7 +41,7 @@ from rlcore.launch.ray.ranks import GroupOptions, RankGroup, RayGroupError
 from rlcore.launch.ray.sending import export_weights, forget_mappings, send_weights
 from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols.stacks import Backend, EvalStack, HFExporter, ModelStack, TrainingStack
-from rlcore.samples import Sample, TrainBatch, TrainMetrics
+from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore.weights import WeightSink
 
@@ -82,7 +82,9 @@ def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float,
     data-parallel rank all get it, and rank ``dp * tp`` (its tensor-parallel rank 0) returns the
     answer. Every rank is called, one whose share is empty too: a backend whose forward is a
     collective over the data-parallel ranks (FSDP's gathers) needs every one of them in it
-    (:func:`rlcore.algorithms.train_step.score_samples`).
+    (:func:`rlcore.algorithms.train_step.score_samples`). When every data-parallel rank's
+    stack says the positions it ran (:class:`~rlcore.samples.ForwardRows`), so does the
+    answer, summed over them.
     """
     tp, budget = group.tensor_parallel_size, group.model_spec.log_probs_max_tokens_per_gpu
     parts = forward_shares(sequence_lengths(samples), group.data_parallel_size, budget)
@@ -91,8 +93,8 @@ def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float,
         ref = ray.put(tuple(samples[i] for i in part))
         for t in range(tp):
             per_rank[dp * tp + t] = (ref, t == 0)
-    results = group.call_ranks(_forward, per_rank, "forward")
-    return in_input_order(parts, results[::tp])
+    results = group.call_ranks(_forward, per_rank, "forward")[::tp]
+    return ForwardRows.joined(in_input_order(parts, results), results)
 
 
 def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetrics:
