@@ -13,17 +13,17 @@ cast as they are gathered) while the weights, their gradient reduction and AdamW
 The weights go from the folder straight into the shards (:mod:`rlcore_fsdp.loading`: the model
 built with its parameters on the meta device, sharded, then each rank reads its rows of each
 tensor), so the build never holds a second copy of them; a folder whose tensors transformers
-renames or converts on load is loaded with ``from_pretrained`` and then sharded, as before. Every
-rank builds the same weights (the folder's, and seeded ones for a new value head, drawn as
-``from_pretrained`` draws them), so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
-is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); a critic is
-refused with it; the teacher is built without them. The reference is then the actor's base with
-the adapters disabled (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights:
-the backend that built the LoRA actor's training stack returns that view for the reference (of
-the same model folder, precision and layout), and the launcher builds the reference in the
-actor's ranks (:attr:`rlcore.backends.BackendKind.model_owner`,
-:func:`rlcore_fsdp.options.model_owner`). Asked for the reference before or without that actor,
-it builds the base model of its own.
+renames or converts on load is loaded with ``from_pretrained`` and then sharded, as before.
+Every rank builds the same weights (the folder's, and seeded ones for a new value head, drawn as
+``from_pretrained`` draws them), so no rank broadcasts. With ``--lora-rank N`` the actor (its
+training and eval stacks) is wrapped with peft's LoRA adapters before sharding
+(:mod:`rlcore_fsdp.lora`); a critic is refused with it; the teacher is built without them. The
+reference is then the actor's base with the adapters disabled
+(:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights: the backend that
+built the LoRA actor's training stack returns that view for the reference (of the same model
+folder, precision and layout), and the launcher builds the reference in the actor's ranks
+(:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
+Asked for the reference before or without that actor, it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
 """
 
@@ -167,46 +167,52 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     if critic:
         config.num_labels = 1  # one value per token
     lora = options.lora_rank > 0 and spec.role == "actor"
-    checkpointing = options.gradient_checkpointing
     empty = empty_model(folder, config, critic, remote)
+    top: HFModel | None = None
+    if not isinstance(empty, str):
+        empty[0].eval()
+        top = empty[0]
+        if lora:
+            drawn = torch.random.get_rng_state()
+            top = add_adapters(empty[0], options)
+            unreplayed = materialize_adapters(top, drawn)
+            if unreplayed is not None:
+                torch.random.set_rng_state(drawn)  # from_pretrained's path draws from here
+                empty = unreplayed
     if isinstance(empty, str):
         # the weights as from_pretrained loads them, briefly twice over (module docstring)
         _log.info("loading %s with from_pretrained: %s", folder, empty)
-        model = _pretrained(folder, config, critic, remote)
-        model.eval()
-        if not offload:
-            # offloaded, it stays in CPU memory: fully_shard moves one unit at a time to the
-            # device to shard it, then the shards back
-            model.to(device())
-        if lora:
-            # the base model inside is sharded as it would be alone; the peft wrapper holds no
-            # weights
-            adapted = add_adapters(model, options)
-            shard(adapted.get_base_model(), spec.precision, checkpointing, offload)
-            return adapted, config
-        shard(model, spec.precision, checkpointing, offload)
-        return model, config
+        return _pretrained_shards(folder, config, spec, options), config
+    assert top is not None
     model, checkpoint = empty
-    model.eval()
-    top: HFModel = model
-    if lora:
-        drawn = torch.random.get_rng_state()
-        top = add_adapters(model, options)
-        materialize_adapters(top, drawn)
     # what the build made (a new head, adapters), kept for the shards; the rest is read
     kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
-    shard(model, spec.precision, checkpointing, offload)
+    shard(model, spec.precision, options.gradient_checkpointing, offload)
     fill(model, checkpoint, kept, "cpu" if offload else device())
     return top, config
 
 
-def _pretrained(folder: Path, config: Any, critic: bool, remote: bool) -> Any:
+def _pretrained_shards(folder: Path, config: Any, spec: ModelSpec, options: FSDPOptions) -> HFModel:
+    """The model loaded by ``from_pretrained``, then (with LoRA adapters) sharded."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-    return auto.from_pretrained(
-        folder, config=config, dtype=torch.float32, trust_remote_code=remote
+    auto = AutoModelForTokenClassification if spec.role == "critic" else AutoModelForCausalLM
+    model: torch.nn.Module = auto.from_pretrained(
+        folder, config=config, dtype=torch.float32, trust_remote_code=options.trust_remote_code
     )
+    model.eval()
+    offload, checkpointing = options.fsdp_cpu_offload, options.gradient_checkpointing
+    if not offload:
+        # offloaded, it stays in CPU memory: fully_shard moves one unit at a time to the device
+        # to shard it, then the shards back
+        model.to(device())
+    if options.lora_rank > 0 and spec.role == "actor":
+        # the base model inside is sharded as it would be alone; the peft wrapper holds no weights
+        adapted = add_adapters(model, options)
+        shard(adapted.get_base_model(), spec.precision, checkpointing, offload)
+        return adapted
+    shard(model, spec.precision, checkpointing, offload)
+    return model
 
 
 def adamw(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:

@@ -202,23 +202,33 @@ def empty_model(
     return model, Checkpoint(sources)
 
 
-def materialize_adapters(model: Any, rng_state: torch.Tensor) -> None:
+def materialize_adapters(model: Any, rng_state: torch.Tensor) -> str | None:
     """peft left the adapters of a peft ``model`` over meta weights on the meta device: each made
     real on the CPU with peft's initialization, replayed from ``rng_state`` (the generator's
-    state before ``get_peft_model``) in peft's order, so the same values it drew."""
+    state before ``get_peft_model``) in peft's order, so the same values it drew. ``None``, or
+    (nothing changed) why an adapter is not one this replays: then go through
+    ``from_pretrained``."""
     from peft.tuners.lora import LoraLayer
 
     from rlcore_fsdp.lora import ADAPTER, lora_config
 
-    init = lora_config(model).init_lora_weights
+    config = lora_config(model)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        pair = [m[ADAPTER] if ADAPTER in m else None for m in (layer.lora_A, layer.lora_B)]
+        if (
+            not all(type(m) is torch.nn.Linear for m in pair)
+            or config.init_lora_weights is not True
+        ):
+            return f"peft's LoRA layer {type(layer).__name__} is not two linear adapters"
     torch.random.set_rng_state(rng_state)
-    for layer in model.modules():
-        if isinstance(layer, LoraLayer):
-            for adapter in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]):
-                assert isinstance(adapter, torch.nn.Linear)
-                adapter.to_empty(device="cpu")
-                adapter.reset_parameters()  # what nn.Linear's constructor drew
-            layer.reset_lora_parameters(ADAPTER, init)  # type: ignore[no-untyped-call]  # peft
+    for layer in layers:
+        for adapter in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]):
+            assert isinstance(adapter, torch.nn.Linear)
+            adapter.to_empty(device="cpu")
+            adapter.reset_parameters()  # what nn.Linear's constructor drew
+        layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)  # type: ignore[no-untyped-call]  # peft
+    return None
 
 
 def plain(name: str) -> str:
