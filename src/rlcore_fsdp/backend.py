@@ -10,21 +10,26 @@ per decoder layer (the classes the model lists in ``_no_split_modules``) and the
 cast as they are gathered) while the weights, their gradient reduction and AdamW stay fp32.
 ``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward pass;
 ``--fsdp-cpu-offload`` keeps the weights, gradients and AdamW's state in CPU memory.
-Every rank builds the same weights (the folder's, and seeded ones for a new value head) before
-sharding, so no rank broadcasts. With ``--lora-rank N`` the actor (its training and eval stacks)
-is wrapped with peft's LoRA adapters before sharding (:mod:`rlcore_fsdp.lora`); a critic is
-refused with it; the teacher is built without them. The reference is then the actor's base with
-the adapters disabled (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights:
-the backend that built the LoRA actor's training stack returns that view for the reference (of
-the same model folder, precision and layout), and the launcher builds the reference in the
-actor's ranks (:attr:`rlcore.backends.BackendKind.model_owner`,
-:func:`rlcore_fsdp.options.model_owner`). Asked for the reference before or without that actor,
-it builds the base model of its own.
+The weights go from the folder straight into the shards (:mod:`rlcore_fsdp.loading`: the model
+built with its parameters on the meta device, sharded, then each rank reads its rows of each
+tensor), so the build never holds a second copy of them; a folder whose tensors transformers
+renames or converts on load is loaded with ``from_pretrained`` and then sharded, as before.
+Every rank builds the same weights (the folder's, and seeded ones for a new value head, drawn as
+``from_pretrained`` draws them), so no rank broadcasts. With ``--lora-rank N`` the actor (its
+training and eval stacks) is wrapped with peft's LoRA adapters before sharding
+(:mod:`rlcore_fsdp.lora`); a critic is refused with it; the teacher is built without them. The
+reference is then the actor's base with the adapters disabled
+(:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights: the backend that
+built the LoRA actor's training stack returns that view for the reference (of the same model
+folder, precision and layout), and the launcher builds the reference in the actor's ranks
+(:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
+Asked for the reference before or without that actor, it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from pathlib import Path
 from typing import Any, final
@@ -45,11 +50,14 @@ from torch.distributed.fsdp import (
 from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
+from rlcore_fsdp.loading import empty_model, fill, materialize_adapters, plain
 from rlcore_fsdp.lora import add_adapters
 from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_owner, parallel_problem
 from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
 __all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
+
+_log = logging.getLogger("rlcore")
 
 
 def init_rank(parallel: ParallelSpec, seed: int, offload: bool = False) -> None:
@@ -150,34 +158,61 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     init_rank(spec.parallel, spec.seed, offload)
     folder = Path(spec.hf_checkpoint)
     config = _config(folder, options)
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
     # a progress bar per rank per stack says nothing; transformers leaves it unannotated
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     remote = options.trust_remote_code
-    if spec.role == "critic":
+    critic = spec.role == "critic"
+    if critic:
         config.num_labels = 1  # one value per token
-        model = AutoModelForTokenClassification.from_pretrained(
-            folder, config=config, dtype=torch.float32, trust_remote_code=remote
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=torch.float32, trust_remote_code=remote
-        )
+    lora = options.lora_rank > 0 and spec.role == "actor"
+    empty = empty_model(folder, config, critic, remote)
+    top: HFModel | None = None
+    if not isinstance(empty, str):
+        empty[0].eval()
+        top = empty[0]
+        if lora:
+            drawn = torch.random.get_rng_state()
+            top = add_adapters(empty[0], options)
+            unreplayed = materialize_adapters(top, drawn)
+            if unreplayed is not None:
+                torch.random.set_rng_state(drawn)  # from_pretrained's path draws from here
+                empty = unreplayed
+    if isinstance(empty, str):
+        # the weights as from_pretrained loads them, briefly twice over (module docstring)
+        _log.info("loading %s with from_pretrained: %s", folder, empty)
+        return _pretrained_shards(folder, config, spec, options), config
+    assert top is not None
+    model, checkpoint = empty
+    # what the build made (a new head, adapters), kept for the shards; the rest is read
+    kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
+    shard(model, spec.precision, options.gradient_checkpointing, offload)
+    fill(model, checkpoint, kept, "cpu" if offload else device())
+    return top, config
+
+
+def _pretrained_shards(folder: Path, config: Any, spec: ModelSpec, options: FSDPOptions) -> HFModel:
+    """The model loaded by ``from_pretrained``, then (with LoRA adapters) sharded."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if spec.role == "critic" else AutoModelForCausalLM
+    model: torch.nn.Module = auto.from_pretrained(
+        folder, config=config, dtype=torch.float32, trust_remote_code=options.trust_remote_code
+    )
     model.eval()
+    offload, checkpointing = options.fsdp_cpu_offload, options.gradient_checkpointing
     if not offload:
         # offloaded, it stays in CPU memory: fully_shard moves one unit at a time to the device
         # to shard it, then the shards back
         model.to(device())
-    checkpointing = options.gradient_checkpointing
     if options.lora_rank > 0 and spec.role == "actor":
         # the base model inside is sharded as it would be alone; the peft wrapper holds no weights
         adapted = add_adapters(model, options)
         shard(adapted.get_base_model(), spec.precision, checkpointing, offload)
-        return adapted, config
+        return adapted
     shard(model, spec.precision, checkpointing, offload)
-    return model, config
+    return model
 
 
 def adamw(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
