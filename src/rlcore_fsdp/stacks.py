@@ -69,13 +69,23 @@ def pad_id(config: Any) -> int:
 
 
 def model_output(model: HFModel, tb: TensorBatch, is_critic: bool) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of a policy, or values ``[B, S]`` of a critic, in fp32, from the
-    model's own forward on the right-padded batch (with its attention mask)."""
+    """A policy's logits ``[B, T, V]`` at the positions that predict the response tokens
+    (``tb.response_index``), or a critic's values ``[B, S]``, in fp32, from the model's own
+    forward on the right-padded batch (with its attention mask).
+
+    A policy's output head runs on those positions only (transformers' ``logits_to_keep``, per
+    row; the model's own forward, so its final soft-capping and FSDP2's hooks on the root unit
+    apply as to the full logits): no ``[B, S, V]`` logits, which with a vocabulary of 32k and
+    more are as large as the whole decoder's activations (issue #36). Read them with
+    ``at_response=True`` (:func:`rlcore.algorithms.batching.token_log_probs`)."""
+    kwargs: dict[str, Any] = {} if is_critic else {"logits_to_keep": tb.response_index}
     with warnings.catch_warnings():
         # FSDP2 warns when a wrapped model returns a view (transformers' token classifiers do)
         # that an in-place op could break; nothing here changes the output in place.
         warnings.filterwarnings("ignore", VIEW_WARNING, UserWarning)
-        out = model(input_ids=tb.tokens, attention_mask=tb.attention_mask, use_cache=False)
+        out = model(
+            input_ids=tb.tokens, attention_mask=tb.attention_mask, use_cache=False, **kwargs
+        )
     logits: torch.Tensor = out.logits.float()
     return logits.squeeze(-1) if is_critic else logits
 
@@ -114,6 +124,7 @@ def score(
         device,
         micro_batch,
         all_reduce_floats(dist.ReduceOp.MAX) if several else None,
+        at_response=not is_critic,
     )
 
 
@@ -334,7 +345,10 @@ class FSDPTrainingStack:
         micro_batches = step_micro_batches(global_batch, self.train_spec, rank, ranks)
         for mb in micro_batches:
             out = micro_batch_loss(
-                model_output(self.model, mb, self._is_critic), mb, self.train_spec
+                model_output(self.model, mb, self._is_critic),
+                mb,
+                self.train_spec,
+                at_response=not self._is_critic,
             )
             torch.autograd.backward(out.loss / step.normalizer)
             step.add(out)

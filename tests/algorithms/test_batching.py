@@ -155,6 +155,28 @@ def test_token_log_probs_equals_a_full_log_softmax_gather(
         assert row == pytest.approx(expected, abs=1e-5)
 
 
+@given(samples(), st.integers(0, 2**31 - 1), TEMPERATURES)
+def test_logits_at_the_response_give_the_same_log_probs_and_entropy(
+    batch_samples: list[Sample], seed: int, temperature: float
+) -> None:
+    """``at_response``: logits ``[B, T, V]`` already at ``response_index`` (a model's head run
+    there only) read exactly as the ``[B, S, V]`` logits they are rows of."""
+    batch = tensorize_samples(batch_samples, PAD)
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(batch.num_sequences, batch.tokens.shape[1], VOCAB, generator=gen)
+    index = batch.response_index.unsqueeze(-1).expand(-1, -1, VOCAB)
+    rows = logits.gather(1, index)
+    for read in (token_log_probs, entropy_from_logits):
+        got = read(rows, batch, temperature, at_response=True)
+        assert torch.equal(got, read(logits, batch, temperature))
+
+
+def test_logits_at_the_response_must_have_its_shape() -> None:
+    batch = tensorize_samples(two_samples(), PAD)
+    with pytest.raises(ValueError, match="logits at the response positions have shape"):
+        token_log_probs(torch.randn(2, 5, VOCAB), batch, at_response=True)
+
+
 def test_token_log_probs_is_differentiable_and_upcasts_half_precision() -> None:
     batch = tensorize_samples(two_samples(), PAD)
     logits = torch.randn(2, 5, VOCAB, requires_grad=True)

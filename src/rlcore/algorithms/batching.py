@@ -234,7 +234,7 @@ def _response_targets(batch: TensorBatch) -> torch.Tensor:
 
 
 def token_log_probs(
-    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0
+    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0, *, at_response: bool = False
 ) -> torch.Tensor:
     """``log_softmax(logits / T)`` at each response token: ``Tensor[B, T]``, 0 on padding.
 
@@ -245,23 +245,28 @@ def token_log_probs(
     ``z[target] - logsumexp(z)`` over those rows, so no ``[B, S, V]`` log-softmax is ever
     materialised. Half-precision logits are upcast to ``float32`` (only the gathered rows).
     Differentiable with respect to ``logits``.
+
+    ``at_response``: ``logits`` is ``Tensor[B, T, V]``, the rows at ``batch.response_index``
+    already (a model that computed its output head there only, e.g. transformers'
+    ``logits_to_keep``): the same log-probs without the ``[B, S, V]`` logits.
     """
-    rows = _policy_rows(logits, batch, temperature)  # [B, T, V]
+    rows = _policy_rows(logits, batch, temperature, at_response)  # [B, T, V]
     targets = _response_targets(batch).unsqueeze(-1)  # [B, T, 1]
     picked = rows.gather(-1, targets).squeeze(-1) - torch.logsumexp(rows, dim=-1)
     return picked.masked_fill(~batch.response_mask, 0.0)
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0
+    logits: torch.Tensor, batch: TensorBatch, temperature: float = 1.0, *, at_response: bool = False
 ) -> torch.Tensor:
     """Entropy of the next-token distribution that samples each response token: ``Tensor[B, T]``.
 
     ``logits`` is ``Tensor[B, S, V]``; the distribution is ``softmax(logits / T)`` as in
     :func:`token_log_probs`. ``H = logsumexp(z) - sum softmax(z) * z`` over the gathered rows
-    (as verl's ``entropy_from_logits``); 0 on padding. Differentiable.
+    (as verl's ``entropy_from_logits``); 0 on padding. Differentiable. ``at_response`` as in
+    :func:`token_log_probs`.
     """
-    rows = _policy_rows(logits, batch, temperature)  # [B, T, V]
+    rows = _policy_rows(logits, batch, temperature, at_response)  # [B, T, V]
     log_z = torch.logsumexp(rows, dim=-1)
     probs = torch.softmax(rows, dim=-1)
     entropy = log_z - (probs * rows).sum(dim=-1)
@@ -287,10 +292,23 @@ def unpad(x: torch.Tensor, batch: TensorBatch) -> list[tuple[float, ...]]:
     return [tuple(row[:n]) for row, n in zip(rows, lengths, strict=True)]
 
 
-def _policy_rows(logits: torch.Tensor, batch: TensorBatch, temperature: float) -> torch.Tensor:
+def _policy_rows(
+    logits: torch.Tensor, batch: TensorBatch, temperature: float, at_response: bool
+) -> torch.Tensor:
     """The logits that predict the response tokens, in at least ``float32`` and tempered:
-    ``Tensor[B, T, V]``, what the log-probs and the entropy are read from."""
-    return tempered(_upcast(_response_rows(logits, batch)), temperature)
+    ``Tensor[B, T, V]``, what the log-probs and the entropy are read from. ``at_response``:
+    ``logits`` holds those rows already (:func:`token_log_probs`)."""
+    if at_response:
+        want = tuple(batch.response_index.shape)
+        if tuple(logits.shape[:2]) != want:
+            raise ValueError(
+                f"logits at the response positions have shape {tuple(logits.shape)}, "
+                f"response_index {want}"
+            )
+        rows = logits
+    else:
+        rows = _response_rows(logits, batch)
+    return tempered(_upcast(rows), temperature)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,8 @@ def score_samples(
     device: torch.device | str,
     micro_batch: int,
     all_max: Reduce | None = None,
+    *,
+    at_response: bool = False,
 ) -> ForwardRows:
     """Per response token of each sample: log-probs at ``spec.temperature`` (a policy) or values
     (a critic), one tuple per sample in ``samples``' order (none for no samples), without
@@ -287,7 +289,9 @@ def score_samples(
     ``spec.log_probs_max_tokens_per_gpu`` tokens when set
     (:func:`~rlcore.algorithms.token_budget.forward_groups`, longest first). ``output`` is the
     backend's model: logits ``[B, S, V]`` (or a critic's values ``[B, S]``) in fp32 for a
-    micro-batch's tokens.
+    micro-batch's tokens; with ``at_response``, a policy's logits ``[B, T, V]`` at the
+    positions that predict the response tokens only
+    (:func:`~rlcore.algorithms.batching.token_log_probs`).
 
     ``all_max``: for a model whose forward is a collective over the data-parallel ranks (FSDP's
     gathers), the all-reduce (maximum) over them; every rank must then call this, with its own
@@ -309,7 +313,7 @@ def score_samples(
             if spec.role == "critic":
                 per_token = gather_response(out, tb)
             else:
-                per_token = token_log_probs(out, tb, spec.temperature)
+                per_token = token_log_probs(out, tb, spec.temperature, at_response=at_response)
             rows.append(unpad(per_token, tb))
         for _ in range(passes - len(groups)):
             output(_one_token(pad_id, device))
@@ -326,14 +330,21 @@ def _one_token(pad_id: int, device: torch.device | str) -> TensorBatch:
     return tensorize_samples([idle], pad_id, device)
 
 
-def micro_batch_loss(out: torch.Tensor, mb: TensorBatch, spec: TrainSpec) -> LossOut:
+def micro_batch_loss(
+    out: torch.Tensor, mb: TensorBatch, spec: TrainSpec, *, at_response: bool = False
+) -> LossOut:
     """A micro-batch's loss from the model's fp32 output ``out`` for it (logits ``[B, S, V]``, or
-    a critic's values ``[B, S]``): the critic's value loss, or the actor's policy loss on the
-    log-probs at the spec's temperature, with the entropy only when a coefficient asks for it."""
+    ``[B, T, V]`` at the response positions only with ``at_response``, or a critic's values
+    ``[B, S]``): the critic's value loss, or the actor's policy loss on the log-probs at the
+    spec's temperature, with the entropy only when a coefficient asks for it."""
     if spec.model.role == "critic":
         return critic_loss(gather_response(out, mb), mb, spec.loss)
     temperature = spec.model.temperature
-    log_probs = token_log_probs(out, mb, temperature)
+    log_probs = token_log_probs(out, mb, temperature, at_response=at_response)
     wants_entropy = spec.loss.entropy_coef > 0
-    entropy = entropy_from_logits(out, mb, temperature) if wants_entropy else None
+    entropy = (
+        entropy_from_logits(out, mb, temperature, at_response=at_response)
+        if wants_entropy
+        else None
+    )
     return actor_loss(log_probs, mb, spec.loss, entropy)
