@@ -59,8 +59,9 @@ def run(
             "extra": metrics.extra,
             "tokens": metrics.tokens,
             "sent": sink.tensors,
-            "log_probs": log_probs,
-            "uneven": uneven,
+            # plain lists: torch.load (weights_only) takes no ForwardRows
+            "log_probs": list(log_probs),
+            "uneven": list(uneven),
         },
         Path(out) / f"rank{rank}.pt",
     )

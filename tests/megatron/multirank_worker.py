@@ -66,8 +66,9 @@ def run(rank: int, world: int, port: int, hf: str, out: str) -> None:
     torch.save(
         {
             "exported": exported,
-            "log_probs": log_probs,
-            "bf16_log_probs": bf16_log_probs,
+            # plain lists: torch.load (weights_only) takes no ForwardRows
+            "log_probs": list(log_probs),
+            "bf16_log_probs": list(bf16_log_probs),
             "trained": weights(stack.export_weights()),
             "grad_norm": metrics.grad_norm,
             "loaded": loaded,
