@@ -10,6 +10,7 @@ torch's per-operator CPU time of each, the least over the measured steps, side b
 Usage::
 
     python -m benchmarks.train_step [--assets DIR] [--steps 10] [--rounds 3] [--profile]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -125,8 +126,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="per-operator CPU time too")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=THREADS,
+        help="torch's threads; 1 for --profile, whose times are the main thread's",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="train_step_"))
     try:
         if args.assets is None:
@@ -153,7 +160,7 @@ def main() -> None:
                 medians[name].append(statistics.median(times))
         ours_s, floor_s = (statistics.median(m) for m in medians.values())
         print(
-            f"bench-tiny train step ({tuple(tokens.shape)} tokens), {THREADS} threads, "
+            f"bench-tiny train step ({tuple(tokens.shape)} tokens), {args.threads} threads, "
             f"{args.rounds} alternating rounds of {args.steps}, CPU s of this process: "
             f"rlcore megatron {ours_s:.4f}, floor {floor_s:.4f}: {ours_s / floor_s:.3f}x "
             f"(per-round medians {medians})"
