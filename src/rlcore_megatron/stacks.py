@@ -16,6 +16,7 @@ model's precision.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
@@ -63,6 +64,15 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], seq)
 
 
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """``[seq, seq]``, True above the diagonal (the positions a token must not attend to): the
+    mask Megatron's attention softmax builds for itself (``get_default_causal_mask``) in every
+    layer of every forward when given none, built here once per length and device and passed
+    to the model (issue #38)."""
+    return torch.triu(torch.ones(seq, seq, device=device), diagonal=1).bool()
+
+
 def sequence_multiple(arch: ModelArch) -> int:
     """Sequence parallelism splits the sequence over the TP ranks: its length must divide."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -76,7 +86,7 @@ def model_output(
     fp32 whatever the model's precision.
 
     Batches are right-padded, so the causal mask alone keeps padding out of every real token's
-    context (no attention mask tensor is built); under sequence parallelism more padding makes
+    context (:func:`causal_mask`, no padding mask); under sequence parallelism more padding makes
     the length a multiple of the TP size, and is cut off again.
     """
     tokens, real = tb.tokens, tb.attention_mask.bool()
@@ -87,7 +97,8 @@ def model_output(
         real = F.pad(real, (0, extra), value=False)
     # The MoE router leaves padding out of its load-balancing loss (True marks padding).
     moe_kwargs = {"padding_mask": ~real} if arch.moe is not None else {}
-    out: torch.Tensor = model(tokens, _positions(tokens), None, **moe_kwargs).float()
+    mask = causal_mask(tokens.shape[1], tokens.device)
+    out: torch.Tensor = model(tokens, _positions(tokens), mask, **moe_kwargs).float()
     out = out[:, :seq]
     if is_critic:
         return out.squeeze(-1)

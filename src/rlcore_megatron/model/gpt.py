@@ -26,7 +26,7 @@ from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from rlcore.errors import ConfigError, ConfigProblem
 from rlcore.specs import Precision, Role
-from rlcore_megatron.model import moe
+from rlcore_megatron.model import moe, rope
 from rlcore_megatron.model.arch import ModelArch
 from rlcore_megatron.options import MegatronOptions
 
@@ -293,6 +293,7 @@ def build_gpt(
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     check_parallel(arch, tp_size, ep_size)
+    rope.install()  # the same RoPE bits without recomputing cos/sin per layer (issue #38)
     config = transformer_config(arch, tp_size, ep_size, moe_aux_loss_coeff, precision, options)
     is_critic = role == "critic"
     model = GPTModel(
