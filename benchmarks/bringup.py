@@ -93,7 +93,12 @@ def _backend(side: str, args: argparse.Namespace) -> Any:
         from rlcore_fsdp.backend import FSDPBackend
         from rlcore_fsdp.options import FSDPOptions
 
-        return FSDPBackend(FSDPOptions(lora_rank=args.lora_rank if side == "lora" else 0))
+        return FSDPBackend(
+            FSDPOptions(
+                lora_rank=args.lora_rank if side == "lora" else 0,
+                gradient_checkpointing=args.gradient_checkpointing,
+            )
+        )
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.parallel import init_megatron
 
@@ -206,6 +211,11 @@ def main() -> None:
         default=0,
         help="fsdp: compare a LoRA training stack of this rank with full fine-tuning",
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="fsdp: both sides recompute each decoder layer's activations in the backward",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each side")
     parser.add_argument(
         "--json", type=Path, default=None, help="write the ratio here (nox -s bench)"
@@ -217,8 +227,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
-    if args.lora_rank and args.train_backend != "fsdp":
-        parser.error("--lora-rank needs --train-backend fsdp")
+    if (args.lora_rank or args.gradient_checkpointing) and args.train_backend != "fsdp":
+        parser.error("--lora-rank and --gradient-checkpointing need --train-backend fsdp")
 
     sides = ("lora", "train") if args.lora_rank else ("eval", "train")
     with tempfile.TemporaryDirectory(prefix="bringup-") as tmp:
@@ -237,6 +247,7 @@ def main() -> None:
         f"bring-up, {name} on the CPU: {tr['params_m']:.1f}M-parameter Llama in {precision}, "
         f"batch {args.batch} x {args.seq} tokens, "
         f"{int(ev['threads'])} threads, median of {args.rounds} alternating runs each"
+        + (", gradient checkpointing on both sides" if args.gradient_checkpointing else "")
     )
     if args.lora_rank:
         print(
