@@ -330,6 +330,8 @@ class MegatronTrainingStack:
         self.model.train()
         self.model.zero_grad_buffer()
         self._optimizer.zero_grad()
+        if self.arch.moe is not None:  # what an interrupted step left in the router's tracker
+            moe.discard_load_balancing_loss()
         micro_batches = step_micro_batches(
             global_batch,
             self.train_spec,

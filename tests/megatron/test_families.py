@@ -211,7 +211,9 @@ def test_router_load_balancing_loss_is_reported_and_trained(family_models: Famil
     samples = make_samples(4, seed=3)
     batch = make_batch(samples, seed=4)
     routers: list[torch.Tensor] = []
-    for coeff in (0.0, 1.0):
+    # With the loss first: a stack without it, later in the same process, must not report the
+    # entry the first left in Megatron's tracker (a 0.0 that was never computed).
+    for coeff in (1.0, 0.0):
         spec = train_spec(folder)  # global batch 4 in micro-batches of 2
         spec = attrs.evolve(spec, model=attrs.evolve(spec.model, moe_aux_loss_coeff=coeff))
         stack = MegatronBackend().build_training_stack(spec)

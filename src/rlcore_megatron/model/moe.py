@@ -29,6 +29,7 @@ from rlcore_megatron.model.arch import ModelArch
 
 __all__ = [
     "LOAD_BALANCING_LOSS",
+    "discard_load_balancing_loss",
     "fix_router",
     "pop_load_balancing_loss",
     "set_aux_loss_scale",
@@ -107,5 +108,16 @@ def pop_load_balancing_loss(arch: ModelArch, micro_batches: int) -> float | None
     values: torch.Tensor = tracker[LOAD_BALANCING_LOSS]["values"]
     sparse = torch.tensor(arch.moe.moe_layers, dtype=torch.bool, device=values.device)
     loss = float(values[sparse].sum()) / (int(sparse.sum()) * max(micro_batches, 1))
-    moe_utils.clear_aux_losses_tracker()
+    discard_load_balancing_loss()
     return loss
+
+
+def discard_load_balancing_loss() -> None:
+    """Forget what the router's tracker holds of the load-balancing loss.
+
+    Megatron's own ``clear_aux_losses_tracker`` only zeroes the values and keeps the entry (sized
+    for the model that made it), so a later stack of the same process, even one that computes no
+    such loss (``moe_aux_loss_coeff`` 0) or has another number of layers, would find it: removed
+    instead, so that an entry means "computed in this step".
+    """
+    _moe_utils().get_moe_layer_wise_logging_tracker().pop(LOAD_BALANCING_LOSS, None)
