@@ -25,6 +25,9 @@ folder, precision and layout), and the launcher builds the reference in the acto
 (:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
 Asked for the reference before or without that actor, it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
+On the CPU the parameters' shards are moved into shared memory once built
+(:func:`rlcore.engines.shared_tensors.share_cpu_tensors`, as Megatron's), so a weight sync to a
+process on this machine hands over the live weights rather than copies.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ asks for the sum), so the update is the global batch's aggregate whatever the sp
 are all-reduced over the same ranks.
 
 Weights leave as full tensors, gathered one at a time from their shards (``DTensor.full_tensor``,
-a collective every rank takes part in), under the model's own Hugging Face names; a tied output
-embedding is sent once, under the input embedding's name, as ``save_pretrained`` writes it.
+a collective every rank takes part in; on one rank the parameters themselves, issue #36), under
+the model's own Hugging Face names; a tied output embedding is sent once, under the input
+embedding's name, as ``save_pretrained`` writes it.
 """
 
 from __future__ import annotations
