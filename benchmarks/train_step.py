@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -31,17 +33,22 @@ import torch
 
 from benchmarks.rl_step import NEW_TOKENS, PROMPTS, SAMPLES, THREADS
 
-Step = Callable[[], None]
+if TYPE_CHECKING:
+    from rlcore.protocols.stacks import TrainingStack
+
+Step = Callable[[], object]
 
 
-def _ours(model_dir: Path, prompts: Path) -> tuple[Step, torch.Tensor, torch.Tensor]:
-    """rlcore's step on the batch; the batch's tokens ``[B, S]`` and response positions."""
+def _ours(
+    model_dir: Path, prompts: Path, backends: list[str], bf16: bool = False
+) -> tuple[dict[str, Step], torch.Tensor, torch.Tensor]:
+    """rlcore's step of each of ``backends`` on the batch; the batch's tokens ``[B, S]`` and
+    response positions."""
     from rlcore.algorithms.batching import tensorize
     from rlcore.config.flags import load_config
     from rlcore.launch.prepare import load_tokenizer
     from rlcore.loop.plan import TrainPlan, plan
     from rlcore.samples import Generation, Prompt, Sample, TrainBatch
-    from rlcore_megatron.backend import MegatronBackend
 
     flags = ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts)]
     flags += ["--input-key", "prompt", "--label-key", "answer", "--num-rollout", "1"]
@@ -49,6 +56,7 @@ def _ours(model_dir: Path, prompts: Path) -> tuple[Step, torch.Tensor, torch.Ten
     flags += ["--global-batch-size", str(PROMPTS * SAMPLES)]
     flags += ["--micro-batch-size", str(PROMPTS * SAMPLES)]
     flags += ["--rollout-max-response-len", str(NEW_TOKENS), "--lr", "1e-4", "--clip-grad", "1"]
+    flags += ["--bf16"] if bf16 else []
     config = load_config(flags)
     planned = plan(config)
     assert isinstance(planned, TrainPlan)
@@ -70,13 +78,19 @@ def _ours(model_dir: Path, prompts: Path) -> tuple[Step, torch.Tensor, torch.Ten
         )
         advantages.append((float(torch.randn(1, generator=gen)),) * NEW_TOKENS)
     batch = TrainBatch(tuple(samples), tuple(advantages))
-    stack = MegatronBackend().build_training_stack(planned.actor)
+    steps: dict[str, Step] = {}
+    for backend in backends:
+        if backend == "megatron":
+            from rlcore_megatron.backend import MegatronBackend
 
-    def step() -> None:
-        stack.train_step(batch)
+            stack: TrainingStack = MegatronBackend().build_training_stack(planned.actor)
+        else:
+            from rlcore_fsdp.backend import FSDPBackend
 
+            stack = FSDPBackend().build_training_stack(planned.actor)
+        steps[f"rlcore {backend}"] = functools.partial(stack.train_step, batch)
     tb = tensorize(batch, 0)
-    return step, tb.tokens, tb.response_index
+    return steps, tb.tokens, tb.response_index
 
 
 def _floor(model_dir: Path, tokens: torch.Tensor, index: torch.Tensor) -> Step:
@@ -126,6 +140,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="per-operator CPU time too")
+    parser.add_argument("--top", type=int, default=30, help="operators --profile shows")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=("megatron", "fsdp"),
+        default=["megatron"],
+        help="rlcore's training backends to time (each against the floor)",
+    )
+    parser.add_argument("--bf16", action="store_true", help="rlcore's stacks in bf16")
     parser.add_argument(
         "--threads",
         type=int,
@@ -144,8 +167,10 @@ def main() -> None:
         shutil.copytree(args.assets / "model", model_dir)
         for f in (args.assets / "tokenizer").iterdir():
             shutil.copy(f, model_dir / f.name)
-        ours, tokens, index = _ours(model_dir, args.assets / "prompts.jsonl")
-        steps = {"rlcore megatron": ours, "floor": _floor(model_dir, tokens, index)}
+        ours, tokens, index = _ours(
+            model_dir, args.assets / "prompts.jsonl", args.backends, args.bf16
+        )
+        steps = {**ours, "floor": _floor(model_dir, tokens, index)}
         medians: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():  # warm-up
             step()
@@ -158,20 +183,26 @@ def main() -> None:
                     step()
                     times.append(time.process_time() - start)
                 medians[name].append(statistics.median(times))
-        ours_s, floor_s = (statistics.median(m) for m in medians.values())
+        result = {name: statistics.median(m) for name, m in medians.items()}
+        floor_s = result["floor"]
+        shown = ", ".join(f"{name} {s:.4f} ({s / floor_s:.3f}x)" for name, s in result.items())
         print(
             f"bench-tiny train step ({tuple(tokens.shape)} tokens), {args.threads} threads, "
-            f"{args.rounds} alternating rounds of {args.steps}, CPU s of this process: "
-            f"rlcore megatron {ours_s:.4f}, floor {floor_s:.4f}: {ours_s / floor_s:.3f}x "
+            f"{'bf16' if args.bf16 else 'fp32'} (the floor fp32), {args.rounds} alternating "
+            f"rounds of {args.steps}, CPU s of this process: {shown} "
             f"(per-round medians {medians})"
         )
         if args.profile:
             ops = {name: _operators(step, args.steps) for name, step in steps.items()}
-            mine, theirs = ops.values()
-            print(f"{'operator (self CPU ms per step, least)':<58} {'rlcore':>8} {'floor':>8}")
-            for key in sorted(set(mine) | set(theirs), key=lambda k: -mine.get(k, 0.0))[:30]:
-                print(f"{key[:58]:<58} {mine.get(key, 0.0):8.2f} {theirs.get(key, 0.0):8.2f}")
-            print(f"{'all operators':<58} {sum(mine.values()):8.2f} {sum(theirs.values()):8.2f}")
+            first = next(iter(ops.values()))
+            header = "".join(f"{name.removeprefix('rlcore '):>10}" for name in ops)
+            print(f"{'operator (self CPU ms per step, least)':<58}{header}")
+            every = set().union(*ops.values())
+            for key in sorted(every, key=lambda k: -first.get(k, 0.0))[: args.top]:
+                row = "".join(f"{o.get(key, 0.0):10.2f}" for o in ops.values())
+                print(f"{key[:58]:<58}{row}")
+            totals = "".join(f"{sum(o.values()):10.2f}" for o in ops.values())
+            print(f"{'all operators':<58}{totals}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -25,6 +25,9 @@ folder, precision and layout), and the launcher builds the reference in the acto
 (:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
 Asked for the reference before or without that actor, it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
+On the CPU the parameters' shards are moved into shared memory once built
+(:func:`rlcore.engines.shared_tensors.share_cpu_tensors`, as Megatron's), so a weight sync to a
+process on this machine hands over the live weights rather than copies.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from rlcore.algorithms.distributed import device, init_process_group
+from rlcore.engines.shared_tensors import share_cpu_tensors
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.loading import empty_model, fill, materialize_adapters, plain
@@ -55,7 +60,7 @@ from rlcore_fsdp.lora import add_adapters
 from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_owner, parallel_problem
 from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
-__all__ = ["FSDPBackend", "adamw", "init_rank", "lr_scheduler", "shard"]
+__all__ = ["FSDPBackend", "adamw", "init_rank", "local_shard", "lr_scheduler", "shard"]
 
 _log = logging.getLogger("rlcore")
 
@@ -182,14 +187,24 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     if isinstance(empty, str):
         # the weights as from_pretrained loads them, briefly twice over (module docstring)
         _log.info("loading %s with from_pretrained: %s", folder, empty)
-        return _pretrained_shards(folder, config, spec, options), config
-    assert top is not None
-    model, checkpoint = empty
-    # what the build made (a new head, adapters), kept for the shards; the rest is read
-    kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
-    shard(model, spec.precision, options.gradient_checkpointing, offload)
-    fill(model, checkpoint, kept, "cpu" if offload else device())
+        top = _pretrained_shards(folder, config, spec, options)
+    else:
+        assert top is not None
+        model, checkpoint = empty
+        # what the build made (a new head, adapters), kept for the shards; the rest is read
+        kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
+        shard(model, spec.precision, options.gradient_checkpointing, offload)
+        fill(model, checkpoint, kept, "cpu" if offload else device())
+    if device().type == "cpu":
+        # weight sync to this machine then hands over the live shards, the full tensors on one
+        # rank (rlcore.engines.shared_tensors; #23 for the memory it frees)
+        share_cpu_tensors(local_shard(p) for p in top.parameters())
     return top, config
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (sharded) parameter, as a plain tensor (a view of its storage)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _pretrained_shards(folder: Path, config: Any, spec: ModelSpec, options: FSDPOptions) -> HFModel:
@@ -231,6 +246,9 @@ def adamw(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
         lr=spec.schedule.lr,
         betas=(spec.adam_beta1, spec.adam_beta2),
         eps=spec.adam_eps,
+        # one kernel over all the tensors (CPU and GPU), as Megatron's fused Adam: torch's
+        # default loops over them with a dozen foreach ops per step (#36)
+        fused=True,
     )
 
 

@@ -13,8 +13,9 @@ asks for the sum), so the update is the global batch's aggregate whatever the sp
 are all-reduced over the same ranks.
 
 Weights leave as full tensors, gathered one at a time from their shards (``DTensor.full_tensor``,
-a collective every rank takes part in), under the model's own Hugging Face names; a tied output
-embedding is sent once, under the input embedding's name, as ``save_pretrained`` writes it.
+a collective every rank takes part in; on one rank the parameters themselves, issue #36), under
+the model's own Hugging Face names; a tied output embedding is sent once, under the input
+embedding's name, as ``save_pretrained`` writes it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlcore.algorithms.distributed import all_reduce_floats
+from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
@@ -130,14 +132,21 @@ def score(
 
 def full_tensors(model: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's state dict as full tensors, gathered one at a time (every rank must iterate
-    them to the end); a tensor shared under two names (tied embeddings) once, under its first."""
+    them to the end); a tensor shared under two names (tied embeddings) once, under its first.
+
+    On one rank a parameter's only shard is the full tensor: it is given as it is, a view of the
+    live parameter (no gather, no copy; in shared memory on the CPU, so the embedded engine's
+    sync maps it as Megatron's, issue #36), valid until the next step changes it."""
     seen: set[int] = set()
     # the parameters themselves (keep_vars): a tied weight is one object under both names
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = tensor
+        if isinstance(tensor, DTensor):
+            whole = tensor.device_mesh.size() == 1 and tensor.to_local().shape == tensor.shape
+            full = tensor.to_local() if whole else tensor.full_tensor()
         yield name, full.detach()
 
 
@@ -147,19 +156,25 @@ def export_weights(
     gathered: Iterable[tuple[str, torch.Tensor]] | None = None,
     *,
     adapters: bool = True,
+    buffers: ExportBuffers | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under the model's Hugging Face names (:func:`full_tensors`), in the
     dtype the model computes in (bf16 copies of the fp32 weights under ``bfloat16``); with LoRA,
     the base model's weights with the adapters merged in (:func:`rlcore_fsdp.lora.merged`), or
     without them (``adapters=False``, :func:`rlcore_fsdp.lora.unadapted`).
-    ``gathered``: the model's :func:`full_tensors` when the caller has them already."""
+    ``gathered``: the model's :func:`full_tensors` when the caller has them already.
+    ``buffers`` (a stack's, for its weight sinks): CPU bf16 copies are cast into them, in shared
+    memory and rewritten by the next export, rather than into fresh tensors."""
     dtype = torch.bfloat16 if precision == "bfloat16" else None
     named = full_tensors(model) if gathered is None else gathered
     if lora.is_lora(model):
         named = lora.merged(model, named) if adapters else lora.unadapted(named)
     for name, full in named:
         if dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
+            if buffers is None:
+                full = full.to(dtype)
+            else:
+                full = buffers.materialise(name, full, tuple(full.shape), dtype)
         yield name, full
 
 
@@ -186,6 +201,7 @@ class FSDPEvalStack:
         self.config = config
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+        self._export_buffers = ExportBuffers()
 
     @property
     def spec(self) -> ModelSpec:
@@ -213,7 +229,8 @@ class FSDPEvalStack:
         return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_weights(self.model, self.spec.precision), sinks)
+        weights = export_weights(self.model, self.spec.precision, buffers=self._export_buffers)
+        send_exported(weights, sinks)
 
 
 @final
@@ -238,6 +255,7 @@ class FSDPTrainingStack:
         self._scheduler = scheduler
         self.device = device
         self.forward_micro_batch = DEFAULT_FORWARD_MICRO_BATCH
+        self._export_buffers = ExportBuffers()
         self._is_critic = spec.model.role == "critic"
         _sum_gradients(model)
 
@@ -269,7 +287,8 @@ class FSDPTrainingStack:
         return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        send_exported(export_weights(self.model, self.spec.precision), sinks)
+        weights = export_weights(self.model, self.spec.precision, buffers=self._export_buffers)
+        send_exported(weights, sinks)
 
     def _record(self) -> dict[str, object]:
         record = model_record(self.config.to_dict(), self.spec.role)

@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rlcore.engines.shared_tensors import share_cpu_tensors
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
 from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config, read_hf_config
@@ -31,8 +32,6 @@ __all__ = [
     "MegatronBackend",
     "optimizer_config",
     "param_scheduler",
-    "release_freed_heap",
-    "share_cpu_parameters",
     "use_fused_cpu_adam",
 ]
 
@@ -103,61 +102,6 @@ def use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
         group["foreach"] = False
 
 
-TRIM_EVERY_BYTES = 64 * 2**20
-"""How much parameter memory :func:`share_cpu_parameters` frees between two
-:func:`release_freed_heap` calls: what its peak holds above the weights, besides the tensor being
-moved."""
-
-
-def release_freed_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op on
-    other C libraries).
-
-    glibc keeps the memory of a freed allocation below its mmap threshold (which rises to 32 MiB
-    once such a block is freed) resident in its heap for the next ``malloc``: a CPU tensor freed
-    in the middle of the heap stays in the process's RSS until something reuses its pages.
-    """
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):  # not glibc; no C library by that name
-        return
-    trim(0)
-
-
-def share_cpu_parameters(model: torch.nn.Module) -> None:
-    """Move a CPU model's parameters into shared memory (torch's ``file_system`` strategy, set
-    for this process), before the optimizer or DDP hold them.
-
-    Tensor-mode weight sync then hands a server on this machine handles to the live parameters
-    (``rlcore_sglang.weight_sync.tensor.TensorSink``), as CUDA IPC handles do on GPUs, instead of
-    first copying every tensor into a shared buffer: the server's copy into its own weights is the
-    only one.
-
-    The memory used stays that of the weights: each parameter is copied into a shared mapping and
-    its heap memory freed, and glibc would keep those freed pages resident (nearly the weights a
-    second time: all but the tensors over 32 MiB, about 3 of the 4 bytes per parameter of a 100M
-    fp32 Llama, issue #23), so they are handed back to the system as the move goes
-    (:func:`release_freed_heap`), together with what building the model freed (Megatron's fp32
-    initialisation copies).
-    """
-    import torch.multiprocessing
-
-    # torch leaves set_sharing_strategy unannotated
-    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
-    release_freed_heap()
-    freed = 0
-    for param in model.parameters():
-        freed += param.nbytes
-        param.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if freed >= TRIM_EVERY_BYTES:
-            release_freed_heap()
-            freed = 0
-    if freed:
-        release_freed_heap()
-
-
 @final
 class MegatronBackend:
     """Builds :class:`MegatronTrainingStack` and :class:`MegatronEvalStack` on this rank.
@@ -212,7 +156,8 @@ class MegatronBackend:
             arch, spec.role, device(), spec.moe_aux_loss_coeff, spec.precision, options
         )
         if device().type == "cpu":
-            share_cpu_parameters(model)
+            # weight sync to this machine then hands over the live parameters (#23 for memory)
+            share_cpu_tensors(model.parameters())
         if spec.hf_checkpoint is not None:
             load_hf_weights(model, Path(spec.hf_checkpoint), arch, spec.role)
         return model, arch

@@ -31,6 +31,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlcore.algorithms.distributed import all_reduce_floats
+from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported
@@ -38,7 +39,7 @@ from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch, model_info
 from rlcore_megatron.model.gpt import uses_sequence_parallel
-from rlcore_megatron.model.hf_weights import ExportBuffers, export_hf_weights, save_hf
+from rlcore_megatron.model.hf_weights import export_hf_weights, save_hf
 
 if TYPE_CHECKING:
     from rlcore.algorithms.batching import TensorBatch

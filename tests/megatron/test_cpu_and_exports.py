@@ -81,7 +81,7 @@ def test_sharing_parameters_hands_their_freed_heap_back_as_it_goes(
     """Moving the parameters into shared memory frees their heap memory, at most
     ``TRIM_EVERY_BYTES`` of it before it is handed back, and all of it by the end (#23: glibc kept
     it resident, a second copy of the weights in every CPU rank's RSS)."""
-    from rlcore_megatron import backend
+    from rlcore.engines import shared_tensors as backend
 
     monkeypatch.setattr(torch.multiprocessing, "set_sharing_strategy", lambda _: None)
     monkeypatch.setattr(backend, "TRIM_EVERY_BYTES", 3 * 4096)
@@ -94,14 +94,14 @@ def test_sharing_parameters_hands_their_freed_heap_back_as_it_goes(
         pending.append(moved - sum(pending))
 
     monkeypatch.setattr(backend, "release_freed_heap", release)
-    backend.share_cpu_parameters(model)
+    backend.share_cpu_tensors(model.parameters())
     assert all(p.is_shared() for p in params)  # type: ignore[no-untyped-call]
     assert pending == [0, 3, 3, 2]  # what building freed first; none left over at the end
 
 
 RETAINED_HEAP_SCRIPT = """
 import ctypes, json, torch
-from rlcore_megatron import backend
+from rlcore.engines import shared_tensors as backend
 
 libc = ctypes.CDLL(None)
 libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 4 MiB tensors come from the heap, as after
@@ -122,7 +122,7 @@ kept = backend.release_freed_heap
 backend.release_freed_heap = lambda: None
 first = model()
 before = anon()
-backend.share_cpu_parameters(first)
+backend.share_cpu_tensors(first.parameters())
 retained = anon()
 kept()
 released = anon()
@@ -130,7 +130,7 @@ backend.release_freed_heap = kept
 second = model()
 built, rss = anon(), mib("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
-backend.share_cpu_parameters(second)
+backend.share_cpu_tensors(second.parameters())
 print(json.dumps({"kept": before - retained, "trimmed": retained - released,
                   "shared": built - anon(), "peak_above_built": mib("VmHWM") - rss}))
 """
@@ -143,8 +143,8 @@ print(json.dumps({"kept": before - retained, "trimmed": retained - released,
 def test_sharing_parameters_leaves_no_second_copy_in_the_heap() -> None:
     """glibc's real behaviour, in a fresh process with its heap made to hold 4 MiB tensors (as it
     does once its mmap threshold has risen): 128 MiB of parameters moved into shared memory stay
-    resident in the heap without :func:`~rlcore_megatron.backend.release_freed_heap`, and
-    ``share_cpu_parameters`` hands them back, holding at most ``TRIM_EVERY_BYTES`` (64 MiB) more
+    resident in the heap without :func:`~rlcore.engines.shared_tensors.release_freed_heap`, and
+    ``share_cpu_tensors`` hands them back, holding at most ``TRIM_EVERY_BYTES`` (64 MiB) more
     than the weights on the way."""
     out = subprocess.run(
         [sys.executable, "-c", RETAINED_HEAP_SCRIPT], capture_output=True, text=True, check=True

@@ -16,17 +16,13 @@ import transformers
 from megatron.core.models.gpt import GPTModel
 
 from rlcore import new_model
+from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.errors import ConfigError
 from rlcore.samples import Sample
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.model.arch import ModelArch, RopeScaling, arch_from_hf_config, read_hf_config
 from rlcore_megatron.model.gpt import build_gpt, check_parallel
-from rlcore_megatron.model.hf_weights import (
-    ExportBuffers,
-    HFReader,
-    export_hf_weights,
-    load_hf_weights,
-)
+from rlcore_megatron.model.hf_weights import HFReader, export_hf_weights, load_hf_weights
 from tests.families import FAMILIES, PUBLISHED, Family, FamilyModels, tiny_config
 from tests.megatron.helpers import make_batch, make_samples, train_spec, weights
 

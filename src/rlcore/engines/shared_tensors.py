@@ -27,7 +27,7 @@ import mmap
 import os
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Final, final
 
@@ -40,6 +40,8 @@ from rlcore.errors import RolloutError
 from rlcore.weights import on_release
 
 __all__ = [
+    "TRIM_EVERY_BYTES",
+    "ExportBuffers",
     "Mappings",
     "Named",
     "SharedBuffers",
@@ -47,6 +49,8 @@ __all__ = [
     "describe",
     "dumps",
     "in_shared_memory",
+    "release_freed_heap",
+    "share_cpu_tensors",
     "tensor_bytes",
     "use_file_system",
 ]
@@ -78,6 +82,59 @@ def use_file_system() -> None:
     descriptors, SGLang's scheduler dies; a Ray driver would need a socket to the rank)."""
     set_strategy = torch.multiprocessing.set_sharing_strategy
     set_strategy("file_system")  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
+TRIM_EVERY_BYTES = 64 * 2**20
+"""How much tensor memory :func:`share_cpu_tensors` frees between two :func:`release_freed_heap`
+calls: what its peak holds above the tensors, besides the tensor being moved."""
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op on
+    other C libraries).
+
+    glibc keeps the memory of a freed allocation below its mmap threshold (which rises to 32 MiB
+    once such a block is freed) resident in its heap for the next ``malloc``: a CPU tensor freed
+    in the middle of the heap stays in the process's RSS until something reuses its pages.
+    """
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc; no C library by that name
+        return
+    trim(0)
+
+
+def share_cpu_tensors(tensors: Iterable[torch.Tensor]) -> None:
+    """Move CPU tensors (a CPU rank's parameters, or their local shards) into shared memory, in
+    place (every view of their storages sees it; :func:`use_file_system` first), before an
+    optimizer holds them.
+
+    A weight sync to a process on this machine then hands it the live parameters
+    (:meth:`SharedBuffers.share` keeps them as they are), as CUDA IPC handles do on GPUs, instead
+    of first copying every tensor into a shared buffer: the receiver's copy into its own weights
+    is the only one.
+
+    The memory used stays that of the tensors: each storage is copied into a shared mapping and
+    its heap memory freed, and glibc would keep those freed pages resident (nearly the weights a
+    second time: all but the tensors over 32 MiB, about 3 of the 4 bytes per parameter of a 100M
+    fp32 Llama, issue #23), so they are handed back to the system as the move goes
+    (:func:`release_freed_heap`), together with what building the model freed.
+    """
+    use_file_system()
+    release_freed_heap()
+    freed = 0
+    for tensor in tensors:
+        if in_shared_memory(tensor):  # a view of a storage moved already (or shared before)
+            continue
+        freed += tensor.untyped_storage().nbytes()
+        tensor.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+        if freed >= TRIM_EVERY_BYTES:
+            release_freed_heap()
+            freed = 0
+    if freed:
+        release_freed_heap()
 
 
 def dumps(obj: object) -> bytes:
@@ -141,6 +198,44 @@ class SharedBuffers:
         """Drop the buffers (they are made again when needed)."""
         with self._lock:
             self._buffers = [None] * len(self._buffers)
+
+
+@final
+class ExportBuffers:
+    """Where a stack's weight export lays out, on the CPU, the tensors it cannot give as views of
+    the parameters (Megatron's q, k and v split out of a fused QKV; the bf16 casts of fp32
+    weights): one tensor per HF name, reused export after export, in shared memory.
+
+    Reused, so that no sync allocates and faults in fresh pages; shared, like a CPU rank's
+    parameters (:func:`share_cpu_tensors`), so that a sink on this machine (the embedded engine,
+    a tensor-mode SGLang server) is handed them without a copy, and the server, which keeps its
+    mappings (:mod:`rlcore_sglang.server_loader`), finds them mapped already. Costs the size of
+    those tensors for as long as the stack lives. CUDA tensors are made fresh: the caching
+    allocator already reuses their memory, and training needs it in between.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def materialise(
+        self,
+        name: str,
+        view: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``view``'s elements as a tensor of ``shape`` and ``dtype`` (``view``'s by default);
+        on the CPU it is this name's buffer, valid until the next export."""
+        dtype = view.dtype if dtype is None else dtype
+        if view.device.type != "cpu":
+            return view.reshape(shape).to(dtype)
+        buffer = self._tensors.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype)
+            buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+            self._tensors[name] = buffer
+        buffer.view(view.shape).copy_(view)
+        return buffer
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:

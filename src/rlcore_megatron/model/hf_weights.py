@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.errors import CheckpointError
 from rlcore.loop.preflight import safetensors_problem
 from rlcore.specs import Role
@@ -33,7 +34,6 @@ from rlcore_megatron.model.weight_map import (
 )
 
 __all__ = [
-    "ExportBuffers",
     "HFReader",
     "export_hf_weights",
     "hf_config_for_save",
@@ -174,37 +174,6 @@ def _gather(local: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[to
     shards = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(shards, local.contiguous(), group=group)
     return shards
-
-
-@final
-class ExportBuffers:
-    """Where a stack's weight export lays out, on the CPU, the tensors it cannot give as views of
-    the parameters (q, k and v split out of a fused QKV): one tensor per HF name, reused export
-    after export, in shared memory.
-
-    Reused, so that no sync allocates and faults in fresh pages; shared, like a CPU rank's
-    parameters (:func:`rlcore_megatron.backend.share_cpu_parameters`), so that a tensor-mode
-    sink hands them to a server on this machine without a copy, and the server, which keeps
-    its mappings (:mod:`rlcore_sglang.server_loader`), finds them mapped already. Costs the
-    size of those tensors for as long as the stack lives. CUDA tensors are made fresh: the
-    caching allocator already reuses their memory, and training needs it in between.
-    """
-
-    def __init__(self) -> None:
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def materialise(self, name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """``view``'s elements as a tensor of ``shape`` (see :data:`~.weight_map.Materialise`);
-        on the CPU it is this name's buffer, valid until the next export."""
-        if view.device.type != "cpu":
-            return view.reshape(shape)
-        buffer = self._tensors.get(name)
-        if buffer is None or buffer.shape != shape or buffer.dtype != view.dtype:
-            buffer = torch.empty(shape, dtype=view.dtype)
-            buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
-            self._tensors[name] = buffer
-        buffer.view(view.shape).copy_(view)
-        return buffer
 
 
 @torch.no_grad()
