@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rlcore.algorithms.heap import release_freed_heap
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
 from rlcore.specs import EvalSpec, LRSchedule, ModelSpec, OptimizerSpec, Precision, TrainSpec
 from rlcore_megatron.model.arch import ModelArch, arch_from_hf_config, read_hf_config
@@ -31,7 +32,6 @@ __all__ = [
     "MegatronBackend",
     "optimizer_config",
     "param_scheduler",
-    "release_freed_heap",
     "share_cpu_parameters",
     "use_fused_cpu_adam",
 ]
@@ -105,25 +105,8 @@ def use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
 
 TRIM_EVERY_BYTES = 64 * 2**20
 """How much parameter memory :func:`share_cpu_parameters` frees between two
-:func:`release_freed_heap` calls: what its peak holds above the weights, besides the tensor being
-moved."""
-
-
-def release_freed_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op on
-    other C libraries).
-
-    glibc keeps the memory of a freed allocation below its mmap threshold (which rises to 32 MiB
-    once such a block is freed) resident in its heap for the next ``malloc``: a CPU tensor freed
-    in the middle of the heap stays in the process's RSS until something reuses its pages.
-    """
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):  # not glibc; no C library by that name
-        return
-    trim(0)
+:func:`~rlcore.algorithms.heap.release_freed_heap` calls: what its peak holds above the weights,
+besides the tensor being moved."""
 
 
 def share_cpu_parameters(model: torch.nn.Module) -> None:
@@ -139,8 +122,8 @@ def share_cpu_parameters(model: torch.nn.Module) -> None:
     its heap memory freed, and glibc would keep those freed pages resident (nearly the weights a
     second time: all but the tensors over 32 MiB, about 3 of the 4 bytes per parameter of a 100M
     fp32 Llama, issue #23), so they are handed back to the system as the move goes
-    (:func:`release_freed_heap`), together with what building the model freed (Megatron's fp32
-    initialisation copies).
+    (:func:`~rlcore.algorithms.heap.release_freed_heap`), together with what building the model
+    freed (Megatron's fp32 initialisation copies).
     """
     import torch.multiprocessing
 
