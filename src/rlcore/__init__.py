@@ -8,8 +8,7 @@ it):
   on their way to an engine), :mod:`rlcore.protocols` (stacks, backends, engines, rewards,
   tokenizers, the rollout seam), :mod:`rlcore.checkpoint_files` (a checkpoint folder's layout),
   :mod:`rlcore.imports` (a user's ``module:function``), :mod:`rlcore.logits` (where the sampling
-  temperature meets the logits, for the engines and the trainer alike), :mod:`rlcore.heap` (what
-  the C heap of a process with CPU tensors keeps resident);
+  temperature meets the logits, for the engines and the trainer alike);
 - the middle: :mod:`rlcore.data` (prompt files, tokenizers, the prompt stream),
   :mod:`rlcore.rollout` (the default rollout, rewards, multi-turn episodes, tools, replay),
   :mod:`rlcore.engines` (rollout engines by name, the embedded engine), :mod:`rlcore.algorithms`

@@ -51,7 +51,6 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from rlcore import heap
 from rlcore.algorithms.distributed import device, init_process_group
 from rlcore.engines.shared_tensors import share_cpu_tensors
 from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, RLCoreError
@@ -61,15 +60,7 @@ from rlcore_fsdp.lora import add_adapters
 from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_owner, parallel_problem
 from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
-__all__ = [
-    "FSDPBackend",
-    "adamw",
-    "init_rank",
-    "local_shard",
-    "lr_scheduler",
-    "release_heap_between_units",
-    "shard",
-]
+__all__ = ["FSDPBackend", "adamw", "init_rank", "local_shard", "lr_scheduler", "shard"]
 
 _log = logging.getLogger("rlcore")
 
@@ -94,8 +85,6 @@ def init_rank(parallel: ParallelSpec, seed: int, offload: bool = False) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-    else:
-        heap.fix_mmap_threshold()
 
 
 def shard(
@@ -111,8 +100,7 @@ def shard(
     in the backward pass (torch's non-reentrant checkpoint wrapper, which keeps the parameter
     names as they were). ``offload``: each rank's shards of the weights and their gradients live
     in CPU memory (so AdamW's state does too), copied to the device for each unit's use
-    (``CPUOffloadPolicy``; pinned memory on GPUs). On the CPU, the C heap's free pages are
-    handed back after each unit's forward and backward (:func:`release_heap_between_units`)."""
+    (``CPUOffloadPolicy``; pinned memory on GPUs)."""
     offload_policy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     )
@@ -134,36 +122,6 @@ def shard(
     for unit in units:
         fully_shard(unit, mp_policy=policy, offload_policy=offload_policy)
     fully_shard(model, mp_policy=policy, offload_policy=offload_policy)
-    if device().type == "cpu":
-        release_heap_between_units(model, units)
-
-
-def release_heap_between_units(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
-    """Hand the C heap's free pages back to the system
-    (:func:`rlcore.heap.release_freed_heap`) after the forward of each FSDP unit
-    (``units``, then the root ``model``: after FSDP2 has freed its gathered weights) and in the
-    backward between two of ``units`` (when the gradient of a unit's output is there: the unit
-    after it is done and resharded). On the CPU (allocator policy, issue #36): a forward pass
-    leaves each decoder layer's gathered weights and transients as holes in glibc's heap between
-    the activations kept for the backward, and without this their pages stay resident to the end
-    of the step (300-400 MiB at the end of a 110M Llama's forward at 4 x 128 tokens, a third of
-    a LoRA step's peak RSS with gradient checkpointing). Changes no number."""
-
-    def release(*_: object) -> None:
-        heap.release_freed_heap()
-
-    def release_now_and_in_backward(_: torch.nn.Module, __: object, output: object) -> None:
-        release()
-        out = output[0] if isinstance(output, tuple) and output else output
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            # a tensor hook, not a module's full backward hook: that one warns at every step
-            # when no input needs a gradient (LoRA's first layer: the embedding is frozen)
-            out.register_hook(release)  # type: ignore[no-untyped-call]  # unannotated in torch
-
-    for unit in units:
-        # after FSDP2's own (registered first), so the unit is resharded
-        unit.register_forward_hook(release_now_and_in_backward)
-    model.register_forward_hook(release)
 
 
 def _config(folder: Path, options: FSDPOptions) -> Any:

@@ -37,7 +37,6 @@ import torch.multiprocessing  # registers torch's pickling reductions with Forki
 
 from rlcore.engines._shm import SHM_DIR
 from rlcore.errors import RolloutError
-from rlcore.heap import release_freed_heap
 from rlcore.weights import on_release
 
 __all__ = [
@@ -50,6 +49,7 @@ __all__ = [
     "describe",
     "dumps",
     "in_shared_memory",
+    "release_freed_heap",
     "share_cpu_tensors",
     "tensor_bytes",
     "use_file_system",
@@ -85,9 +85,25 @@ def use_file_system() -> None:
 
 
 TRIM_EVERY_BYTES = 64 * 2**20
-"""How much tensor memory :func:`share_cpu_tensors` frees between two
-:func:`~rlcore.heap.release_freed_heap` calls: what its peak holds above the tensors, besides
-the tensor being moved."""
+"""How much tensor memory :func:`share_cpu_tensors` frees between two :func:`release_freed_heap`
+calls: what its peak holds above the tensors, besides the tensor being moved."""
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op on
+    other C libraries).
+
+    glibc keeps the memory of a freed allocation below its mmap threshold (which rises to 32 MiB
+    once such a block is freed) resident in its heap for the next ``malloc``: a CPU tensor freed
+    in the middle of the heap stays in the process's RSS until something reuses its pages.
+    """
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc; no C library by that name
+        return
+    trim(0)
 
 
 def share_cpu_tensors(tensors: Iterable[torch.Tensor]) -> None:
@@ -104,7 +120,7 @@ def share_cpu_tensors(tensors: Iterable[torch.Tensor]) -> None:
     its heap memory freed, and glibc would keep those freed pages resident (nearly the weights a
     second time: all but the tensors over 32 MiB, about 3 of the 4 bytes per parameter of a 100M
     fp32 Llama, issue #23), so they are handed back to the system as the move goes
-    (:func:`rlcore.heap.release_freed_heap`), together with what building the model freed.
+    (:func:`release_freed_heap`), together with what building the model freed.
     """
     use_file_system()
     release_freed_heap()
