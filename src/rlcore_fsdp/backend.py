@@ -25,7 +25,7 @@ folder, precision and layout), and the launcher builds the reference in the acto
 (:attr:`rlcore.backends.BackendKind.model_owner`, :func:`rlcore_fsdp.options.model_owner`).
 Asked for the reference before or without that actor, it builds the base model of its own.
 Dropout is off (the model stays in eval mode): the loss is of the policy that sampled.
-On the CPU the parameters' shards are moved into shared memory once built
+On the CPU a training stack's parameters' shards are moved into shared memory once built
 (:func:`rlcore.engines.shared_tensors.share_cpu_tensors`, as Megatron's), so a weight sync to a
 process on this machine hands over the live weights rather than copies.
 """
@@ -195,11 +195,17 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
         kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
         shard(model, spec.precision, options.gradient_checkpointing, offload)
         fill(model, checkpoint, kept, "cpu" if offload else device())
-    if device().type == "cpu":
-        # weight sync to this machine then hands over the live shards, the full tensors on one
-        # rank (rlcore.engines.shared_tensors; #23 for the memory it frees)
-        share_cpu_tensors(local_shard(p) for p in top.parameters())
     return top, config
+
+
+def _share_for_weight_sync(model: HFModel) -> None:
+    """On the CPU, a training stack's parameters' shards into shared memory: weight sync to this
+    machine then hands over the live shards, the full tensors on one rank
+    (:mod:`rlcore.engines.shared_tensors`; #23 for the memory it frees). Not for eval stacks,
+    whose weights are sent once if ever: moving them raised an eval-only bring-up's peak RSS by
+    ~150 MiB at 100M parameters (issue #36's 0.45x target)."""
+    if device().type == "cpu":
+        share_cpu_tensors(local_shard(p) for p in model.parameters())
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -293,6 +299,7 @@ class FSDPBackend:
     def build_training_stack(self, spec: TrainSpec) -> FSDPTrainingStack:
         try:
             model, config = _load(spec.model, self.options)
+            _share_for_weight_sync(model)
             optimizer = adamw(model, spec.optimizer)
             scheduler = lr_scheduler(optimizer, spec.optimizer)
         except RLCoreError:

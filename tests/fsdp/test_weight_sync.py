@@ -1,7 +1,7 @@
 """A CPU rank's FSDP weights leave without a copy (issue #36): its parameters' shards live in
 shared memory (as Megatron's do), and on one rank, where a shard is the whole tensor, the export
 gives the live parameters themselves, so the embedded engine's sync hands them to the driver as
-they are (no handoff buffer), before and after a step."""
+they are (no handoff buffer), before and after a step. An eval stack's stay in private memory."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlcore.engines.shared_tensors import SharedBuffers, in_shared_memory
+from rlcore.specs import EvalSpec
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore.weights import InProcess, NamedTensors
 from rlcore_fsdp.backend import FSDPBackend, local_shard
@@ -43,6 +44,12 @@ def test_one_cpu_rank_exports_its_shared_parameters_as_they_are(llama: Path) -> 
     stepped = list(stack.export_weights())
     assert any(not torch.equal(t, hf[name]) for name, t in stepped)
     assert all(in_shared_memory(t) and t.data_ptr() in live for _, t in stepped)
+
+
+def test_an_eval_stack_keeps_its_parameters_in_private_memory(llama: Path) -> None:
+    # its weights are sent once if ever; moving them cost an eval-only bring-up's peak RSS
+    stack = FSDPBackend().build_eval_stack(EvalSpec(train_spec(llama).model))
+    assert not any(in_shared_memory(local_shard(p)) for p in stack.model.parameters())
 
 
 def test_bf16_weights_are_sent_from_shared_buffers_that_steps_leave_alone(llama: Path) -> None:
