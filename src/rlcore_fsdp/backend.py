@@ -187,14 +187,13 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     if isinstance(empty, str):
         # the weights as from_pretrained loads them, briefly twice over (module docstring)
         _log.info("loading %s with from_pretrained: %s", folder, empty)
-        top = _pretrained_shards(folder, config, spec, options)
-    else:
-        assert top is not None
-        model, checkpoint = empty
-        # what the build made (a new head, adapters), kept for the shards; the rest is read
-        kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
-        shard(model, spec.precision, options.gradient_checkpointing, offload)
-        fill(model, checkpoint, kept, "cpu" if offload else device())
+        return _pretrained_shards(folder, config, spec, options), config
+    assert top is not None
+    model, checkpoint = empty
+    # what the build made (a new head, adapters), kept for the shards; the rest is read
+    kept = {plain(n): p for n, p in model.named_parameters() if not p.is_meta}
+    shard(model, spec.precision, options.gradient_checkpointing, offload)
+    fill(model, checkpoint, kept, "cpu" if offload else device())
     return top, config
 
 
