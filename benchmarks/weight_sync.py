@@ -13,7 +13,10 @@ Megatron rank holding it (a Ray actor, as in a run) and one SGLang server on it 
   weights pulled into the driver and sent from there by tensor;
 - ``embedded`` (only when asked for; needs no SGLang): ``push_weights`` to an embedded engine in
   this process (the default engine), which maps the rank's shared memory and copies from it into
-  its model. Its target: <= 1.5x the copy (the driver's memory is the engine's model, no target).
+  its model; as in a run, where only training steps come between two syncs, the rank is asked
+  where its weights lie once, and each later sync is the engine's copy from its mappings (the
+  floor's call moves nothing: ``in_place``). Its target: <= 1.5x the copy (the driver's memory is
+  the engine's model, no target).
   ``--modes embedded --hidden-size 768 --layers 10`` is the ~100M-parameter row.
 
 For each it prints the median seconds per sync, the ratio to the copy, and the driver's peak RSS
@@ -248,12 +251,14 @@ def _measure(
             sync(mode, engine, version)
             if isinstance(engine, EmbeddedEngine):
                 _check_equal(engine, rank)
-        rank.group.call_ranks(_copy_in_rank, {0: (args.bucket_bytes,)})
+        rank.group.call_ranks(_copy_in_rank, {0: (args.bucket_bytes,)}, in_place=True)
         prompt = [Prompt(0, "", (1, 5, 6, 7))]
         greedy = SamplingParams(max_new_tokens=2, temperature=0)
         # Rounds alternate the floor and every mode, so that a busy machine hurts them alike.
         for _ in range(args.repeats):
-            seconds["copy"] += rank.group.call_ranks(_copy_in_rank, {0: (args.bucket_bytes,)})
+            seconds["copy"] += rank.group.call_ranks(
+                _copy_in_rank, {0: (args.bucket_bytes,)}, in_place=True
+            )
             for mode, engine in engines.items():
                 version += 1
                 took, grew = measured(lambda: sync(mode, engine, version))  # noqa: B023

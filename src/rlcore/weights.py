@@ -34,6 +34,7 @@ __all__ = [
     "on_release",
     "release_sender_resources",
     "send_exported",
+    "takes_row_blocks",
 ]
 
 
@@ -81,6 +82,16 @@ class WeightSink(Protocol):
     def placement(self) -> SinkPlacement: ...
 
     def receive(self, weights: NamedTensors) -> None: ...
+
+
+def takes_row_blocks(sink: WeightSink) -> bool:
+    """Whether ``sink`` accepts a weight as row blocks: ``[blocks, rows, *rest]`` for a tensor of
+    Hugging Face shape ``[blocks * rows, *rest]``, the same elements in the same order. A source
+    whose weight interleaves several weights' rows (Megatron's fused QKV holds q, k and v rows
+    per query group) then gives a strided view of it instead of a copy, and the sink's own copy
+    is the only one. A sink says so with a ``takes_row_blocks`` attribute that is ``True`` (the
+    embedded engine's does); every other sink gets the Hugging Face shapes."""
+    return getattr(sink, "takes_row_blocks", False) is True
 
 
 class WeightSource(Protocol):

@@ -34,7 +34,7 @@ from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import NamedTensors, WeightSink, send_exported
+from rlcore.weights import NamedTensors, WeightSink, send_exported, takes_row_blocks
 from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch, model_info
@@ -180,7 +180,9 @@ class MegatronEvalStack:
         return export_hf_weights(self.model, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_hf_weights(self.model, self.arch, self.spec.role, self._export_buffers)
+        weights = export_hf_weights(
+            self.model, self.arch, self.spec.role, self._export_buffers, blocks=_blocks(sinks)
+        )
         send_exported(weights, sinks)
 
 
@@ -250,7 +252,9 @@ class MegatronTrainingStack:
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_hf_weights(self.gpt, self.arch, self.spec.role, self._export_buffers)
+        weights = export_hf_weights(
+            self.gpt, self.arch, self.spec.role, self._export_buffers, blocks=_blocks(sinks)
+        )
         send_exported(weights, sinks)
 
     def load(self, path: Path) -> int:
@@ -373,3 +377,9 @@ class MegatronTrainingStack:
             tokens=step.tokens,
             extra=means,
         )
+
+
+def _blocks(sinks: Sequence[WeightSink]) -> bool:
+    """Whether the export may give q, k and v as row blocks of the fused QKV (no copy): when
+    every sink takes them."""
+    return bool(sinks) and all(takes_row_blocks(sink) for sink in sinks)

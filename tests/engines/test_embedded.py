@@ -16,6 +16,7 @@ from rlcore.errors import RolloutError
 from rlcore.protocols.engine import RolloutEngine
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.testing.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
+from rlcore.weights import deliver, takes_row_blocks
 
 ALPHABET = "0123456789+= "
 VOCAB = 3 + len(ALPHABET)
@@ -270,6 +271,32 @@ def test_bad_weight_updates_raise_and_change_nothing(assets: tuple[Path, HFToken
     assert "'model.norm.weight' has shape (31,), the model's is (32,)" in message
     assert engine.weight_version == 0
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_weights_may_come_as_row_blocks_of_their_rows(
+    assets: tuple[Path, HFTokenizer],
+) -> None:
+    """The embedded engine's sink takes a weight as row blocks (``[blocks, rows, *rest]`` of its
+    ``[blocks * rows, *rest]``: a strided view of a fused QKV, copied once), and still refuses
+    any other shape with the same elements."""
+    engine = make_engine(assets)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    target = engine.model.state_dict()[name]
+    rows, cols = target.shape
+    fused = torch.randn(2, rows, cols)  # two blocks of half the rows, interleaved with others
+    blocks = fused.view(4, rows // 2, cols)[::2]
+    assert not blocks.is_contiguous()
+    with engine.receive_weights(1) as sinks:
+        assert all(takes_row_blocks(sink) for sink in sinks)
+        deliver([(name, blocks)], sinks)
+    assert torch.equal(engine.model.state_dict()[name], blocks.reshape(rows, cols))
+    before = target.clone()
+    for bad in (torch.zeros(2, rows, cols // 2), torch.zeros(2, rows // 2, cols, 1)):
+        with pytest.raises(
+            RolloutError, match=rf"'{name}' has shape \({', '.join(map(str, bad.shape))}\)"
+        ):
+            engine.update_weights([(name, bad)], 2)
+    assert torch.equal(engine.model.state_dict()[name], before)
 
 
 def test_bad_sampling_parameters(assets: tuple[Path, HFTokenizer]) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlcore.engines.shared_tensors import SharedBuffers, in_shared_memory
+from rlcore.engines.shared_tensors import SharedBuffers, in_shared_memory, is_shared_parameter
 from rlcore.specs import EvalSpec
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore.weights import InProcess, NamedTensors
@@ -44,6 +44,8 @@ def test_one_cpu_rank_exports_its_shared_parameters_as_they_are(llama: Path) -> 
     stepped = list(stack.export_weights())
     assert any(not torch.equal(t, hf[name]) for name, t in stepped)
     assert all(in_shared_memory(t) and t.data_ptr() in live for _, t in stepped)
+    # what lets the embedded engine's next sync copy from them without calling the rank
+    assert all(is_shared_parameter(t) for _, t in stepped)
 
 
 def test_an_eval_stack_keeps_its_parameters_in_private_memory(llama: Path) -> None:
@@ -65,6 +67,7 @@ def test_bf16_weights_are_sent_from_shared_buffers_that_steps_leave_alone(llama:
     buffers = SharedBuffers(1)
     assert buffers.share(first.pairs, 0, keep_cuda=False) == first.pairs
     assert buffers.buffers == (None,)
+    assert not any(is_shared_parameter(t) for _, t in first.pairs)  # casts: made each sync
     stack.train_step(make_batch(make_samples(4, seed=5), seed=6, rollout=True))
     assert all(torch.equal(t, expected[name]) for name, t in first.pairs)
     stack.send_weights([second])

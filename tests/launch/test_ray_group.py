@@ -485,6 +485,69 @@ def megatron(tiny_llama: Path, ray_cluster: None) -> Iterator[MegatronStacks]:
 
 
 @pytest.mark.megatron
+def test_the_embedded_engines_sync_copies_from_the_ranks_parameters(
+    megatron: MegatronStacks, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine in the driver that takes row blocks (the embedded engine's sink) is handed the
+    relay rank's parameters themselves, q, k and v as views of the fused QKV: after the first
+    sync, a sync that follows training steps calls no rank (the driver copies from the views it
+    keeps, which the steps updated in place), and the engine's weights are the ranks' bit for
+    bit. A call that may move parameters (a load) makes the next sync describe them again, as
+    does a sink that needs the Hugging Face shapes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stack = megatron.data_parallel
+    engine_model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    sink = _Engine(engine_model.state_dict(keep_vars=True))
+    calls: list[str] = []
+    call_ranks = stack.group.call_ranks
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[2])
+        return call_ranks(*args, **kwargs)
+
+    monkeypatch.setattr(stack.group, "call_ranks", counted)
+    samples = megatron.samples[:4]
+    batch = TrainBatch(samples, tuple((1.0,) * len(s.response.token_ids) for s in samples))
+
+    def engine_matches_ranks() -> None:
+        ranks = dict(stack.export_weights())  # a read: it moves nothing
+        assert ranks.keys() == sink.names
+        for name, tensor in engine_model.state_dict().items():
+            assert torch.equal(tensor, ranks[name]), name
+
+    stack.send_weights([sink])
+    assert calls == ["send_weights"] and sink.row_blocks > 0
+    engine_matches_ranks()
+    stack.train_step(batch)  # (a checkpoint with the optimizer's state)
+    (tmp_path / "ckpt").mkdir()
+    stack.save(tmp_path / "ckpt", 1)  # a call that may move them (not one of the in-place ones)
+    calls.clear()
+    stack.send_weights([sink])
+    assert calls == ["send_weights"]
+    saved = {name: t.clone() for name, t in engine_model.state_dict().items()}
+    for _ in range(2):
+        calls.clear()
+        stack.train_step(batch)
+        stack.send_weights([sink])
+        assert calls == ["train_step"]  # the sync called no rank
+        engine_matches_ranks()
+    assert any(not torch.equal(t, saved[n]) for n, t in engine_model.state_dict().items())
+    calls.clear()
+    here = _Mapped()  # Hugging Face shapes only: the ranks lay q, k and v out for it
+    stack.send_weights([here])
+    assert calls == ["send_weights"]
+    assert here.copies.keys() == sink.names
+    stack.load(tmp_path / "ckpt")
+    calls.clear()
+    stack.send_weights([sink])
+    assert calls == ["send_weights"]
+    for name, tensor in engine_model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.megatron
 def test_data_parallel_replicas_stay_identical(megatron: MegatronStacks, tmp_path: Path) -> None:
     import torch
 
@@ -573,6 +636,31 @@ class FileSink:
         sums = {name: float(t.double().sum()) for name, t in weights}
         record = {"rank": os.environ["RANK"], "pid": os.getpid(), "sums": sums}
         (self.folder / f"{type(self.where).__name__}.json").write_text(json.dumps(record))
+
+
+@final
+class _Engine:
+    """An in-process sink that copies into a model's tensors as the embedded engine's does,
+    row blocks included, and counts the tensors that came as row blocks."""
+
+    takes_row_blocks: ClassVar[bool] = True
+
+    def __init__(self, targets: dict[str, torch.Tensor]) -> None:
+        self._targets = targets
+        self.names: set[str] = set()
+        self.row_blocks = 0
+
+    @property
+    def placement(self) -> InProcess:
+        return InProcess()
+
+    def receive(self, weights: NamedTensors) -> None:
+        from rlcore.engines.sampling import copy_weights
+
+        pairs = list(weights)
+        self.names = {name for name, _ in pairs}
+        self.row_blocks = sum(t.shape != self._targets[n].shape for n, t in pairs)
+        copy_weights(self._targets, pairs, what="test engine")
 
 
 @final

@@ -304,3 +304,28 @@ def test_export_buffers_give_the_same_weights_in_reused_shared_memory(
     assert {name: second[name].data_ptr() for name in made} == places
     for name, tensor in export_hf_weights(model, arch, "actor"):
         assert torch.equal(second[name], tensor), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_row_block_exports_are_views_of_the_fused_qkv(
+    family: Family, family_models: FamilyModels
+) -> None:
+    """For sinks that take row blocks (the embedded engine's), q, k and v are views of the fused
+    QKV parameter, each query group's rows a block (no copy on the rank: the sink's is the only
+    one), holding the plain export's values."""
+    model, arch = loaded_model(family_models.folder(family))
+    plain = weights(export_hf_weights(model, arch, "actor"))
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    blocks = dict(export_hf_weights(model, arch, "actor", ExportBuffers(), blocks=True))
+    assert blocks.keys() == plain.keys()
+    split = 0
+    for name, tensor in blocks.items():
+        assert tensor.untyped_storage().data_ptr() in storages, name
+        if tensor.shape != plain[name].shape:
+            split += 1
+            assert tensor.shape[:2] == (
+                arch.num_kv_heads,
+                plain[name].shape[0] // arch.num_kv_heads,
+            )
+        assert torch.equal(tensor.reshape(plain[name].shape), plain[name]), name
+    assert split == arch.num_layers * (6 if arch.qkv_bias else 3)

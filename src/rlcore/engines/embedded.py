@@ -36,7 +36,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import final
+from typing import Final, final
 
 import attrs
 import torch
@@ -332,8 +332,11 @@ class EmbeddedWeightSink:
     engine's process (:class:`~rlcore.weights.InProcess`): a source whose weights are elsewhere
     brings them here, which is the one weight path that passes through the driver (Ray's rank
     groups hand over shared memory on the driver's machine, so that this copy is the only one:
-    :mod:`rlcore.launch.ray.stacks`).
+    :mod:`rlcore.launch.ray.stacks`). It takes q, k and v as row blocks of a fused QKV weight
+    (:func:`~rlcore.weights.takes_row_blocks`), so that they too are copied once.
     """
+
+    takes_row_blocks: Final = True
 
     def __init__(self, engine: EmbeddedEngine, version: int) -> None:
         self._engine = engine

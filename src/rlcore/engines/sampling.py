@@ -96,16 +96,21 @@ def copy_weights(
     ``state_dict(keep_vars=True)``), in place. Every name and shape is checked before anything is
     written, so a bad update leaves the model as it was: an unknown name or a shape mismatch
     raises :class:`~rlcore.errors.RolloutError` that starts with ``what`` and lists each offender.
-    Any subset of the targets may be given."""
-    updates = [(name, tensor, resolve(targets, name)) for name, tensor in weights]
+    Any subset of the targets may be given, and a tensor may come as row blocks
+    (:func:`~rlcore.weights.takes_row_blocks`)."""
+    updates = []
     problems = []
-    for name, tensor, target in updates:
+    for name, tensor in weights:
+        target = resolve(targets, name)
         if target is None:
             problems.append(f"unknown weight {name!r}")
-        elif tuple(target.shape) != tuple(tensor.shape):
+            continue
+        given = _as_given(target, tensor)
+        if given is None:
             problems.append(
                 f"{name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
             )
+        updates.append((tensor, given))
     if problems:
         shown = "; ".join(problems[:10]) + (
             f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
@@ -115,6 +120,23 @@ def copy_weights(
             "matching shapes"
         )
     with torch.no_grad():
-        for _, tensor, target in updates:
+        for tensor, target in updates:
             assert target is not None  # checked above
             target.copy_(tensor)
+
+
+def _as_given(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | None:
+    """``target`` in ``tensor``'s shape: itself, or a view of it as row blocks ``[blocks, rows,
+    *rest]`` of its ``[blocks * rows, *rest]`` (:func:`~rlcore.weights.takes_row_blocks`);
+    ``None`` when the shapes do not match so (or ``target`` cannot be viewed so)."""
+    if tensor.shape == target.shape:
+        return target
+    blocks = tensor.shape
+    if len(blocks) != target.dim() + 1 or blocks[0] * blocks[1] != target.shape[0]:
+        return None
+    if blocks[2:] != target.shape[1:]:
+        return None
+    try:
+        return target.view(blocks)
+    except RuntimeError:  # a strided target these rows cannot be cut from without a copy
+        return None

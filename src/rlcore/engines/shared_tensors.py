@@ -27,6 +27,7 @@ import mmap
 import os
 import pickle
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Final, final
@@ -49,6 +50,7 @@ __all__ = [
     "describe",
     "dumps",
     "in_shared_memory",
+    "is_shared_parameter",
     "release_freed_heap",
     "share_cpu_tensors",
     "tensor_bytes",
@@ -126,15 +128,41 @@ def share_cpu_tensors(tensors: Iterable[torch.Tensor]) -> None:
     release_freed_heap()
     freed = 0
     for tensor in tensors:
-        if in_shared_memory(tensor):  # a view of a storage moved already (or shared before)
-            continue
-        freed += tensor.untyped_storage().nbytes()
-        tensor.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+        if not in_shared_memory(tensor):  # else a view of a storage moved already (or before)
+            freed += tensor.untyped_storage().nbytes()
+            tensor.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
+        _remember(tensor.untyped_storage())
         if freed >= TRIM_EVERY_BYTES:
             release_freed_heap()
             freed = 0
     if freed:
         release_freed_heap()
+
+
+_PARAMETERS: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+"""The storages :func:`share_cpu_tensors` put parameters in, by address."""
+
+
+def _remember(storage: torch.UntypedStorage) -> None:
+    address = storage.data_ptr()
+
+    def forget(ref: weakref.ref[torch.UntypedStorage]) -> None:
+        if _PARAMETERS.get(address) is ref:
+            del _PARAMETERS[address]
+
+    _PARAMETERS[address] = weakref.ref(storage, forget)
+
+
+def is_shared_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is (a view of) parameters that :func:`share_cpu_tensors` moved into
+    shared memory, in storage that is still theirs: a training step changes it in place, so
+    where it lies stays true after the step (an export buffer, a gathered copy, or a cast lies
+    elsewhere each time, or holds the previous export's values)."""
+    if tensor.is_cuda:
+        return False
+    storage = tensor.untyped_storage()
+    ref = _PARAMETERS.get(storage.data_ptr())
+    return ref is not None and ref() is storage
 
 
 def dumps(obj: object) -> bytes:

@@ -127,7 +127,11 @@ class TrainingStack(ModelStack, Protocol):
         :func:`~rlcore.algorithms.train_step.step_micro_batches`, by sample count or by
         ``spec.max_tokens_per_gpu``, :class:`~rlcore.algorithms.train_step.StepMetrics`).
         ``sequence_tokens`` and ``padded_tokens`` of the result, when set, are the whole call's
-        (:func:`~rlcore.algorithms.train_step.step_tokens`)."""
+        (:func:`~rlcore.algorithms.train_step.step_tokens`).
+
+        The parameters change in place: a training step leaves each where it lies in memory, as
+        :meth:`forward` does (a weight sync may keep views of them from one step to the next:
+        :mod:`rlcore.launch.ray.sending`)."""
         ...
 
     def save(self, path: Path, rollout_id: int) -> None:

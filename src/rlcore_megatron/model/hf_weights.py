@@ -31,6 +31,7 @@ from rlcore_megatron.model.weight_map import (
     local_shard,
     param_map,
     reshape,
+    row_blocks,
 )
 
 __all__ = [
@@ -182,14 +183,18 @@ def export_hf_weights(
     arch: ModelArch,
     role: Role,
     buffers: ExportBuffers | None = None,
+    *,
+    blocks: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under HF names, gathered over TP and EP (every rank must iterate this).
 
     With one rank the tensors are views of the live parameters (no copy): copy them if you keep
     them past the next ``train_step``. The others are fresh tensors, or with ``buffers`` (a
-    stack's, for its weight sinks), that object's buffers, rewritten by the next export.
+    stack's, for its weight sinks), that object's buffers, rewritten by the next export. With
+    ``blocks`` (for sinks that take row blocks: :func:`rlcore.weights.takes_row_blocks`), q, k and
+    v are row-block views of the fused QKV, so with one rank every tensor is a live view.
     """
-    materialise = reshape if buffers is None else buffers.materialise
+    materialise = row_blocks if blocks else reshape if buffers is None else buffers.materialise
     params = dict(model.named_parameters())
     _, tp_size = _tp()
     _, etp_size = _etp()

@@ -38,6 +38,7 @@ __all__ = [
     "local_shard",
     "param_map",
     "reshape",
+    "row_blocks",
 ]
 
 Kind = Literal["vocab", "row", "replicated", "qkv", "fc1", "expert_fc1", "expert_row"]
@@ -167,6 +168,13 @@ tensor the export has to lay out anew (q, k and v out of a fused QKV, whose rows
 def reshape(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The default :data:`Materialise`: ``view.reshape(shape)`` (a fresh tensor)."""
     return view.reshape(shape)
+
+
+def row_blocks(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The :data:`Materialise` for sinks that take row blocks
+    (:func:`rlcore.weights.takes_row_blocks`): ``view`` itself, no copy, as ``[blocks, rows,
+    *shape[1:]]`` (q, k or v rows of each query group of a fused QKV)."""
+    return view.view(view.shape[0], view.shape[1], *shape[1:])
 
 
 def _split_qkv(

@@ -56,9 +56,11 @@ carries the late ranks' Python stacks, read through the actors' second concurren
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, final
 
 import attrs
@@ -130,6 +132,10 @@ class _Actors:
     """Why the actors cannot take calls any more (see the module's notes), or ``""``."""
     gone: bool = False
     """The owning group closed: the actors are killed."""
+    layout_epoch: int = 0
+    """Counts the calls to the actors that may have moved a stack's parameters in memory."""
+    calls: threading.RLock = attrs.field(factory=threading.RLock)
+    """Held while a call runs on the actors (:meth:`RankGroup.between_calls`)."""
 
 
 @final
@@ -201,6 +207,7 @@ class RankGroup(Generic[S]):
                 self._start(runtime)
             else:
                 deadline = time.monotonic() + options.setup_timeout_s
+                self._shared.layout_epoch += 1
                 builds = [h.build.remote(spec) for h in self._handles]
                 self._gather(builds, f"building the {self._role} stacks", deadline)
         except BaseException:
@@ -305,6 +312,7 @@ class RankGroup(Generic[S]):
         """A view's close: its ranks drop its stack (not in broken or killed actors)."""
         if self._shared.gone or self._shared.broken or not ray.is_initialized():
             return
+        self._shared.layout_epoch += 1
         try:
             ray.wait(
                 [h.release.remote(self._role) for h in self._handles],
@@ -353,6 +361,23 @@ class RankGroup(Generic[S]):
         return self._slots
 
     @property
+    def layout_epoch(self) -> int:
+        """Counts the calls to this group's actors (its own, its views' and its owner's) that
+        may have moved their stacks' parameters in memory: every call but those made
+        ``in_place``. While it stays the same, a rank's parameters lie where they lay."""
+        return self._shared.layout_epoch
+
+    @contextlib.contextmanager
+    def between_calls(self, what: str) -> Iterator[None]:
+        """No call of another thread to this group (or to its views or its owner) runs on its
+        actors inside the block, nor changes :attr:`layout_epoch`: such calls wait for it to
+        end (this thread's go ahead). Raises :class:`RayGroupError`, as a call would, when the
+        group is closed or broken."""
+        with self._shared.calls:
+            self._check_usable(what)
+            yield
+
+    @property
     def actors(self) -> tuple[object, ...]:
         """The rank actors' handles, rank order (for inspection; call through the group)."""
         return self._handles
@@ -371,32 +396,44 @@ class RankGroup(Generic[S]):
         fn: Callable[Concatenate[RankContext[S], P], R],
         per_rank_args: Mapping[int, tuple[object, ...]],
         what: str = "",
+        *,
+        in_place: bool = False,
     ) -> list[R]:
         """Run ``fn(context, *per_rank_args[rank])`` on the listed ranks at once; rank order.
 
         An argument that is a Ray ``ObjectRef`` reaches ``fn`` as its value (put a large argument
-        once with ``ray.put`` and hand the same ref to several ranks).
+        once with ``ray.put`` and hand the same ref to several ranks). ``in_place``: ``fn``
+        leaves every parameter of the ranks' stacks where it lies in memory (it may change their
+        values, as a training step does); other calls count in :attr:`layout_epoch`.
         """
         calls: dict[int, _Call] = {rank: (fn, args, {}) for rank, args in per_rank_args.items()}
-        return self._call_ranks(calls, what or _name(fn))
+        return self._call_ranks(calls, what or _name(fn), in_place=in_place)
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _call_ranks(self, calls: Mapping[int, _Call], what: str) -> list[Any]:
+    def _call_ranks(
+        self, calls: Mapping[int, _Call], what: str, *, in_place: bool = False
+    ) -> list[Any]:
+        ranks = sorted(calls)
+        with self._shared.calls:
+            self._check_usable(what)
+            if not in_place:
+                self._shared.layout_epoch += 1
+            refs = [
+                self._handles[r].call.remote(self._role, calls[r][0], *calls[r][1], **calls[r][2])
+                for r in ranks
+            ]
+            timeout = self._options.call_timeout_s
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return self._gather(refs, what, deadline, ranks)
+
+    def _check_usable(self, what: str) -> None:
         if self._closed or self._shared.gone:
             raise RayGroupError(f"{what}: the group is closed")
         if self._shared.broken:
             raise RayGroupError(
                 f"{what}: the group is broken ({self._shared.broken}); close it and start a new one"
             )
-        ranks = sorted(calls)
-        refs = [
-            self._handles[r].call.remote(self._role, calls[r][0], *calls[r][1], **calls[r][2])
-            for r in ranks
-        ]
-        timeout = self._options.call_timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._gather(refs, what, deadline, ranks)
 
     def _gather(
         self, refs: Sequence[Any], what: str, deadline: float | None, ranks: Sequence[int] = ()

@@ -13,6 +13,14 @@ reusable shared buffer of the rank), the driver maps those files, and the sink's
 is the one copy on the way; the driver keeps the mappings from one sync to the next (a fresh mapping
 would fault every page in again) and drops them when the stack closes. With no rank on the driver's
 machine, rank 0 returns copies through Ray's object store.
+
+When every tensor so described is (a view of) the rank's parameters themselves
+(:func:`~rlcore.engines.shared_tensors.is_shared_parameter`: a CPU rank's, in its stack's own
+dtype, with the in-process sinks taking row blocks, :func:`~rlcore.weights.takes_row_blocks`), and
+no sink runs on a rank, the next sync does not call the ranks at all: the driver copies from the
+views it keeps, which a training step updated in place. That holds until a call that may move
+parameters in memory (:attr:`~rlcore.launch.ray.ranks.RankGroup.layout_epoch`: anything but a
+forward, a training step or a weight sync), after which the ranks describe them again.
 """
 
 from __future__ import annotations
@@ -21,12 +29,21 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar, cast, final
 
+import attrs
 import ray
 
 from rlcore.launch.ray.ranks import RankGroup, RayGroupError
 from rlcore.launch.ray.worker import RankContext
 from rlcore.protocols.stacks import ModelStack
-from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, deliver
+from rlcore.weights import (
+    AnyProcess,
+    InProcess,
+    NamedTensors,
+    OnHost,
+    WeightSink,
+    deliver,
+    takes_row_blocks,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +63,21 @@ object store) or where they lie in shared memory."""
 _MAPPED: weakref.WeakKeyDictionary[RankGroup[ModelStack], Mappings] = weakref.WeakKeyDictionary()
 
 
+@final
+@attrs.frozen
+class _Live:
+    """A group's mapped weights that are its relay rank's parameters themselves."""
+
+    pairs: Pairs
+    epoch: int
+    """The group's :attr:`~rlcore.launch.ray.ranks.RankGroup.layout_epoch` when described."""
+    blocks: bool
+    """Whether q, k and v came as row blocks."""
+
+
+_LIVE: weakref.WeakKeyDictionary[RankGroup[ModelStack], _Live] = weakref.WeakKeyDictionary()
+
+
 def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
     """Every sink gets the full weights from a rank its placement allows (see the module's
     notes); the driver sees them only for :class:`~rlcore.weights.InProcess` sinks."""
@@ -60,20 +92,35 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
     beside = _rank_beside_driver(group) if here else None
     relay = 0 if beside is None else beside
     keep: _Keep = "" if not here else "copy" if beside is None else "share"
+    blocks = bool(here) and all(takes_row_blocks(sink) for sink in here)
+    key = cast(RankGroup[ModelStack], group)
+    if keep == "share" and not any(per_rank.values()) and key in _LIVE:
+        with group.between_calls("send_weights"):  # no step changes them while copied
+            live = _LIVE.get(key)
+            if live is not None and (live.epoch, live.blocks) == (group.layout_epoch, blocks):
+                deliver(live.pairs, here)
+                return
     args = {
-        rank: (tuple(chosen), keep if rank == relay else "") for rank, chosen in per_rank.items()
+        rank: (tuple(chosen), keep if rank == relay else "", blocks)
+        for rank, chosen in per_rank.items()
     }
-    results = group.call_ranks(_send_weights, args, "send_weights")
+    with group.between_calls("send_weights"):  # the epoch the description is valid in
+        results = group.call_ranks(_send_weights, args, "send_weights", in_place=True)
+        epoch = group.layout_epoch
     if not here:
         return
     if keep == "share":
         from rlcore.engines.shared_tensors import Mappings
 
-        key = cast(RankGroup[ModelStack], group)
         mappings = _MAPPED.get(key)
         if mappings is None:
             mappings = _MAPPED[key] = Mappings()
-        pairs = mappings.open(cast("list[SharedTensor]", results[relay]))
+        described, parameters = cast("tuple[list[SharedTensor], bool]", results[relay])
+        pairs = mappings.open(described)
+        if parameters:
+            _LIVE[key] = _Live(pairs, epoch, blocks)
+        else:
+            _LIVE.pop(key, None)
     else:
         pairs = cast(Pairs, results[relay])
     deliver(pairs, here)
@@ -81,7 +128,9 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
 
 def forget_mappings(group: RankGroup[S]) -> None:
     """Drop the driver's mappings of ``group``'s shared weights (when it closes)."""
-    mappings = _MAPPED.pop(cast(RankGroup[ModelStack], group), None)
+    key = cast(RankGroup[ModelStack], group)
+    _LIVE.pop(key, None)
+    mappings = _MAPPED.pop(key, None)
     if mappings is not None:
         mappings.close()
 
@@ -90,8 +139,9 @@ def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
     """The full weights under Hugging Face names, in the driver (copies of rank 0's, through the
     object store; every rank takes part in the gather). For tests and tools: the loop sends
     weights with :func:`send_weights`."""
-    args = {rank: ((), "copy" if rank == 0 else "") for rank in range(group.world_size)}
-    return cast(Pairs, group.call_ranks(_send_weights, args, "export_weights")[0])
+    args = {rank: ((), "copy" if rank == 0 else "", False) for rank in range(group.world_size)}
+    exported = group.call_ranks(_send_weights, args, "export_weights", in_place=True)[0]
+    return cast(Pairs, exported)
 
 
 def _rank_beside_driver(group: RankGroup[S]) -> int | None:
@@ -120,18 +170,20 @@ def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
 
 
 def _send_weights(
-    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep
-) -> Pairs | list[SharedTensor]:
+    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep, blocks: bool
+) -> Pairs | tuple[list[SharedTensor], bool]:
     """Every rank sends (the export is collective); ``sinks`` receive here, and the weights also
-    go back to the driver as ``keep`` says."""
-    collected = _Collect()
+    go back to the driver as ``keep`` says (``blocks``: as row blocks where the stack has them).
+    Shared, they come with whether every one is the rank's parameters themselves."""
+    collected = _Collect(blocks)
     context.stack.send_weights([*sinks, collected] if keep else list(sinks))
     if keep != "share":
         return [(name, t.detach().to("cpu").contiguous()) for name, t in collected.pairs]
-    from rlcore.engines.shared_tensors import describe, use_file_system
+    from rlcore.engines.shared_tensors import describe, is_shared_parameter, use_file_system
 
     use_file_system()
-    return describe(_handoff_buffer().share(collected.pairs, 0, keep_cuda=False))
+    shared = _handoff_buffer().share(collected.pairs, 0, keep_cuda=False)
+    return describe(shared), all(is_shared_parameter(t) for _, t in shared)
 
 
 _HANDOFF: list[SharedBuffers] = []
@@ -151,8 +203,9 @@ class _Collect:
     """A sink that keeps the weights it is given (valid until the stack's next export), to
     return them to the driver."""
 
-    def __init__(self) -> None:
+    def __init__(self, takes_row_blocks: bool) -> None:
         self.pairs: Pairs = []
+        self.takes_row_blocks = takes_row_blocks
 
     @property
     def placement(self) -> AnyProcess:

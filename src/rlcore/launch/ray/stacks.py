@@ -93,7 +93,7 @@ def forward(group: RankGroup[S], samples: Sequence[Sample]) -> list[tuple[float,
         ref = ray.put(tuple(samples[i] for i in part))
         for t in range(tp):
             per_rank[dp * tp + t] = (ref, t == 0)
-    results = group.call_ranks(_forward, per_rank, "forward")[::tp]
+    results = group.call_ranks(_forward, per_rank, "forward", in_place=True)[::tp]
     return ForwardRows.joined(in_input_order(parts, results), results)
 
 
@@ -107,7 +107,7 @@ def train_step(group: RankGroup[TrainingStack], batch: TrainBatch) -> TrainMetri
     """
     ref = ray.put(batch)
     per_rank = {rank: (ref,) for rank in range(group.world_size)}
-    return group.call_ranks(_train_step, per_rank, "train_step")[0]
+    return group.call_ranks(_train_step, per_rank, "train_step", in_place=True)[0]
 
 
 def save(group: RankGroup[TrainingStack], path: os.PathLike[str], rollout_id: int) -> None:
