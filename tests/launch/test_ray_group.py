@@ -27,13 +27,13 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from rlcore.errors import CheckpointError
 from rlcore.launch.placement import PlacementRequest
 from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot, cuda_ordinal
+from rlcore.launch.ray.failures import death
 from rlcore.launch.ray.ranks import (
     GroupOptions,
     RankGroup,
     RankLostError,
     RankNode,
     RayGroupError,
-    _death,
     _local_ranks,
 )
 from rlcore.launch.ray.stacks import (
@@ -342,7 +342,7 @@ def test_a_rank_killed_for_memory_says_so_and_what_to_lower() -> None:
         "10.0.0.1) where the task was running was 23.1GB / 24.0GB (0.96), which exceeds the "
         "memory usage threshold of 0.95.\n" + "Top 10 memory users:\n" * 12
     )
-    assert _death(oom) == (
+    assert death(oom) == (
         "Ray's memory monitor killed it: the machine ran low on memory. Lower --micro-batch-size "
         "or --rollout-batch-size, run fewer ranks per machine, or give the run more memory"
     )

@@ -57,7 +57,6 @@ carries the late ranks' Python stacks, read through the actors' second concurren
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -71,6 +70,7 @@ from rlcore.backends import RankRuntime
 from rlcore.errors import RLCoreError
 from rlcore.launch.placement import PlacementRequest
 from rlcore.launch.ray.cluster import ClusterPlacement, RankSlot
+from rlcore.launch.ray.failures import RankLostError, RayGroupError, death
 from rlcore.launch.ray.worker import ACTOR_CLASS, RankContext
 from rlcore.launch.watchdog import remove_shared_memory
 from rlcore.protocols.stacks import EvalStack, ModelStack, TrainingStack
@@ -88,21 +88,6 @@ S_co = TypeVar("S_co", bound=ModelStack, covariant=True)
 R = TypeVar("R")
 _Call = tuple[Callable[..., Any], tuple[object, ...], dict[str, Any]]
 P = ParamSpec("P")
-
-
-class RayGroupError(RLCoreError):
-    """A Ray rank group could not start, a rank's actor died, or a call on it failed or timed out.
-
-    Errors the stacks raise on purpose (a :class:`~rlcore.errors.CheckpointError`, ...) pass
-    through as themselves; this wraps everything else, ``from`` Ray's exception.
-    """
-
-
-class RankLostError(RayGroupError):
-    """A rank's actor died (killed, out of memory, its machine gone) or stopped answering (a call
-    timed out): the group cannot go on, but nothing says that a new one would fail the same way.
-    ``--max-restarts`` rebuilds the run's groups from the latest checkpoint on this error only.
-    """
 
 
 _GRACE_S: Final = 10.0
@@ -458,7 +443,7 @@ class RankGroup(Generic[S]):
                 raise RayGroupError(f"{what} failed on rank {rank}: {exc.cause!r}") from exc
             except (RayActorError, OutOfMemoryError) as exc:
                 self._shared.broken = f"{what}: rank {rank}'s actor died"
-                raise RankLostError(f"{self._shared.broken}: {_death(exc)}") from exc
+                raise RankLostError(f"{self._shared.broken}: {death(exc)}") from exc
         return list(ray.get(list(refs)))
 
     def _stacks_of(self, ranks: Sequence[int]) -> str:
@@ -482,21 +467,6 @@ class RankGroup(Generic[S]):
         if busy:
             late = sorted(rank_of[r] for r in busy)
             self._shared.broken = f"{failure} while ranks {late} kept waiting"
-
-
-def _death(exc: RayError) -> str:
-    """Ray's page-long account of a dead actor, in a sentence (the whole one stays in the
-    exception's ``__cause__``)."""
-    text = str(exc)
-    if isinstance(exc, OutOfMemoryError) or "low on memory" in text or "memory pressure" in text:
-        return (
-            "Ray's memory monitor killed it: the machine ran low on memory. Lower "
-            "--micro-batch-size or --rollout-batch-size, run fewer ranks per machine, or give "
-            "the run more memory"
-        )
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    exit_type = re.search(r"Worker exit type: (\w+)", text)
-    return first + (f" (worker exit type {exit_type.group(1)})" if exit_type else "")
 
 
 def _name(fn: Callable[..., object]) -> str:
