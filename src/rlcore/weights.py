@@ -34,7 +34,8 @@ __all__ = [
     "on_release",
     "release_sender_resources",
     "send_exported",
-    "takes_row_blocks",
+    "takes_of",
+    "Takes",
 ]
 
 
@@ -84,14 +85,29 @@ class WeightSink(Protocol):
     def receive(self, weights: NamedTensors) -> None: ...
 
 
-def takes_row_blocks(sink: WeightSink) -> bool:
-    """Whether ``sink`` accepts a weight as row blocks: ``[blocks, rows, *rest]`` for a tensor of
-    Hugging Face shape ``[blocks * rows, *rest]``, the same elements in the same order. A source
-    whose weight interleaves several weights' rows (Megatron's fused QKV holds q, k and v rows
-    per query group) then gives a strided view of it instead of a copy, and the sink's own copy
-    is the only one. A sink says so with a ``takes_row_blocks`` attribute that is ``True`` (the
-    embedded engine's does); every other sink gets the Hugging Face shapes."""
-    return getattr(sink, "takes_row_blocks", False) is True
+@final
+@attrs.frozen
+class Takes:
+    """What a sink accepts besides each weight in its Hugging Face shape and in the dtype the
+    model computes in: a sink says so with a ``takes`` attribute (the embedded engine's takes
+    both); :func:`takes_of` reads it. A source that can give less than a copy then does, so that
+    the sink's own copy is the only one."""
+
+    row_blocks: bool = False
+    """A weight as row blocks: ``[blocks, rows, *rest]`` for its ``[blocks * rows, *rest]``, the
+    same elements in the same order: a strided view of a source weight that interleaves several
+    weights' rows (Megatron's fused QKV holds q, k and v rows per query group)."""
+    any_dtype: bool = False
+    """A floating-point weight in another floating dtype, cast by the sink's copy: the fp32
+    weights a ``--bf16`` FSDP stack trains, not bf16 copies made for the sink."""
+
+
+def takes_of(sinks: Sequence[WeightSink]) -> Takes:
+    """What every one of ``sinks`` takes (nothing more when there are none)."""
+    said = [t for t in (getattr(sink, "takes", None) for sink in sinks) if isinstance(t, Takes)]
+    if not sinks or len(said) < len(sinks):
+        return Takes()
+    return Takes(all(t.row_blocks for t in said), all(t.any_dtype for t in said))
 
 
 class WeightSource(Protocol):

@@ -35,7 +35,7 @@ from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, Precision, TrainSpec
-from rlcore.weights import NamedTensors, WeightSink, send_exported
+from rlcore.weights import NamedTensors, WeightSink, send_exported, takes_of
 from rlcore_fsdp import checkpoint, lora
 from rlcore_fsdp.options import model_record
 
@@ -157,6 +157,7 @@ def export_weights(
     *,
     adapters: bool = True,
     buffers: ExportBuffers | None = None,
+    cast: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights under the model's Hugging Face names (:func:`full_tensors`), in the
     dtype the model computes in (bf16 copies of the fp32 weights under ``bfloat16``); with LoRA,
@@ -164,8 +165,9 @@ def export_weights(
     without them (``adapters=False``, :func:`rlcore_fsdp.lora.unadapted`).
     ``gathered``: the model's :func:`full_tensors` when the caller has them already.
     ``buffers`` (a stack's, for its weight sinks): CPU bf16 copies are cast into them, in shared
-    memory and rewritten by the next export, rather than into fresh tensors."""
-    dtype = torch.bfloat16 if precision == "bfloat16" else None
+    memory and rewritten by the next export, rather than into fresh tensors. ``cast=False`` (for
+    sinks that cast as they copy, :attr:`rlcore.weights.Takes.any_dtype`): the fp32 weights."""
+    dtype = torch.bfloat16 if precision == "bfloat16" and cast else None
     named = full_tensors(model) if gathered is None else gathered
     if lora.is_lora(model):
         named = lora.merged(model, named) if adapters else lora.unadapted(named)
@@ -229,7 +231,12 @@ class FSDPEvalStack:
         return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_weights(self.model, self.spec.precision, buffers=self._export_buffers)
+        weights = export_weights(
+            self.model,
+            self.spec.precision,
+            buffers=self._export_buffers,
+            cast=not takes_of(sinks).any_dtype,
+        )
         send_exported(weights, sinks)
 
 
@@ -287,7 +294,12 @@ class FSDPTrainingStack:
         return export_weights(self.model, self.spec.precision)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_weights(self.model, self.spec.precision, buffers=self._export_buffers)
+        weights = export_weights(
+            self.model,
+            self.spec.precision,
+            buffers=self._export_buffers,
+            cast=not takes_of(sinks).any_dtype,
+        )
         send_exported(weights, sinks)
 
     def _record(self) -> dict[str, object]:

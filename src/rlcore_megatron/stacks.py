@@ -34,7 +34,7 @@ from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
 from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
-from rlcore.weights import NamedTensors, WeightSink, send_exported, takes_row_blocks
+from rlcore.weights import NamedTensors, WeightSink, send_exported, takes_of
 from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
 from rlcore_megatron.model.arch import ModelArch, model_info
@@ -181,7 +181,11 @@ class MegatronEvalStack:
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
         weights = export_hf_weights(
-            self.model, self.arch, self.spec.role, self._export_buffers, blocks=_blocks(sinks)
+            self.model,
+            self.arch,
+            self.spec.role,
+            self._export_buffers,
+            blocks=takes_of(sinks).row_blocks,
         )
         send_exported(weights, sinks)
 
@@ -253,7 +257,11 @@ class MegatronTrainingStack:
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
         weights = export_hf_weights(
-            self.gpt, self.arch, self.spec.role, self._export_buffers, blocks=_blocks(sinks)
+            self.gpt,
+            self.arch,
+            self.spec.role,
+            self._export_buffers,
+            blocks=takes_of(sinks).row_blocks,
         )
         send_exported(weights, sinks)
 
@@ -377,9 +385,3 @@ class MegatronTrainingStack:
             tokens=step.tokens,
             extra=means,
         )
-
-
-def _blocks(sinks: Sequence[WeightSink]) -> bool:
-    """Whether the export may give q, k and v as row blocks of the fused QKV (no copy): when
-    every sink takes them."""
-    return bool(sinks) and all(takes_row_blocks(sink) for sink in sinks)

@@ -16,7 +16,7 @@ from rlcore.errors import RolloutError
 from rlcore.protocols.engine import RolloutEngine
 from rlcore.samples import Generation, Prompt, SamplingParams
 from rlcore.testing.tiny import EOS_ID, PAD_ID, build_char_tokenizer, build_tiny_llama
-from rlcore.weights import deliver, takes_row_blocks
+from rlcore.weights import Takes, deliver, takes_of
 
 ALPHABET = "0123456789+= "
 VOCAB = 3 + len(ALPHABET)
@@ -287,7 +287,7 @@ def test_weights_may_come_as_row_blocks_of_their_rows(
     blocks = fused.view(4, rows // 2, cols)[::2]
     assert not blocks.is_contiguous()
     with engine.receive_weights(1) as sinks:
-        assert all(takes_row_blocks(sink) for sink in sinks)
+        assert takes_of(sinks) == Takes(row_blocks=True, any_dtype=True)
         deliver([(name, blocks)], sinks)
     assert torch.equal(engine.model.state_dict()[name], blocks.reshape(rows, cols))
     before = target.clone()

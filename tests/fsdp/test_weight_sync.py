@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rlcore.engines.shared_tensors import SharedBuffers, in_shared_memory, is_shared_parameter
 from rlcore.specs import EvalSpec
 from rlcore.testing.tiny import build_tiny_llama
-from rlcore.weights import InProcess, NamedTensors
+from rlcore.weights import InProcess, NamedTensors, Takes
 from rlcore_fsdp.backend import FSDPBackend, local_shard
 from tests.megatron.helpers import TINY, make_batch, make_samples, train_spec
 
@@ -73,14 +73,23 @@ def test_bf16_weights_are_sent_from_shared_buffers_that_steps_leave_alone(llama:
     stack.send_weights([second])
     assert [t.data_ptr() for _, t in second.pairs] == [t.data_ptr() for _, t in first.pairs]
     assert any(not torch.equal(t, expected[name]) for name, t in second.pairs)
+    # A sink that casts as it copies (the embedded engine's) gets the fp32 parameters
+    # themselves: one copy, and nothing the next sync must ask the rank for.
+    casting = _Kept(Takes(any_dtype=True))
+    stack.send_weights([casting])
+    assert all(t.dtype == torch.float32 and is_shared_parameter(t) for _, t in casting.pairs)
+    cast = {name: t.to(torch.bfloat16) for name, t in casting.pairs}
+    assert cast.keys() == expected.keys()
+    assert all(torch.equal(t, cast[name]) for name, t in second.pairs)
 
 
 @final
 class _Kept:
     """An in-process sink that keeps the tensors it is given."""
 
-    def __init__(self) -> None:
+    def __init__(self, takes: Takes | None = None) -> None:
         self.pairs: list[tuple[str, torch.Tensor]] = []
+        self.takes = takes or Takes()
 
     @property
     def placement(self) -> InProcess:

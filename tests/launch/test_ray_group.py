@@ -56,7 +56,15 @@ from rlcore.specs import (
     TrainSpec,
 )
 from rlcore.testing import RecordingWeightSink
-from rlcore.weights import AnyProcess, InProcess, NamedTensors, OnHost, WeightSink, deliver
+from rlcore.weights import (
+    AnyProcess,
+    InProcess,
+    NamedTensors,
+    OnHost,
+    Takes,
+    WeightSink,
+    deliver,
+)
 from rlcore_megatron.kind import MegatronRuntime
 
 if TYPE_CHECKING:
@@ -643,7 +651,7 @@ class _Engine:
     """An in-process sink that copies into a model's tensors as the embedded engine's does,
     row blocks included, and counts the tensors that came as row blocks."""
 
-    takes_row_blocks: ClassVar[bool] = True
+    takes: ClassVar[Takes] = Takes(row_blocks=True)
 
     def __init__(self, targets: dict[str, torch.Tensor]) -> None:
         self._targets = targets

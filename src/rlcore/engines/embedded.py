@@ -47,7 +47,7 @@ from rlcore.engines.sampling import check_params, copy_weights
 from rlcore.errors import RolloutError
 from rlcore.protocols.tokenizer import Tokenizer
 from rlcore.samples import Generation, Prompt, SamplingParams
-from rlcore.weights import InProcess, NamedTensors, deliver
+from rlcore.weights import InProcess, NamedTensors, Takes, deliver
 
 __all__ = ["EmbeddedEngine", "EmbeddedWeightSink"]
 
@@ -332,11 +332,12 @@ class EmbeddedWeightSink:
     engine's process (:class:`~rlcore.weights.InProcess`): a source whose weights are elsewhere
     brings them here, which is the one weight path that passes through the driver (Ray's rank
     groups hand over shared memory on the driver's machine, so that this copy is the only one:
-    :mod:`rlcore.launch.ray.stacks`). It takes q, k and v as row blocks of a fused QKV weight
-    (:func:`~rlcore.weights.takes_row_blocks`), so that they too are copied once.
+    :mod:`rlcore.launch.ray.stacks`). It takes weights as row blocks (q, k and v as views of a
+    fused QKV weight) and in any floating dtype (cast as copied: fp32 master weights for a bf16
+    model), so that those too are copied once (:class:`~rlcore.weights.Takes`).
     """
 
-    takes_row_blocks: Final = True
+    takes: Final = Takes(row_blocks=True, any_dtype=True)
 
     def __init__(self, engine: EmbeddedEngine, version: int) -> None:
         self._engine = engine

@@ -97,7 +97,7 @@ def copy_weights(
     written, so a bad update leaves the model as it was: an unknown name or a shape mismatch
     raises :class:`~rlcore.errors.RolloutError` that starts with ``what`` and lists each offender.
     Any subset of the targets may be given, and a tensor may come as row blocks
-    (:func:`~rlcore.weights.takes_row_blocks`)."""
+    (:attr:`~rlcore.weights.Takes.row_blocks`)."""
     updates = []
     problems = []
     for name, tensor in weights:
@@ -127,7 +127,7 @@ def copy_weights(
 
 def _as_given(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | None:
     """``target`` in ``tensor``'s shape: itself, or a view of it as row blocks ``[blocks, rows,
-    *rest]`` of its ``[blocks * rows, *rest]`` (:func:`~rlcore.weights.takes_row_blocks`);
+    *rest]`` of its ``[blocks * rows, *rest]`` (:attr:`~rlcore.weights.Takes.row_blocks`);
     ``None`` when the shapes do not match so (or ``target`` cannot be viewed so)."""
     if tensor.shape == target.shape:
         return target

@@ -191,7 +191,7 @@ def export_hf_weights(
     With one rank the tensors are views of the live parameters (no copy): copy them if you keep
     them past the next ``train_step``. The others are fresh tensors, or with ``buffers`` (a
     stack's, for its weight sinks), that object's buffers, rewritten by the next export. With
-    ``blocks`` (for sinks that take row blocks: :func:`rlcore.weights.takes_row_blocks`), q, k and
+    ``blocks`` (for sinks that take row blocks: :attr:`rlcore.weights.Takes.row_blocks`), q, k and
     v are row-block views of the fused QKV, so with one rank every tensor is a live view.
     """
     materialise = row_blocks if blocks else reshape if buffers is None else buffers.materialise

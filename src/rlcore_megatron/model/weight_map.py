@@ -172,7 +172,7 @@ def reshape(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
 
 def row_blocks(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The :data:`Materialise` for sinks that take row blocks
-    (:func:`rlcore.weights.takes_row_blocks`): ``view`` itself, no copy, as ``[blocks, rows,
+    (:attr:`rlcore.weights.Takes.row_blocks`): ``view`` itself, no copy, as ``[blocks, rows,
     *shape[1:]]`` (q, k or v rows of each query group of a fused QKV)."""
     return view.view(view.shape[0], view.shape[1], *shape[1:])
 

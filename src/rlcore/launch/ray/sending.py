@@ -15,9 +15,9 @@ would fault every page in again) and drops them when the stack closes. With no r
 machine, rank 0 returns copies through Ray's object store.
 
 When every tensor so described is (a view of) the rank's parameters themselves
-(:func:`~rlcore.engines.shared_tensors.is_shared_parameter`: a CPU rank's, in its stack's own
-dtype, with the in-process sinks taking row blocks, :func:`~rlcore.weights.takes_row_blocks`), and
-no sink runs on a rank, the next sync does not call the ranks at all: the driver copies from the
+(:func:`~rlcore.engines.shared_tensors.is_shared_parameter`: a CPU rank's, given as they are to
+in-process sinks that take row blocks and any dtype, :class:`~rlcore.weights.Takes`), and no sink
+runs on a rank, the next sync does not call the ranks at all: the driver copies from the
 views it keeps, which a training step updated in place. That holds until a call that may move
 parameters in memory (:attr:`~rlcore.launch.ray.ranks.RankGroup.layout_epoch`: anything but a
 forward, a training step or a weight sync), after which the ranks describe them again.
@@ -40,9 +40,10 @@ from rlcore.weights import (
     InProcess,
     NamedTensors,
     OnHost,
+    Takes,
     WeightSink,
     deliver,
-    takes_row_blocks,
+    takes_of,
 )
 
 if TYPE_CHECKING:
@@ -71,8 +72,8 @@ class _Live:
     pairs: Pairs
     epoch: int
     """The group's :attr:`~rlcore.launch.ray.ranks.RankGroup.layout_epoch` when described."""
-    blocks: bool
-    """Whether q, k and v came as row blocks."""
+    takes: Takes
+    """What the sinks they were described for take."""
 
 
 _LIVE: weakref.WeakKeyDictionary[RankGroup[ModelStack], _Live] = weakref.WeakKeyDictionary()
@@ -92,16 +93,16 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
     beside = _rank_beside_driver(group) if here else None
     relay = 0 if beside is None else beside
     keep: _Keep = "" if not here else "copy" if beside is None else "share"
-    blocks = bool(here) and all(takes_row_blocks(sink) for sink in here)
+    takes = takes_of(here)
     key = cast(RankGroup[ModelStack], group)
     if keep == "share" and not any(per_rank.values()) and key in _LIVE:
         with group.between_calls("send_weights"):  # no step changes them while copied
             live = _LIVE.get(key)
-            if live is not None and (live.epoch, live.blocks) == (group.layout_epoch, blocks):
+            if live is not None and (live.epoch, live.takes) == (group.layout_epoch, takes):
                 deliver(live.pairs, here)
                 return
     args = {
-        rank: (tuple(chosen), keep if rank == relay else "", blocks)
+        rank: (tuple(chosen), keep if rank == relay else "", takes)
         for rank, chosen in per_rank.items()
     }
     with group.between_calls("send_weights"):  # the epoch the description is valid in
@@ -118,7 +119,7 @@ def send_weights(group: RankGroup[S], sinks: Sequence[WeightSink]) -> None:
         described, parameters = cast("tuple[list[SharedTensor], bool]", results[relay])
         pairs = mappings.open(described)
         if parameters:
-            _LIVE[key] = _Live(pairs, epoch, blocks)
+            _LIVE[key] = _Live(pairs, epoch, takes)
         else:
             _LIVE.pop(key, None)
     else:
@@ -139,7 +140,7 @@ def export_weights(group: RankGroup[S]) -> list[tuple[str, torch.Tensor]]:
     """The full weights under Hugging Face names, in the driver (copies of rank 0's, through the
     object store; every rank takes part in the gather). For tests and tools: the loop sends
     weights with :func:`send_weights`."""
-    args = {rank: ((), "copy" if rank == 0 else "", False) for rank in range(group.world_size)}
+    args = {rank: ((), "copy" if rank == 0 else "", Takes()) for rank in range(group.world_size)}
     exported = group.call_ranks(_send_weights, args, "export_weights", in_place=True)[0]
     return cast(Pairs, exported)
 
@@ -170,12 +171,12 @@ def _rank_on(group: RankGroup[S], address: str, sink: WeightSink) -> int:
 
 
 def _send_weights(
-    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep, blocks: bool
+    context: RankContext[ModelStack], sinks: tuple[WeightSink, ...], keep: _Keep, takes: Takes
 ) -> Pairs | tuple[list[SharedTensor], bool]:
     """Every rank sends (the export is collective); ``sinks`` receive here, and the weights also
-    go back to the driver as ``keep`` says (``blocks``: as row blocks where the stack has them).
-    Shared, they come with whether every one is the rank's parameters themselves."""
-    collected = _Collect(blocks)
+    go back to the driver as ``keep`` says, as the driver's sinks ``takes`` them. Shared, they
+    come with whether every one is the rank's parameters themselves."""
+    collected = _Collect(takes)
     context.stack.send_weights([*sinks, collected] if keep else list(sinks))
     if keep != "share":
         return [(name, t.detach().to("cpu").contiguous()) for name, t in collected.pairs]
@@ -203,9 +204,9 @@ class _Collect:
     """A sink that keeps the weights it is given (valid until the stack's next export), to
     return them to the driver."""
 
-    def __init__(self, takes_row_blocks: bool) -> None:
+    def __init__(self, takes: Takes) -> None:
         self.pairs: Pairs = []
-        self.takes_row_blocks = takes_row_blocks
+        self.takes = takes
 
     @property
     def placement(self) -> AnyProcess:
