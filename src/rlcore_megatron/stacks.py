@@ -33,7 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from rlcore.algorithms.distributed import all_reduce_floats
 from rlcore.engines.shared_tensors import ExportBuffers
 from rlcore.samples import ForwardRows, Sample, TrainBatch, TrainMetrics
-from rlcore.specs import EvalSpec, ModelSpec, TrainSpec
+from rlcore.specs import EvalSpec, ModelSpec, Role, TrainSpec
 from rlcore.weights import NamedTensors, WeightSink, send_exported, takes_of
 from rlcore_megatron import checkpoint
 from rlcore_megatron.model import moe
@@ -122,6 +122,20 @@ def routed_tokens(arch: ModelArch, attention_mask: torch.Tensor) -> int:
     return int(mask.sum())
 
 
+def _send_weights(
+    model: torch.nn.Module,
+    arch: ModelArch,
+    role: Role,
+    buffers: ExportBuffers,
+    sinks: Sequence[WeightSink],
+) -> None:
+    """Export ``model``'s weights under Hugging Face names into the stack's ``buffers`` and hand
+    them to ``sinks``; q/k/v as row blocks of the fused QKV where every sink takes them
+    (:attr:`rlcore.weights.Takes.row_blocks`)."""
+    weights = export_hf_weights(model, arch, role, buffers, blocks=takes_of(sinks).row_blocks)
+    send_exported(weights, sinks)
+
+
 def score_samples(
     model: torch.nn.Module,
     samples: Sequence[Sample],
@@ -180,14 +194,7 @@ class MegatronEvalStack:
         return export_hf_weights(self.model, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_hf_weights(
-            self.model,
-            self.arch,
-            self.spec.role,
-            self._export_buffers,
-            blocks=takes_of(sinks).row_blocks,
-        )
-        send_exported(weights, sinks)
+        _send_weights(self.model, self.arch, self.spec.role, self._export_buffers, sinks)
 
 
 @final
@@ -256,14 +263,7 @@ class MegatronTrainingStack:
         return export_hf_weights(self.gpt, self.arch, self.spec.role)
 
     def send_weights(self, sinks: Sequence[WeightSink]) -> None:
-        weights = export_hf_weights(
-            self.gpt,
-            self.arch,
-            self.spec.role,
-            self._export_buffers,
-            blocks=takes_of(sinks).row_blocks,
-        )
-        send_exported(weights, sinks)
+        _send_weights(self.gpt, self.arch, self.spec.role, self._export_buffers, sinks)
 
     def load(self, path: Path) -> int:
         """Restore ``path`` as the spec's :class:`~rlcore.specs.LoadSpec` says: the weights, and
