@@ -78,10 +78,6 @@ class BackendKind(Generic[OptionsT]):
     """What in its options the model a ``config.json`` (a mapping) describes cannot take (say
     more recomputed layers than it has), each named with its flag; called before anything
     starts, only for a ``config.json`` that :attr:`model_problems` accepts. ``None``: nothing."""
-    options_role_problems: Callable[[OptionsT, str], list[ConfigProblem]] | None = None
-    """What in its options cannot build the model of a role the plan holds (``actor``,
-    ``critic``, ``reference``, ``teacher``), each named with its flag; called before anything
-    starts. ``None``: nothing."""
     model_owner: Callable[[OptionsT, EvalSpec], Role | None] | None = None
     """Whether the eval stack of an :class:`~rlcore.specs.EvalSpec` is a view of the model of
     the training stack of another role rather than a model of its own (with LoRA, the reference

@@ -16,9 +16,9 @@ tensor), so the build never holds a second copy of them; a folder whose tensors 
 renames or converts on load is loaded with ``from_pretrained`` and then sharded, as before.
 Every rank builds the same weights (the folder's, and seeded ones for a new value head, drawn as
 ``from_pretrained`` draws them), so no rank broadcasts. With ``--lora-rank N`` the actor (its
-training and eval stacks) is wrapped with peft's LoRA adapters before sharding
-(:mod:`rlcore_fsdp.lora`); a critic is refused with it; the teacher is built without them. The
-reference is then the actor's base with the adapters disabled
+training and eval stacks) and the critic are wrapped with peft's LoRA adapters before sharding
+(:mod:`rlcore_fsdp.lora`; the critic's value head trains in full beside its adapters); the
+teacher is built without them. The reference is then the actor's base with the adapters disabled
 (:class:`~rlcore_fsdp.stacks.FSDPBaseView`), no second copy of the weights: the backend that
 built the LoRA actor's training stack returns that view for the reference (of the same model
 folder, precision and layout), and the launcher builds the reference in the actor's ranks
@@ -57,7 +57,7 @@ from rlcore.errors import BackendUnavailableError, ConfigError, ConfigProblem, R
 from rlcore.specs import EvalSpec, ModelSpec, OptimizerSpec, ParallelSpec, Precision, TrainSpec
 from rlcore_fsdp.loading import empty_model, fill, materialize_adapters, plain
 from rlcore_fsdp.lora import add_adapters
-from rlcore_fsdp.options import FSDPOptions, lora_role_problems, model_owner, parallel_problem
+from rlcore_fsdp.options import FSDPOptions, model_owner, parallel_problem
 from rlcore_fsdp.stacks import FSDPBaseView, FSDPEvalStack, FSDPTrainingStack, HFModel
 
 __all__ = ["FSDPBackend", "adamw", "init_rank", "local_shard", "lr_scheduler", "shard"]
@@ -156,9 +156,6 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
                 )
             ]
         )
-    refused = lora_role_problems(options, spec.role)
-    if refused:  # the launcher refuses it before start; a backend built directly, here
-        raise ConfigError(refused)
     offload = options.fsdp_cpu_offload
     init_rank(spec.parallel, spec.seed, offload)
     folder = Path(spec.hf_checkpoint)
@@ -171,7 +168,7 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     critic = spec.role == "critic"
     if critic:
         config.num_labels = 1  # one value per token
-    lora = options.lora_rank > 0 and spec.role == "actor"
+    lora = _adapted(options, spec)
     empty = empty_model(folder, config, critic, remote)
     top: HFModel | None = None
     if not isinstance(empty, str):
@@ -179,7 +176,7 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
         top = empty[0]
         if lora:
             drawn = torch.random.get_rng_state()
-            top = add_adapters(empty[0], options)
+            top = add_adapters(empty[0], options, critic)
             unreplayed = materialize_adapters(top, drawn)
             if unreplayed is not None:
                 torch.random.set_rng_state(drawn)  # from_pretrained's path draws from here
@@ -195,6 +192,12 @@ def _load(spec: ModelSpec, options: FSDPOptions) -> tuple[HFModel, Any]:
     shard(model, spec.precision, options.gradient_checkpointing, offload)
     fill(model, checkpoint, kept, "cpu" if offload else device())
     return top, config
+
+
+def _adapted(options: FSDPOptions, spec: ModelSpec) -> bool:
+    """Whether the model gets LoRA adapters: the actor's and the critic's with ``--lora-rank``;
+    the reference and a teacher are the base model by design."""
+    return options.lora_rank > 0 and spec.role in ("actor", "critic")
 
 
 def _share_for_weight_sync(model: HFModel) -> None:
@@ -226,9 +229,9 @@ def _pretrained_shards(folder: Path, config: Any, spec: ModelSpec, options: FSDP
         # offloaded, it stays in CPU memory: fully_shard moves one unit at a time to the device
         # to shard it, then the shards back
         model.to(device())
-    if options.lora_rank > 0 and spec.role == "actor":
+    if _adapted(options, spec):
         # the base model inside is sharded as it would be alone; the peft wrapper holds no weights
-        adapted = add_adapters(model, options)
+        adapted = add_adapters(model, options, spec.role == "critic")
         shard(adapted.get_base_model(), spec.precision, checkpointing, offload)
         return adapted
     shard(model, spec.precision, checkpointing, offload)

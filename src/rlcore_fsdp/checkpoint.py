@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from rlcore.algorithms.distributed import agree_on_rollout_id, barrier, rank
 from rlcore.checkpoint_files import check_record_matches, read_stack_record, write_stack_record
 from rlcore.errors import CheckpointError
-from rlcore_fsdp.lora import is_adapter, is_lora
+from rlcore_fsdp.lora import checkpointed, is_lora
 
 __all__ = ["FORMAT", "base_rollout_id", "load_checkpoint", "save_checkpoint"]
 
@@ -47,10 +47,12 @@ FORMAT: Final = "rlcore-fsdp/1"
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's state dict as DCP saves it; with LoRA, the adapters' entries only."""
+    """The model's state dict as DCP saves it; with LoRA, the entries of what trains only (the
+    adapters, and a critic's value head: :func:`rlcore_fsdp.lora.checkpointed`)."""
     state = get_model_state_dict(model)
     if is_lora(model):
-        state = {k: v for k, v in state.items() if is_adapter(k)}
+        held = checkpointed(model)
+        state = {k: v for k, v in state.items() if held(k)}
     return state
 
 
@@ -120,7 +122,7 @@ def load_checkpoint(
     try:
         model_sd = _model_state(model)
         dcp_load(model_sd, checkpoint_id=path / "model")
-        # with LoRA the base weights stay the folder's (dcp_load has filled every adapter entry)
+        # with LoRA the base weights stay the folder's (dcp_load has filled every entry it holds)
         lenient = StateDictOptions(strict=not is_lora(model))
         set_model_state_dict(model, model_sd, options=lenient)
         if optimizer is not None:

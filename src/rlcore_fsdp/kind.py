@@ -19,7 +19,6 @@ from rlcore.protocols.stacks import Backend
 from rlcore.specs import ParallelSpec
 from rlcore_fsdp.options import (
     FSDPOptions,
-    lora_role_problems,
     model_owner,
     model_record,
     parallel_problem,
@@ -118,7 +117,6 @@ FSDP: Final[BackendKind[FSDPOptions]] = BackendKind(
     model_problems=model_problems,
     saved_model_problem=saved_model_problem,
     parallel_problem=parallel_problem,
-    options_role_problems=lora_role_problems,
     install="rlcore[fsdp]",
     model_owner=model_owner,
 )

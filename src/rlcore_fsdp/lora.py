@@ -1,23 +1,24 @@
-"""LoRA on the FSDP backend's actor (``--lora-rank N``, with ``peft``).
+"""LoRA on the FSDP backend's actor and critic (``--lora-rank N``, with ``peft``).
 
 :func:`add_adapters` wraps the Hugging Face model in a ``peft`` model before it is sharded: the
-base weights are frozen (``requires_grad=False``) and only the adapters train and sit in the
-optimizer. ``lora_B`` starts at zero, so the model starts as the base exactly.
+base weights are frozen (``requires_grad=False``) and only the adapters (and a critic's value
+head, which is new) train and sit in the optimizer. ``lora_B`` starts at zero, so the model
+starts as the base exactly.
 
 Out of the stack the adapters are merged: :func:`merged` turns the peft model's full tensors
 (``base_model.model.<name>.base_layer.weight``, ``...lora_A.default.weight``,
 ``...lora_B.default.weight``) into the base model's own Hugging Face names, each adapted weight
 ``W + (B @ A) * alpha / rank`` as peft's ``merge_and_unload`` computes it, and no ``lora_`` tensor;
 :func:`unadapted` gives the base model's weights alone (what the model computes with its adapters
-disabled, :func:`adapters_off`: the reference). Checkpoints hold the adapters only
-(:func:`is_adapter`); :func:`adapter_tensors` and :func:`write_adapter` write the folder
-``peft.PeftModel.from_pretrained`` loads.
+disabled, :func:`adapters_off`: the reference). Checkpoints hold what trains
+(:func:`checkpointed`: the adapters, and a critic's value head); :func:`adapter_tensors` and
+:func:`write_adapter` write the folder ``peft.PeftModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -35,12 +36,14 @@ __all__ = [
     "adapter_tensors",
     "adapters_off",
     "add_adapters",
+    "checkpointed",
     "is_adapter",
     "is_lora",
     "lora_config",
     "lora_record",
     "merged",
     "unadapted",
+    "value_head",
     "write_adapter",
 ]
 
@@ -84,16 +87,31 @@ def lora_record(model: torch.nn.Module) -> dict[str, object]:
     }
 
 
-def add_adapters(model: torch.nn.Module, options: FSDPOptions) -> PeftModel:
-    """``model`` wrapped with LoRA adapters of ``options`` (peft), its base weights frozen."""
+def value_head(model: torch.nn.Module) -> list[str]:
+    """The modules of a transformers critic (a token classifier) beside its backbone that hold
+    parameters: its value head (``score``; GPT-2's ``classifier``)."""
+    backbone = getattr(model, "base_model_prefix", "")
+    return [
+        name
+        for name, child in model.named_children()
+        if name != backbone and any(True for _ in child.parameters())
+    ]
+
+
+def add_adapters(model: torch.nn.Module, options: FSDPOptions, critic: bool = False) -> PeftModel:
+    """``model`` wrapped with LoRA adapters of ``options`` (peft), its base weights frozen. A
+    ``critic``'s value head (:func:`value_head`) gets no adapter and trains in full: it is new,
+    drawn at random, and a frozen one would leave the values a fixed random projection."""
     from peft import LoraConfig, get_peft_model
 
     targets = options.target_modules
+    head = value_head(model) if critic else []
     config = LoraConfig(
         r=options.lora_rank,
         lora_alpha=options.lora_alpha,
         lora_dropout=options.lora_dropout,
         target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+        exclude_modules=head or None,
         bias="none",
     )
     with warnings.catch_warnings():
@@ -101,7 +119,22 @@ def add_adapters(model: torch.nn.Module, options: FSDPOptions) -> PeftModel:
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
         # GPT-2's Conv1D holds its weight transposed: peft notices and merges accordingly
         warnings.filterwarnings("ignore", "fan_in_fan_out is set to False")
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, config)
+    for name in head:
+        model.get_submodule(name).requires_grad_(True)
+    return adapted
+
+
+def checkpointed(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Whether a state-dict entry of the peft ``model`` is in its checkpoint: the adapters and
+    whatever else trains (a critic's value head); the base weights never train, so they stay the
+    model folder's."""
+    trains = {
+        name.replace(f".{_CHECKPOINT_WRAPPED}", "")
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return lambda name: is_adapter(name) or name in trains
 
 
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:

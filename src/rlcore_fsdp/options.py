@@ -11,14 +11,12 @@ from typing import Any, Final, final
 import attrs
 
 from rlcore.config import option
-from rlcore.errors import ConfigProblem
 from rlcore.specs import EvalSpec, ParallelSpec, Role
 
 __all__ = [
     "RECORDED",
     "FSDPOptions",
     "lora_problem",
-    "lora_role_problems",
     "model_owner",
     "model_record",
     "parallel_problem",
@@ -72,8 +70,8 @@ class FSDPOptions:
     lora_rank: int = option(
         0,
         "--lora-rank",
-        "train LoRA adapters of this rank (peft) on the actor instead of all its weights; "
-        "0: off, full fine-tuning",
+        "train LoRA adapters of this rank (peft) on the actor and the critic instead of all "
+        "their weights (a critic's new value head trains in full); 0: off, full fine-tuning",
     )
     lora_alpha: int = option(
         16,
@@ -106,23 +104,6 @@ def model_owner(options: FSDPOptions, spec: EvalSpec) -> Role | None:
     actor's model (no second copy of the weights): ``"actor"`` for it, else ``None``
     (:attr:`rlcore.backends.BackendKind.model_owner`)."""
     return "actor" if options.lora_rank > 0 and spec.model.role == "reference" else None
-
-
-def lora_role_problems(options: FSDPOptions, role: str) -> list[ConfigProblem]:
-    """LoRA adapts the actor only (the reference and a teacher are the base model by design):
-    a critic with ``--lora-rank`` is refused rather than trained in full behind the flag's
-    back."""
-    if options.lora_rank == 0 or role != "critic":
-        return []
-    return [
-        ConfigProblem(
-            "fsdp.lora_rank (--lora-rank)",
-            f"--lora-rank {options.lora_rank} trains LoRA adapters on the actor only, and this "
-            "run trains a critic (--use-critic, or --advantage-estimator ppo), which would train "
-            "in full",
-            "drop --lora-rank to train both in full, or train without a critic (GRPO, REINFORCE++)",
-        )
-    ]
 
 
 RECORDED: Final = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")

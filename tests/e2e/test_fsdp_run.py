@@ -1,10 +1,10 @@
 """``--train-backend fsdp`` through the launcher as a user runs it (``python -m rlcore.launch``,
 its own Ray start-up): two GRPO rollouts of the tiny demo with a checkpoint and an HF export,
 then an eval-only run on the checkpoint that builds the actor's eval stack and nothing else. (The
-entropy bonus makes the update nonzero when no sample of the two rollouts is rewarded.) With LoRA
-and a KL loss, the reference runs in the actor's ranks: the placement reserves no slots for it.
-What the backend cannot do is refused before anything starts: a tensor-parallel split, LoRA with a
-critic."""
+entropy bonus makes the update nonzero when no sample of the two rollouts is rewarded.) PPO with
+LoRA and a KL loss: the actor and the critic train adapters, and the reference runs in the actor's
+ranks (the placement reserves no slots for it). What the backend cannot do is refused before
+anything starts: a tensor-parallel split."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from rlcore_fsdp.lora import PREFIX, is_adapter
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -68,7 +71,12 @@ def test_fsdp_trains_saves_exports_and_evaluates_the_demo(demo: Path, tmp_path: 
     assert summary["built"] == ["eval:actor"] and summary["trained"] == []
 
 
-def test_lora_s_reference_runs_in_the_actor_s_ranks(demo: Path, tmp_path: Path) -> None:
+def test_lora_ppo_trains_adapters_on_both_and_the_reference_runs_in_the_actor_s_ranks(
+    demo: Path, tmp_path: Path
+) -> None:
+    """PPO with ``--lora-rank``: the actor and the critic train adapters (the critic its value
+    head too), their checkpoints hold those and not the base, and the reference is the actor's
+    base in the actor's ranks."""
     # fmt: off
     run = _launch(
         "--hf-checkpoint", str(demo / "model"), "--prompt-data", str(demo / "train.jsonl"),
@@ -76,16 +84,27 @@ def test_lora_s_reference_runs_in_the_actor_s_ranks(demo: Path, tmp_path: Path) 
         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
         "--rollout-max-response-len", "4", "--lr", "1e-3", "--num-rollout", "2",
         "--lora-rank", "4", "--use-kl-loss", "--kl-loss-coef", "0.1",
+        "--advantage-estimator", "ppo", "--save", str(tmp_path / "ckpt"),
         "--output-dir", str(tmp_path / "out"),
     )
     # fmt: on
     assert run.returncode == 0, run.stderr[-3000:]
     summary = _summary(tmp_path / "out")
-    assert summary["built"] == ["train:actor", "eval:reference"]
+    assert summary["built"] == ["train:actor", "train:critic", "eval:reference"], summary
     assert summary["trained"] == [1, 2]
     log = (tmp_path / "out" / "run.log").read_text()
     placed = log.split("placement:", 1)[1].split(" INFO ", 1)[0]
     assert "actor: 1 rank(s)" in placed and "reference" not in placed, placed
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
+    critic = [row["train/critic/grad_norm"] for row in rows if "train/critic/loss" in row]
+    assert len(critic) == 2 and all(norm > 0 for norm in critic), rows
+    saved = tmp_path / "ckpt" / "rollout_000002"
+    for role, head in (("actor", set()), ("critic", {"score.weight", "score.bias"})):
+        held = FileSystemReader(saved / role / "model").read_metadata().state_dict_metadata
+        plain = {n for n in held if not is_adapter(n)}
+        assert {n.removeprefix(PREFIX) for n in plain} == head, (role, held)  # not the base
 
 
 @pytest.mark.parametrize(
@@ -96,11 +115,6 @@ def test_lora_s_reference_runs_in_the_actor_s_ranks(demo: Path, tmp_path: Path) 
             ["the fsdp backend shards models over data-parallel ranks only",
              "--train-backend megatron"],
             id="a tensor-parallel split",
-        ),
-        pytest.param(
-            ["--advantage-estimator", "ppo", "--lora-rank", "4"],
-            ["fsdp.lora_rank (--lora-rank)", "on the actor only", "drop --lora-rank"],
-            id="LoRA with a critic",
         ),
     ],
 )  # fmt: skip

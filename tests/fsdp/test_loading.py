@@ -55,7 +55,7 @@ def _theirs(folder: Path, role: str, options: FSDPOptions) -> dict[str, torch.Te
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if options.lora_rank:
-        model = add_adapters(model, options)
+        model = add_adapters(model, options, role == "critic")
     return dict(model.state_dict())
 
 
@@ -83,13 +83,14 @@ def _assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor])
         ("mistral", "critic", FSDPOptions()),
         ("gpt2", "actor", FSDPOptions(lora_rank=4, lora_alpha=8)),
         ("mistral", "actor", FSDPOptions(lora_rank=4, lora_alpha=8)),
+        ("mistral", "critic", FSDPOptions(lora_rank=4, lora_alpha=8)),
         # an embedding's adapters are not linear layers: from_pretrained's path
         ("mistral", "actor", FSDPOptions(lora_rank=4, target_modules=("embed_tokens", "q_proj"))),
         ("mistral", "actor", FSDPOptions(gradient_checkpointing=True, fsdp_cpu_offload=True)),
         ("bf16-sharded", "actor", FSDPOptions()),
     ],
     ids=["gpt2", "mistral", "gpt2-critic", "mistral-critic", "gpt2-lora", "mistral-lora",
-         "lora-on-embeddings", "checkpointing-offload", "bf16-sharded"],
+         "mistral-lora-critic", "lora-on-embeddings", "checkpointing-offload", "bf16-sharded"],
 )  # fmt: skip
 def test_the_shards_are_from_pretrained_bit_for_bit(
     folders: dict[str, Path], family: str, role: str, options: FSDPOptions

@@ -3,11 +3,12 @@ folder's, bit for bit), the engine gets the merged weights under the base model'
 peft's ``merge_and_unload`` gives), ``--save-hf`` writes a merged model that transformers loads
 with the stack's log-probs and an adapter folder peft loads, a checkpoint holds the adapters and
 their AdamW state and resumes exactly, the reference is the actor's base with the adapters
-disabled (no second copy of the weights, in process and in the actor's Ray actors), and the flags
-are checked before start."""
+disabled (no second copy of the weights, in process and in the actor's Ray actors), a critic
+trains its adapters and its value head, and the flags are checked before start."""
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
@@ -20,10 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from rlcore.config.flags import load_config
 from rlcore.errors import CheckpointError, ConfigError
+from rlcore.samples import ForwardRows, Sample, TrainBatch
 from rlcore.specs import EvalSpec
 from rlcore.testing.tiny import build_tiny_llama
 from rlcore_fsdp.backend import FSDPBackend
-from rlcore_fsdp.lora import is_adapter
+from rlcore_fsdp.lora import is_adapter, value_head
 from rlcore_fsdp.options import FSDPOptions
 from rlcore_fsdp.stacks import ADAPTER_FOLDER, FSDPBaseView, full_tensors
 from tests.megatron.helpers import (
@@ -231,13 +233,58 @@ def test_lora_flags_reach_the_options() -> None:
     )
 
 
-def test_a_critic_built_with_lora_flags_is_refused(llama: Path) -> None:
-    """LoRA adapts the actor only: a critic is refused (the launcher does it before start, see
-    tests/e2e/test_fsdp_run.py), not trained in full behind the flag's back."""
-    with pytest.raises(
-        ConfigError, match=re.escape("--lora-rank 4 trains LoRA adapters on the actor only")
-    ):
-        FSDPBackend(LORA).build_training_stack(train_spec(llama, "critic"))
+def _critic_batch(samples: list[Sample], values: ForwardRows, seed: int) -> TrainBatch:
+    rng = random.Random(seed)
+    returns = tuple(tuple(rng.uniform(0.5, 1.5) for _ in s.response.token_ids) for s in samples)
+    old = tuple(tuple(v) for v in values)
+    return TrainBatch(samples=tuple(samples), advantages=returns, returns=returns, old_values=old)
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_value_head_and_resumes_exactly(
+    llama: Path, tmp_path: Path
+) -> None:
+    """With ``--lora-rank`` the critic gets adapters too, and its value head (new, drawn at
+    random) no adapter but full training: only those change, the backbone stays the folder's bit
+    for bit, the values start as the full critic's, and a checkpoint (the adapters and the head)
+    resumes exactly."""
+    spec = train_spec(llama, "critic", global_batch_size=4, micro_batch_size=2)
+    samples = make_samples(4, seed=5)
+    critic = FSDPBackend(LORA).build_training_stack(spec)
+    inner = critic.model.get_submodule("base_model.model")  # the token classifier in peft
+    assert value_head(inner) == ["score"]
+    assert type(inner.score) is torch.nn.Linear  # no adapter on the head
+    trained = {n for n, p in critic.model.named_parameters() if p.requires_grad}
+    head = {n for n in trained if not is_adapter(n)}
+    assert head == {f"base_model.model.score.{leaf}" for leaf in ("weight", "bias")}
+    assert len(trained) > len(head)
+    in_optimizer = {id(p) for g in critic.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in critic.model.parameters() if p.requires_grad}
+    full = FSDPBackend().build_training_stack(spec)
+    assert critic.forward(samples) == full.forward(samples)  # B = 0, the same head drawn
+
+    before = {n: t.clone() for n, t in full_tensors(critic.model)}
+    batches = [_critic_batch(samples, critic.forward(samples), seed) for seed in (1, 2, 3)]
+    losses = [critic.train_step(batches[0]).loss, critic.train_step(batches[0]).loss]
+    assert losses[1] < losses[0]
+    after = dict(full_tensors(critic.model))
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert head < changed and all(is_adapter(n) for n in changed - head)  # base bit for bit
+    assert any(".lora_B." in n for n in changed)
+
+    first = FSDPBackend(LORA).build_training_stack(spec)
+    first.train_step(batches[0])
+    first.save(tmp_path / "ckpt", rollout_id=0)
+    held = set(FileSystemReader(tmp_path / "ckpt" / "model").read_metadata().state_dict_metadata)
+    assert head < held and all(is_adapter(n) for n in held - head)  # not the base
+    resumed = FSDPBackend(LORA).build_training_stack(spec)
+    assert resumed.load(tmp_path / "ckpt") == 0
+    for batch in batches[1:]:
+        first.train_step(batch)
+        resumed.train_step(batch)
+    a, b = dict(full_tensors(first.model)), dict(full_tensors(resumed.model))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(CheckpointError, match="lora is .'rank': 4.* there, None here"):
+        full.load(tmp_path / "ckpt")
 
 
 @pytest.mark.slow

@@ -321,9 +321,7 @@ def check_fault_tolerance(config: RunConfig) -> None:
 def check_parallel_layout(config: RunConfig, the_plan: Plan) -> None:
     """Every model the plan builds is split as the chosen backend can split it (its kind's
     :attr:`~rlcore.backends.BackendKind.parallel_problem`: a dimension it does not implement is
-    refused here, before anything starts, with a :class:`ConfigError` naming the backend), and
-    its options can build it in its role
-    (:attr:`~rlcore.backends.BackendKind.options_role_problems`)."""
+    refused here, before anything starts, with a :class:`ConfigError` naming the backend)."""
     kind = load_backend_kind(config.model.train_backend)
     match the_plan:
         case TrainPlan():
@@ -345,8 +343,3 @@ def check_parallel_layout(config: RunConfig, the_plan: Plan) -> None:
                     )
                 ]
             )
-    if kind.options_role_problems is not None:
-        options = kind.options(config.model.backend_options)
-        problems = [p for spec in specs for p in kind.options_role_problems(options, spec.role)]
-        if problems:
-            raise ConfigError(problems)
