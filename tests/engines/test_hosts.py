@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -216,3 +217,36 @@ def _mapped_here(path: str) -> mmap.mmap:
 def _ours() -> list[Path]:
     """This test process's files in /dev/shm (semaphores are named ``sem.<name>``)."""
     return sorted(Path("/dev/shm").glob(f"*rlcore-test-{os.getpid()}-*"))
+
+
+def test_free_ports_are_below_the_ephemeral_range_free_and_never_given_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server binds its port a minute after it was picked: a port out of the kernel's ephemeral
+    range cannot be handed meanwhile to a socket bound to port 0 or connecting out."""
+    low = hosts._ephemeral_low()
+    ports = [hosts.free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < min(low, 22000) for port in ports)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(hosts, "_ephemeral_low", lambda: 65536)
+        monkeypatch.setattr(hosts, "_GIVEN", set())
+        monkeypatch.setattr(hosts, "_PORTS", range(busy, busy + 1))
+        fallback = hosts.free_port()  # the only candidate is in use: the OS picks
+        assert fallback != busy
+        free = next(p for p in range(busy + 1, busy + 50) if _bindable(p))
+        monkeypatch.setattr(hosts, "_PORTS", range(busy, free + 1))
+        assert hosts.free_port() == free
+        assert hosts.free_port() != free  # given once
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
@@ -12,6 +11,7 @@ from typing import Any, Final
 import attrs
 import torch
 
+from rlcore.engines.hosts import free_port
 from rlcore.protocols.stacks import Backend, EvalStack, ModelStack, TrainingStack
 from rlcore.samples import Generation, Prompt, Sample, TrainBatch
 from rlcore.specs import (
@@ -155,12 +155,6 @@ def optimizer_parts(optimizer: object) -> list[Any]:
     ``DistributedOptimizer``, each stepping a torch optimizer held as ``.optimizer``."""
     parts: list[Any] = list(getattr(optimizer, "chained_optimizers"))  # noqa: B009
     return parts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_two_ranks(target: Callable[..., None], *args: object, timeout: float = 600) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import random
 import select
 import signal
 import socket
@@ -27,12 +28,41 @@ from rlcore.errors import RolloutError
 __all__ = ["LocalProcess", "LocalProcessHost", "free_port"]
 
 
+_PORTS = range(20000, 22000)
+"""Where :func:`free_port` looks: below the kernel's ephemeral ports (32768 and up by default),
+above Ray's worker ports (10002-19999 by default) and below SGLang's own picks for its servers'
+process groups (22000-29999)."""
+_GIVEN: set[int] = set()
+_PICK = random.SystemRandom()  # not the seeded module generator: processes pick apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago, for a process that binds it later (an SGLang
+    server binds its port only after loading its model, a minute on a busy CPU). It is outside
+    the kernel's ephemeral range: a port that ``bind(0)`` picked is handed out again meanwhile to
+    any socket bound to port 0 or connecting out (gloo's, Ray's, another server's), and the
+    server then fails to start (uvicorn exits with code 3) while another process holds its
+    port. Not one this process gave out before; the OS's pick when none of 64 tries is free."""
+    ports = [p for p in _PORTS if p < _ephemeral_low() and p not in _GIVEN]
+    for port in _PICK.sample(ports, min(64, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 @final

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 import threading
 import traceback
@@ -24,6 +23,7 @@ import attrs
 import ray
 
 from rlcore.backends import RankRuntime
+from rlcore.engines.hosts import free_port
 from rlcore.launch.ray.cluster import cuda_ordinal
 from rlcore.launch.watchdog import watch_group
 from rlcore.protocols.stacks import Backend, ModelStack
@@ -81,10 +81,7 @@ class RankWorker:
         return context.get_node_id(), ip, ordinal, os.getpid()
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port: int = sock.getsockname()[1]
-            return port
+        return free_port("")
 
     def setup(
         self, master_addr: str, master_port: int, local_rank: int, parallel: ParallelSpec, seed: int
