@@ -50,7 +50,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     any socket bound to port 0 or connecting out (gloo's, Ray's, another server's), and the
     server then fails to start (uvicorn exits with code 3) while another process holds its
     port. Not one this process gave out before; the OS's pick when none of 64 tries is free."""
-    ports = [p for p in _PORTS if p < _ephemeral_low() and p not in _GIVEN]
+    below = range(_PORTS.start, min(_PORTS.stop, _ephemeral_low()))
+    ports = [p for p in below if p not in _GIVEN]
     for port in _PICK.sample(ports, min(64, len(ports))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
