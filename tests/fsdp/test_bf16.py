@@ -1,5 +1,5 @@
 """``--bf16`` with the FSDP backend: FSDP2's mixed-precision policy computes in bf16 over fp32
-weights. Its log-probs are those of transformers' own bf16 model (to 1e-5, in a padded batch);
+weights. Its log-probs are those of transformers' own bf16 model on the same padded batch (to 1e-5);
 training keeps the weights and AdamW's state in fp32 (so its checkpoint resumes in fp32 too) and
 lowers the loss; the engines and ``--save-hf`` get the bf16 weights."""
 
@@ -42,15 +42,22 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _bf16_log_probs(folder: Path, samples: list[Sample]) -> list[list[float]]:
-    """transformers' own bf16 model, each sample alone, its logits read in fp32."""
+    """transformers' own bf16 model on the samples as one right-padded batch with an attention
+    mask (as the stack pads them), its logits read in fp32. The same batch, not each sample
+    alone: bf16 attention over a masked batch and over one unpadded sample round differently on
+    some CPUs (4e-4 apart on an AVX2-only one, in transformers itself), and equal on others."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    rows = []
+    sequences = [[*s.prompt.token_ids, *s.response.token_ids] for s in samples]
+    width = max(map(len, sequences))
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences])
+    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in sequences])
     with torch.no_grad():
-        for s in samples:
-            prompt, response = s.prompt.token_ids, s.response.token_ids
-            logits = model(torch.tensor([[*prompt, *response]])).logits.float()
-            lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], dim=-1)
-            rows.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist())
+        logits = model(ids, attention_mask=mask).logits.float()
+    rows = []
+    for row, s in zip(logits, samples, strict=True):
+        start, response = len(s.prompt.token_ids) - 1, s.response.token_ids
+        lp = torch.log_softmax(row[start : start + len(response)], dim=-1)
+        rows.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist())
     return rows
 
 
