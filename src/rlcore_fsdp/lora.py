@@ -129,22 +129,21 @@ def checkpointed(model: torch.nn.Module) -> Callable[[str], bool]:
     """Whether a state-dict entry of the peft ``model`` is in its checkpoint: the adapters and
     whatever else trains (a critic's value head); the base weights never train, so they stay the
     model folder's."""
-    trains = {
-        name.replace(f".{_CHECKPOINT_WRAPPED}", "")
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    trains = {_state_dict_name(name) for name, p in model.named_parameters() if p.requires_grad}
     return lambda name: is_adapter(name) or name in trains
+
+
+def _state_dict_name(name: str) -> str:
+    """A parameter's or module's name as the state dict gives it: without activation
+    checkpointing's wrapper (peft's ``base_layer`` stays: not :func:`rlcore_fsdp.loading.plain`)."""
+    return name.replace(f".{_CHECKPOINT_WRAPPED}", "")
 
 
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
 
-    # under the names the state dict gives (activation checkpointing's wrapper left out)
     return {
-        name.replace(f".{_CHECKPOINT_WRAPPED}", ""): m
-        for name, m in model.named_modules()
-        if isinstance(m, LoraLayer)
+        _state_dict_name(name): m for name, m in model.named_modules() if isinstance(m, LoraLayer)
     }
 
 
